@@ -1,0 +1,7 @@
+"""gmock_engine: a headless, model-free, GPU-free stand-in for vLLM's engine core.
+
+Importing the package has no side effects (no monkey-patching, no sockets):
+`python -m gmock_engine` / the `gmock-engine` script patches gevent first.
+"""
+
+__version__ = "0.1.0"

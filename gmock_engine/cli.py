@@ -1,0 +1,83 @@
+"""The program: configuration -> logging -> engines -> signals -> exit status.
+
+Exit status: 0 after SIGINT/SIGTERM, 1 when any greenlet failed, 2 for a bad
+configuration (nothing was connected then). A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Optional, Sequence
+
+import gevent
+from loguru import logger
+
+from . import __version__
+from .config import ConfigError, format_config, parse_config
+from .logs import setup_logging
+from .runtime import App
+
+
+def _msgpack_is_compiled() -> bool:
+    try:
+        from msgpack import _cmsgpack  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run gmock_engine until a signal or a failure; return the exit status."""
+    try:
+        config = parse_config(argv)
+    except ConfigError as exc:
+        print(f"gmock-engine: error: {exc}", file=sys.stderr)
+        return 2
+    if config.print_config:
+        print(format_config(config))
+        return 0
+
+    setup_logging(config.log_level, config.log_json)
+    if not _msgpack_is_compiled():
+        logger.warning("msgpack's C extension is not loaded; packing will be several times slower")
+    last = config.data_parallel_start_rank + config.engine_count - 1
+    logger.info(
+        "gmock_engine {} pid {}: engines {}..{} of DP {} joining {} (chunk {}, vocab {}, seed {})",
+        __version__,
+        os.getpid(),
+        config.data_parallel_start_rank,
+        last,
+        config.data_parallel_size,
+        config.handshake_address,
+        config.output_token_chunk_size,
+        config.vocab_size,
+        config.seed,
+    )
+
+    app = App(config)
+    signals_seen = []
+
+    def on_signal(signum: int) -> None:
+        # The handler only sets the stop event; a second signal exits now.
+        if signals_seen:
+            os._exit(128 + signum)
+        signals_seen.append(signum)
+        logger.info("{} received; shutting down", signal.Signals(signum).name)
+        app.stop()
+
+    handlers = [gevent.signal_handler(s, on_signal, s) for s in (signal.SIGINT, signal.SIGTERM)]
+    try:
+        app.start()
+        status = app.run_until_stopped()
+    finally:
+        for handler in handlers:
+            handler.cancel()
+    for rank, counts in app.counters().items():
+        logger.bind(engine=rank).info(
+            "engine {} summary: {}", rank, " ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "no requests"
+        )
+    if status:
+        logger.error("gmock_engine stopped after a failure: {}", app.supervisor.failure)
+    return status

@@ -1,0 +1,391 @@
+"""Configuration: every option from the command line, the environment or a file.
+
+Precedence, one rule for every option: command line > environment > config
+file > default. The config file is INI with one section `[gmock_engine]`
+whose keys are the long flag names (`engine-count = 4`); the environment
+variable of `--engine-count` is `GMOCK_ENGINE_COUNT`; `--config` itself is
+`GMOCK_CONFIG`.
+
+A bad value, a missing or unreadable file or an unknown key raises
+`ConfigError` with a message that names the flag and where the value came
+from (file and key, or variable); the entry point prints it and exits 2
+before anything connects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import configparser
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import configargparse
+
+from . import __version__, protocol
+
+ENV_PREFIX = "GMOCK_"
+CONFIG_SECTION = "gmock_engine"
+DTYPES = ("float16", "bfloat16", "float32")
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR", "CRITICAL")
+
+_TCP_RE = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.*-]+):(\d{1,5})$")
+
+
+class ConfigError(Exception):
+    """A configuration problem; the message names the flag and its source."""
+
+
+# -- value types (raise ArgumentTypeError; the parser adds flag and source) --
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 0)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is less than {minimum}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def zmq_address(text: str) -> str:
+    """A ZMQ endpoint the engine connects to: tcp://host:port or ipc:///path."""
+    text = text.strip()
+    if text.startswith("ipc://"):
+        if len(text) == len("ipc://"):
+            raise argparse.ArgumentTypeError(f"{text!r} has no path after ipc://")
+        return text
+    match = _TCP_RE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not tcp://host:port or ipc:///path")
+    port = int(match.group(2))
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} has port {port}, not in 1..65535")
+    return text
+
+
+def _task_list(text: str) -> Tuple[str, ...]:
+    tasks = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not tasks:
+        raise argparse.ArgumentTypeError("needs at least one task, e.g. generate")
+    return tasks
+
+
+def _choice(choices: Sequence[str], fold=str.lower):
+    def parse(text: str) -> str:
+        value = fold(text.strip())
+        if value not in choices:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(choices)}")
+        return value
+
+    parse.__name__ = "choice"
+    return parse
+
+
+# -- the parser ----------------------------------------------------------------
+
+
+class _IniSection(configargparse.IniConfigParser):
+    """INI files, reading only the [gmock_engine] section."""
+
+    def __init__(self) -> None:
+        super().__init__([CONFIG_SECTION], split_ml_text_to_list=False)
+
+
+class _Parser(configargparse.ArgumentParser):
+    """Raises ConfigError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def build_parser() -> configargparse.ArgumentParser:
+    """The one parser; option groups mirror the README's option tables."""
+    parser = _Parser(
+        prog="gmock-engine",
+        description="A model-free, GPU-free vLLM engine core that joins a real frontend's "
+        "handshake as N remote engines and streams token ids.",
+        epilog="Every option can also be set as environment variable GMOCK_<FLAG> "
+        "(e.g. GMOCK_ENGINE_COUNT=4) or as key <flag> in section [gmock_engine] of the "
+        "--config file (e.g. engine-count = 4). Precedence: command line > environment > "
+        "config file > default.",
+        config_file_parser_class=_IniSection,
+        auto_env_var_prefix=ENV_PREFIX,
+        ignore_unknown_config_file_keys=False,
+        formatter_class=configargparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--config",
+        is_config_file=True,
+        env_var=ENV_PREFIX + "CONFIG",
+        metavar="FILE",
+        help="INI config file with a [gmock_engine] section (keys = long flag names)",
+    )
+    parser.add_argument("--version", action="version", version=f"gmock_engine {__version__}")
+
+    conn = parser.add_argument_group("frontend connection")
+    conn.add_argument(
+        "--handshake-address",
+        type=zmq_address,
+        default="tcp://127.0.0.1:29550",
+        help="the frontend's handshake ROUTER (vllm serve --data-parallel-address/--data-parallel-rpc-port; vllm-rs --handshake-port)",
+    )
+    conn.add_argument("--engine-count", type=_int_at_least(1), default=1, help="engines (DP ranks) run by this process")
+    conn.add_argument(
+        "--data-parallel-start-rank",
+        type=_int_at_least(0),
+        default=0,
+        help="rank of the first engine; engines get ranks start..start+count-1 (several mock hosts)",
+    )
+    conn.add_argument(
+        "--data-parallel-size",
+        type=_int_at_least(1),
+        default=None,
+        help="DP size reported in the ready response (default: start rank + engine count)",
+    )
+    conn.add_argument(
+        "--parallel-config-hash",
+        default=None,
+        help="parallel_config_hash sent in READY; only the Python frontend with an MoE model and DP > 1 "
+        "needs it (it prints the expected value on mismatch, PROTOCOL.md §2.7)",
+    )
+    conn.add_argument(
+        "--protocol-version",
+        type=_choice(tuple(protocol.WIRE_LAYOUTS)),
+        default=protocol.DEFAULT_PROTOCOL_VERSION,
+        help="wire layout of the frontend's vLLM version (PROTOCOL.md §8)",
+    )
+
+    gen = parser.add_argument_group("generation")
+    gen.add_argument(
+        "--output-token-chunk-size",
+        type=_int_at_least(1),
+        default=1,
+        help="token ids per EngineCoreOutput and step (> 1 mimics MTP / speculative decoding)",
+    )
+    gen.add_argument("--vocab-size", type=_int_at_least(1), default=32000, help="token ids are drawn from [0, vocab-size)")
+    gen.add_argument("--seed", type=_int_at_least(0), default=0, help="base seed; each request's tokens depend on (seed, rank, request id)")
+    gen.add_argument(
+        "--supported-tasks",
+        type=_task_list,
+        default=("generate",),
+        help="comma-separated answer to get_supported_tasks",
+    )
+
+    ready = parser.add_argument_group("ready response (what the frontend reads at startup, PROTOCOL.md §2.5)")
+    ready.add_argument("--max-model-len", type=_int_at_least(1), default=1048576, help="context length; the frontend uses the minimum over engines")
+    ready.add_argument("--num-gpu-blocks", type=_int_at_least(0), default=65536, help="KV cache blocks per engine")
+    ready.add_argument("--block-size", type=_int_at_least(1), default=16, help="KV cache block size in tokens")
+    ready.add_argument("--dtype", type=_choice(DTYPES), default="bfloat16", help="reported model dtype")
+    ready.add_argument("--max-num-seqs", type=_int_at_least(1), default=256, help="reported max running requests per engine")
+    ready.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=8192, help="reported per-step token budget")
+    ready.add_argument("--vllm-version", default="0.33.0", help="reported vLLM version string (informational)")
+
+    logs = parser.add_argument_group("logging")
+    logs.add_argument("--log-level", type=_choice(LOG_LEVELS, str.upper), default="INFO", help="log level")
+    logs.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=False, help="one JSON object per log line")
+    logs.add_argument(
+        "--log-requests",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log start, finish and abort of every request (as the Rust mock does)",
+    )
+    parser.add_argument(
+        "--print-config",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="print every option's value and where it came from, then exit",
+    )
+    return parser
+
+
+# -- where a value came from ------------------------------------------------------
+
+
+@dataclass
+class Source:
+    """Where an option's value came from."""
+
+    kind: str  # "command line" | "environment" | "config file" | "default"
+    detail: str = ""  # variable name, or "FILE, key KEY"
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.detail}".strip()
+
+
+def _long_flag(action: argparse.Action) -> str:
+    return next(o for o in action.option_strings if o.startswith("--") and not o.startswith("--no-"))
+
+
+def env_name(action: argparse.Action) -> str:
+    """The environment variable of an option: --engine-count -> GMOCK_ENGINE_COUNT."""
+    if action.dest == "config":
+        return ENV_PREFIX + "CONFIG"
+    return ENV_PREFIX + _long_flag(action)[2:].upper().replace("-", "_")
+
+
+def _on_command_line(action: argparse.Action, argv: Sequence[str]) -> bool:
+    for arg in argv:
+        for opt in action.option_strings:
+            if arg == opt or arg.startswith(opt + "="):
+                return True
+    return False
+
+
+class _Sources:
+    """Resolves the source of each option from argv, env and the config file."""
+
+    def __init__(self, parser: configargparse.ArgumentParser, argv: Sequence[str], env: Mapping[str, str]) -> None:
+        self.parser = parser
+        self.argv = list(argv)
+        self.env = env
+        self.config_path: Optional[str] = None
+        self.config_origin: Optional[Source] = None
+        self.config_keys: Dict[str, str] = {}
+
+    def options(self) -> List[argparse.Action]:
+        return [a for a in self.parser._actions if a.option_strings and a.dest not in ("help", "version")]
+
+    def find(self, flag: str) -> Optional[argparse.Action]:
+        for action in self.options():
+            if flag in action.option_strings:
+                return action
+        return None
+
+    def of(self, action: argparse.Action) -> Source:
+        if _on_command_line(action, self.argv):
+            return Source("command line")
+        env_var = env_name(action)
+        if self.env.get(env_var, "") != "":
+            return Source("environment", env_var)
+        key = _long_flag(action)[2:]
+        if key in self.config_keys:
+            return Source("config file", f"{self.config_path}, key {key}")
+        return Source("default")
+
+    # -- the config file, checked before configargparse reads it ------------
+
+    def locate_config(self) -> None:
+        argv = self.argv
+        for i, arg in enumerate(argv):
+            if arg == "--config":
+                if i + 1 >= len(argv):
+                    raise ConfigError("argument --config: expected a file name")
+                self.config_path, self.config_origin = argv[i + 1], Source("command line")
+            elif arg.startswith("--config="):
+                self.config_path, self.config_origin = arg.split("=", 1)[1], Source("command line")
+        if self.config_path is None and self.env.get(ENV_PREFIX + "CONFIG"):
+            self.config_path = self.env[ENV_PREFIX + "CONFIG"]
+            self.config_origin = Source("environment", ENV_PREFIX + "CONFIG")
+
+    def check_config_file(self) -> None:
+        """Missing file, bad INI, wrong section or unknown key: one clear error."""
+        self.locate_config()
+        path = self.config_path
+        if path is None:
+            return
+        where = f"config file {path} (given by {self.config_origin})"
+        if not os.path.isfile(path):
+            raise ConfigError(f"argument --config: {where} does not exist")
+        ini = configparser.ConfigParser(interpolation=None)
+        try:
+            with open(path, encoding="utf-8") as handle:
+                ini.read_file(handle)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"argument --config: cannot read {where}: {exc}") from None
+        except configparser.Error as exc:
+            raise ConfigError(f"argument --config: {where} is not valid INI: {exc}".replace("\n", " ")) from None
+        sections = ini.sections()
+        if CONFIG_SECTION not in sections:
+            raise ConfigError(f"argument --config: {where} has no [{CONFIG_SECTION}] section")
+        others = [s for s in sections if s != CONFIG_SECTION]
+        if others:
+            raise ConfigError(f"argument --config: {where} has unknown section [{others[0]}]; only [{CONFIG_SECTION}] is read")
+        known = {_long_flag(a)[2:] for a in self.options() if a.dest != "config"}
+        for key in ini[CONFIG_SECTION]:
+            if key not in known:
+                hint = " (the config file cannot include another one)" if key == "config" else ""
+                raise ConfigError(f"config file {path}: unknown key {key!r} in [{CONFIG_SECTION}]{hint}")
+            self.config_keys[key] = ini[CONFIG_SECTION][key]
+
+    def explain(self, message: str) -> str:
+        """Add the value's source to an argparse message about one flag."""
+        match = re.match(r"argument (--[\w-]+)", message)
+        if not match:
+            return message
+        action = self.find(match.group(1).split("/")[0])
+        if action is None:
+            return message
+        source = self.of(action)
+        if source.kind == "default":
+            return message
+        return f"{message} (from {source})"
+
+
+# -- public API --------------------------------------------------------------------
+
+
+def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]] = None) -> argparse.Namespace:
+    """Parse argv + env + config file into a Namespace; raise ConfigError.
+
+    The namespace gets `sources` (dest -> Source) for --print-config and
+    logging, and `data_parallel_size` filled in.
+    """
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    env = dict(os.environ if env is None else env)
+    parser = build_parser()
+    sources = _Sources(parser, argv, env)
+    sources.check_config_file()
+    try:
+        args = parser.parse_args(argv, env_vars=env)
+    except ConfigError as exc:
+        raise ConfigError(sources.explain(str(exc))) from None
+    last_rank = args.data_parallel_start_rank + args.engine_count
+    if args.data_parallel_size is None:
+        args.data_parallel_size = last_rank
+    elif args.data_parallel_size < last_rank:
+        action = sources.find("--data-parallel-size")
+        raise ConfigError(
+            f"argument --data-parallel-size: {args.data_parallel_size} is smaller than "
+            f"--data-parallel-start-rank + --engine-count = {last_rank} (from {sources.of(action)})"
+        )
+    if last_rank > 0xFFFF:
+        raise ConfigError(f"argument --engine-count: ranks up to {last_rank - 1} do not fit a 2-byte engine identity")
+    args.sources = {a.dest: sources.of(a) for a in sources.options()}
+    if sources.config_path is not None:
+        args.config = sources.config_path
+        args.sources["config"] = sources.config_origin
+    return args
+
+
+def format_config(args: argparse.Namespace) -> str:
+    """Every option as an INI line with its source (`--print-config`)."""
+    parser = build_parser()
+    lines = [f"[{CONFIG_SECTION}]"]
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help", "version", "print_config"):
+            continue
+        value = getattr(args, action.dest)
+        if isinstance(value, (tuple, list)):
+            text = ",".join(str(v) for v in value)
+        elif isinstance(value, bool):
+            text = "true" if value else "false"
+        elif value is None:
+            text = ""
+        else:
+            text = str(value)
+        source = args.sources.get(action.dest, Source("default"))
+        if action.dest == "data_parallel_size" and source.kind == "default":
+            source = Source("default", "(start rank + engine count)")
+        key = _long_flag(action)[2:]
+        prefix = "# " if action.dest == "config" else ""
+        lines.append(f"{prefix}{key} = {text}".rstrip().ljust(48) + f" ; from {source} (env {env_name(action)})")
+    return "\n".join(lines)

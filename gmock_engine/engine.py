@@ -1,0 +1,465 @@
+"""Engine state and step: pure, no sockets, no greenlets.
+
+`EngineCore` owns one engine's requests. Its inputs are the decoded protocol
+messages (`apply`) and the decode step (`step`); both return the messages to
+send as `(client_index, EngineCoreOutputs array)` pairs, in order. The
+greenlet wiring (`runtime.py`) moves frames in and out; everything that
+decides *what* the engine says lives here and is unit-tested without I/O.
+
+Behaviour is the Rust mock's (PROTOCOL.md §9.3) plus what the real frontends
+need from an engine: pause/sleep that end in-flight streams (§3.4, §5),
+requests held while paused, `finished_requests` for every end (§3.4, §6.1).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from loguru import logger
+
+from . import protocol
+from .protocol import (
+    AbortRequests,
+    EngineCoreRequest,
+    FinishReason,
+    InputMessage,
+    StartDPWave,
+    UtilityCall,
+    WireLayout,
+)
+from .tokens import RandomTokens
+
+#: One message to send: (client index = output socket, EngineCoreOutputs array).
+Outbound = Tuple[int, List[Any]]
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+class PauseState(enum.Enum):
+    """As in vLLM's scheduler: PAUSED_NEW holds new requests but keeps
+    stepping the running ones; PAUSED_ALL steps nothing."""
+
+    UNPAUSED = "unpaused"
+    PAUSED_NEW = "paused_new"
+    PAUSED_ALL = "paused_all"
+
+
+@dataclass
+class EngineSettings:
+    """What one engine needs to know; built by the entry point from the config."""
+
+    rank: int
+    num_clients: int
+    output_token_chunk_size: int = 1
+    vocab_size: int = 32000
+    seed: int = 0
+    log_requests: bool = False
+    supported_tasks: Tuple[str, ...] = ("generate",)
+    layout: WireLayout = field(default_factory=lambda: protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION])
+
+
+class ActiveRequest:
+    """A request that is generating (or held while the engine is paused)."""
+
+    __slots__ = ("request_id", "client_index", "max_tokens", "num_output_tokens", "rng_state", "prompt_len")
+
+    def __init__(self, request_id: str, client_index: int, max_tokens: int, rng_state: int, prompt_len: int) -> None:
+        self.request_id = request_id
+        self.client_index = client_index
+        self.max_tokens = max_tokens
+        self.num_output_tokens = 0
+        self.rng_state = rng_state
+        self.prompt_len = prompt_len
+
+
+class _Batch:
+    """Outputs for one client, gathered during one call (§4.1: one message per client)."""
+
+    __slots__ = ("outputs", "finished")
+
+    def __init__(self) -> None:
+        self.outputs: List[List[Any]] = []
+        self.finished: List[str] = []
+
+
+class EngineCore:
+    """One mock engine: its active requests, pause/sleep state and counters."""
+
+    def __init__(self, settings: EngineSettings, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.rank = settings.rank
+        self.clock = clock
+        self.tokens = RandomTokens(settings.vocab_size, settings.seed, settings.rank)
+        self.chunk = settings.output_token_chunk_size
+        self.layout = settings.layout
+        #: Generating requests, in arrival order.
+        self.active: Dict[str, ActiveRequest] = {}
+        #: Requests accepted while paused; they start on resume (vLLM queues them).
+        self.held: Dict[str, ActiveRequest] = {}
+        self.pause_state = PauseState.UNPAUSED
+        #: pause_generation in modes abort/wait rejects new ADDs (0.33, §5).
+        self.reject_new_requests = False
+        self.sleep_level = 0
+        self.weight_version: Optional[str] = None
+        #: Utility calls answered when the engine has drained (pause mode "wait").
+        self._replies_when_drained: List[Tuple[int, int]] = []
+        self.counters: Counter = Counter()
+        self.log = logger.bind(engine=self.rank)
+
+    # -- queries ---------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        """True when a step would produce output."""
+        return bool(self.active) and self.pause_state is not PauseState.PAUSED_ALL
+
+    @property
+    def num_active(self) -> int:
+        return len(self.active) + len(self.held)
+
+    # -- input -----------------------------------------------------------
+
+    def apply(self, message: InputMessage) -> List[Outbound]:
+        """Apply one decoded input message; return what to send at once."""
+        if isinstance(message, EngineCoreRequest):
+            return self.add_request(message)
+        if isinstance(message, AbortRequests):
+            return self.abort_requests(message.request_ids)
+        if isinstance(message, UtilityCall):
+            return self.call_utility(message)
+        if isinstance(message, StartDPWave):
+            # §3.6 / §6.3: waves are not emulated; no frontend blocks on them.
+            self.log.debug("START_DP_WAVE wave={} exclude={!r} ignored", message.wave, message.exclude_engine_index)
+            return []
+        raise TypeError(f"not an input message: {message!r}")
+
+    def _valid_client(self, client_index: int, what: str) -> bool:
+        if client_index < self.settings.num_clients:
+            return True
+        self.counters["rejected"] += 1
+        self.log.warning(
+            "{} names client_index {} but the frontend has {} output socket(s); dropped",
+            what,
+            client_index,
+            self.settings.num_clients,
+        )
+        return False
+
+    def add_request(self, request: EngineCoreRequest) -> List[Outbound]:
+        """ADD (§3.2, §9.3)."""
+        rid = request.request_id
+        if not self._valid_client(request.client_index, f"ADD {rid}"):
+            return []
+        batches: Dict[int, _Batch] = {}
+        client = request.client_index
+        if request.abort_immediately:
+            # §3.2 idx 19: no output, only the id in finished_requests.
+            self.counters["aborted"] += 1
+            self._batch(batches, client).finished.append(rid)
+            return self._flush(batches)
+        if rid in self.active or rid in self.held:
+            self.log.warning("ADD {}: duplicate of an active request id; answered with ERROR", rid)
+            self._finish_now(batches, client, rid, FinishReason.ERROR, protocol.request_error("duplicate_request_id", f"request id {rid} is already active"))
+            return self._flush(batches)
+        if not request.has_sampling_params:
+            self.log.warning("ADD {}: sampling_params is nil (pooling request); answered with ERROR", rid)
+            self._finish_now(batches, client, rid, FinishReason.ERROR, protocol.request_error("unsupported", "the mock engine only generates"))
+            return self._flush(batches)
+        if self.reject_new_requests:
+            self._finish_now(
+                batches,
+                client,
+                rid,
+                FinishReason.ERROR,
+                protocol.request_error("engine_paused", "Generation is paused. Please retry after it resumes.", retryable=True),
+            )
+            return self._flush(batches)
+        max_tokens = request.max_tokens or 0
+        self.counters["started"] += 1
+        if self.settings.log_requests:
+            self.log.info(
+                "mock request started engine={} request_id={} prompt_len={} max_tokens={} chunk={}",
+                self.rank,
+                rid,
+                request.prompt_len,
+                max_tokens,
+                self.chunk,
+            )
+        if max_tokens == 0:
+            self._finish_now(batches, client, rid, FinishReason.LENGTH)
+            return self._flush(batches)
+        entry = ActiveRequest(rid, client, max_tokens, self.tokens.initial_state(rid), request.prompt_len)
+        if self.pause_state is PauseState.UNPAUSED:
+            self.active[rid] = entry
+        else:
+            self.held[rid] = entry
+        return []
+
+    def abort_requests(self, request_ids: List[str]) -> List[Outbound]:
+        """ABORT (§3.4): end the listed active ids; unknown ids are ignored."""
+        batches: Dict[int, _Batch] = {}
+        for rid in request_ids:
+            entry = self.active.pop(rid, None) or self.held.pop(rid, None)
+            if entry is None:
+                continue
+            self._end(batches, entry, FinishReason.ABORT)
+        out = self._flush(batches)
+        self._check_drained(out)
+        return out
+
+    def abort_all(self) -> List[Outbound]:
+        """End every in-flight request with an explicit ABORT output (§3.4:
+        pause/sleep in mode abort; the frontend does not end those streams)."""
+        return self.abort_requests(list(self.active) + list(self.held))
+
+    # -- the decode step -------------------------------------------------
+
+    def step(self) -> List[Outbound]:
+        """Advance every running request once (§9.3).
+
+        Each request gets min(chunk, remaining) tokens; one that reaches
+        max_tokens ends with LENGTH and its id goes into that message's
+        finished_requests. One EngineCoreOutputs per client.
+        """
+        if not self.has_work:
+            return []
+        chunk = self.chunk
+        draw = self.tokens.draw
+        make_output = protocol.engine_core_output
+        batches: Dict[int, _Batch] = {}
+        done: List[ActiveRequest] = []
+        for entry in self.active.values():
+            batch = batches.get(entry.client_index)
+            if batch is None:
+                batch = batches[entry.client_index] = _Batch()
+            remaining = entry.max_tokens - entry.num_output_tokens
+            n = chunk if chunk < remaining else remaining
+            tokens, entry.rng_state = draw(entry.rng_state, n)
+            entry.num_output_tokens += n
+            if n == remaining:
+                batch.outputs.append(make_output(entry.request_id, tokens, FinishReason.LENGTH))
+                batch.finished.append(entry.request_id)
+                done.append(entry)
+            else:
+                batch.outputs.append(make_output(entry.request_id, tokens))
+        self.counters["steps"] += 1
+        for entry in done:
+            del self.active[entry.request_id]
+            self._count_finish(entry, FinishReason.LENGTH)
+        out = self._flush(batches)
+        self._check_drained(out)
+        return out
+
+    # -- utility calls (§3.5, §5) ----------------------------------------
+
+    def call_utility(self, call: UtilityCall) -> List[Outbound]:
+        """Answer a UTILITY exactly once on outputs[client_index] (§3.5),
+        except pause mode "wait", answered when the engine has drained."""
+        if not self._valid_client(call.client_index, f"UTILITY {call.method} (call id {call.call_id})"):
+            return []
+        self.counters["utility_calls"] += 1
+        handler = _UTILITIES.get(call.method)
+        if handler is None:
+            self.log.warning("UTILITY {}: unsupported method; answered with a failure", call.method)
+            return [self._reply(call, failure=f"unsupported method {call.method!r} (gmock_engine)")]
+        self.log.debug("UTILITY {} args={!r} call_id={}", call.method, call.args, call.call_id)
+        try:
+            return handler(self, call)
+        except _UtilityFailure as exc:
+            self.log.warning("UTILITY {}: {}", call.method, exc)
+            return [self._reply(call, failure=str(exc))]
+
+    def _reply(self, call: UtilityCall, result: Any = None, failure: Optional[str] = None) -> Outbound:
+        return (call.client_index, protocol.utility_reply(self.rank, call.call_id, self.clock(), result, failure))
+
+    def _pause(self, call: UtilityCall, mode: Any, reject_new: Optional[bool]) -> List[Outbound]:
+        """vLLM's pause_scheduler (0.32/0.33 core.py): abort ends every
+        request; wait keeps stepping and answers when drained; keep freezes."""
+        if mode not in PAUSE_MODES:
+            raise _UtilityFailure(f"Invalid pause mode: {mode!r}")
+        out = self.abort_all() if mode == "abort" else []
+        self.pause_state = PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW
+        if reject_new is not None:
+            self.reject_new_requests = reject_new
+        if mode == "wait" and self.active:
+            self._replies_when_drained.append((call.client_index, call.call_id))
+            return out
+        out.append(self._reply(call))
+        return out
+
+    def resume(self) -> None:
+        """resume_scheduler: held requests start generating."""
+        self.pause_state = PauseState.UNPAUSED
+        self.reject_new_requests = False
+        if self.held:
+            self.active.update(self.held)
+            self.held.clear()
+
+    def _check_drained(self, out: List[Outbound]) -> None:
+        if self._replies_when_drained and not self.active:
+            for client, call_id in self._replies_when_drained:
+                out.append((client, protocol.utility_reply(self.rank, call_id, self.clock())))
+            self._replies_when_drained.clear()
+
+    # -- helpers -----------------------------------------------------------
+
+    @staticmethod
+    def _batch(batches: Dict[int, _Batch], client: int) -> _Batch:
+        batch = batches.get(client)
+        if batch is None:
+            batch = batches[client] = _Batch()
+        return batch
+
+    def _finish_now(
+        self,
+        batches: Dict[int, _Batch],
+        client: int,
+        rid: str,
+        reason: FinishReason,
+        error: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        """A terminal output with no tokens for a request that never ran."""
+        batch = self._batch(batches, client)
+        batch.outputs.append(protocol.engine_core_output(rid, [], reason, error, self.layout))
+        batch.finished.append(rid)
+        self.counters["finished_" + reason.name.lower()] += 1
+        if self.settings.log_requests:
+            self.log.info("mock request finished engine={} request_id={} output_tokens=0 finish_reason={}", self.rank, rid, reason.name.lower())
+
+    def _end(self, batches: Dict[int, _Batch], entry: ActiveRequest, reason: FinishReason) -> None:
+        """A terminal output for a request that was active (already removed)."""
+        batch = self._batch(batches, entry.client_index)
+        batch.outputs.append(protocol.engine_core_output(entry.request_id, [], reason, None, self.layout))
+        batch.finished.append(entry.request_id)
+        self._count_finish(entry, reason)
+
+    def _count_finish(self, entry: ActiveRequest, reason: FinishReason) -> None:
+        if reason is FinishReason.ABORT:
+            self.counters["aborted"] += 1
+            if self.settings.log_requests:
+                self.log.info(
+                    "mock request aborted engine={} request_id={} output_tokens={}", self.rank, entry.request_id, entry.num_output_tokens
+                )
+            return
+        self.counters["finished_" + reason.name.lower()] += 1
+        if self.settings.log_requests:
+            self.log.info(
+                "mock request finished engine={} request_id={} output_tokens={} finish_reason={}",
+                self.rank,
+                entry.request_id,
+                entry.num_output_tokens,
+                reason.name.lower(),
+            )
+
+    def _flush(self, batches: Dict[int, _Batch]) -> List[Outbound]:
+        now = self.clock()
+        return [
+            (client, protocol.engine_core_outputs(self.rank, batch.outputs, now, batch.finished or None))
+            for client, batch in batches.items()
+        ]
+
+
+class _UtilityFailure(Exception):
+    """A utility call the engine answers with `failure_message`."""
+
+
+def _arg(call: UtilityCall, index: int, default: Any) -> Any:
+    return call.args[index] if len(call.args) > index else default
+
+
+def _u_value(value: Any) -> Callable[[EngineCore, UtilityCall], List[Outbound]]:
+    return lambda engine, call: [engine._reply(call, value)]
+
+
+def _u_supported_tasks(engine: EngineCore, call: UtilityCall) -> List[Outbound]:
+    return [engine._reply(call, list(engine.settings.supported_tasks))]
+
+
+def _u_is_sleeping(engine: EngineCore, call: UtilityCall) -> List[Outbound]:
+    # vLLM 0.33: is_sleeping = scheduler paused or executor asleep.
+    return [engine._reply(call, engine.sleep_level > 0 or engine.pause_state is not PauseState.UNPAUSED)]
+
+
+def _u_is_paused(engine: EngineCore, call: UtilityCall) -> List[Outbound]:
+    return [engine._reply(call, engine.pause_state is not PauseState.UNPAUSED)]
+
+
+def _u_sleep(engine: EngineCore, call: UtilityCall) -> List[Outbound]:
+    # [level, mode]; older frontends send only level (§5). Sleep pauses first.
+    level = _arg(call, 0, 1)
+    if not isinstance(level, int) or isinstance(level, bool) or level < 0:
+        raise _UtilityFailure(f"Invalid sleep level: {level!r}")
+    out = engine._pause(call, _arg(call, 1, "abort"), reject_new=None)
+    engine.sleep_level = level
+    return out
+
+
+def _u_wake_up(engine: EngineCore, call: UtilityCall) -> List[Outbound]:
+    # A mock holds no memory: any wake_up wakes fully, which also resumes.
+    engine.sleep_level = 0
+    engine.resume()
+    return [engine._reply(call, True)]
+
+
+def _u_pause_generation(engine: EngineCore, call: UtilityCall) -> List[Outbound]:
+    mode = _arg(call, 0, "abort")
+    return engine._pause(call, mode, reject_new=mode != "keep")
+
+
+def _u_pause_scheduler(engine: EngineCore, call: UtilityCall) -> List[Outbound]:
+    return engine._pause(call, _arg(call, 0, "abort"), reject_new=None)
+
+
+def _u_resume_scheduler(engine: EngineCore, call: UtilityCall) -> List[Outbound]:
+    engine.resume()
+    return [engine._reply(call)]
+
+
+def _u_get_weight_version(engine: EngineCore, call: UtilityCall) -> List[Outbound]:
+    return [engine._reply(call, engine.weight_version)]
+
+
+def _u_set_weight_version(engine: EngineCore, call: UtilityCall) -> List[Outbound]:
+    version = _arg(call, 0, None)
+    if version is not None and not isinstance(version, str):
+        raise _UtilityFailure(f"weight version must be a string, got {type(version).__name__}")
+    engine.weight_version = version
+    return [engine._reply(call)]
+
+
+def _u_add_lora(engine: EngineCore, call: UtilityCall) -> List[Outbound]:
+    raise _UtilityFailure("LoRA is not supported by gmock_engine (supports_lora is false)")
+
+
+#: Utility methods and their answers (PROTOCOL.md §5, "recommended mock answer").
+_UTILITIES: Dict[str, Callable[[EngineCore, UtilityCall], List[Outbound]]] = {
+    "get_supported_tasks": _u_supported_tasks,
+    "is_sleeping": _u_is_sleeping,
+    "is_scheduler_paused": _u_is_paused,
+    "sleep": _u_sleep,
+    "wake_up": _u_wake_up,
+    "pause_generation": _u_pause_generation,
+    "pause_scheduler": _u_pause_scheduler,
+    "resume_scheduler": _u_resume_scheduler,
+    "reset_prefix_cache": _u_value(True),
+    "reset_mm_cache": _u_value(None),
+    "reset_encoder_cache": _u_value(None),
+    "profile": _u_value(None),
+    "execute_dummy_batch": _u_value(None),
+    "get_weight_version": _u_get_weight_version,
+    "set_weight_version": _u_set_weight_version,
+    "list_loras": _u_value([]),
+    "add_lora": _u_add_lora,
+    "remove_lora": _u_add_lora,
+    "pin_lora": _u_add_lora,
+    "collective_rpc": _u_value([]),
+    "compute_weight_checksums": _u_value([]),
+    "release_kv_cache_memory": _u_value(None),
+    "save_sharded_state": _u_value(None),
+}
+
+SUPPORTED_UTILITIES = tuple(sorted(_UTILITIES))

@@ -1,0 +1,549 @@
+"""The engine-core wire protocol: pure bytes <-> objects, no sockets.
+
+Everything here follows ../shared/PROTOCOL.md (cited as §N). Decoding turns
+the frames an engine receives into small objects (`EngineCoreRequest`,
+`AbortRequests`, `UtilityCall`, `StartDPWave`) or raises `ProtocolError` with a
+sentence that says what was wrong; encoding builds the msgpack-ready arrays and
+maps that the frontends expect. Field positions live in one table,
+`WIRE_LAYOUTS`, keyed by vLLM version, so supporting another frontend version
+means adding a row there and nothing else.
+
+Nothing is ever unpickled: msgpack ext types 1 (pickle) and 2 (cloudpickle)
+are refused (§0).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import msgpack
+
+# --------------------------------------------------------------------------
+# Constants (§3.1, §4.4, §4.5)
+# --------------------------------------------------------------------------
+
+
+class EngineCoreRequestType(bytes, enum.Enum):
+    """Type byte in frame 0 of every message on an input socket (§3.1)."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    START_DP_WAVE = b"\x02"
+    UTILITY = b"\x03"
+
+
+class FinishReason(enum.IntEnum):
+    """`finish_reason` of the last EngineCoreOutput of a request (§4.4)."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+    REPETITION = 4
+
+
+class EngineCoreEventType(enum.IntEnum):
+    """`type` of an EngineCoreEvent map (§4.5)."""
+
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+#: The coordinator's startup/scale-up broadcast (§2.6); ignored after startup.
+COORDINATOR_READY = b"READY"
+#: Subscribe-to-everything frame an XSUB sends to the coordinator's XPUB (§2.1).
+SUBSCRIBE_ALL = b"\x01"
+#: Dead-engine sentinel, a single raw frame on every output socket (§4.1).
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+#: Ext types that carry pickles (§0); refused on decode, never sent.
+PICKLE_EXT_TYPES = (1, 2)
+#: `max_tokens` when the key is absent from SamplingParams (§3.3).
+DEFAULT_MAX_TOKENS = 16
+
+
+def engine_identity(rank: int) -> bytes:
+    """ZMQ identity of engine `rank`: 2 bytes little-endian (§1)."""
+    return rank.to_bytes(2, "little")
+
+
+# --------------------------------------------------------------------------
+# Layout table (§8)
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WireLayout:
+    """Field positions and key sets of one frontend version (§8.1).
+
+    `request_index` maps EngineCoreRequest field names to array positions;
+    `output_fields` / `outputs_fields` list the EngineCoreOutput /
+    EngineCoreOutputs fields in wire order; `ready_response_keys` is the key
+    set of the input-socket registration map (§2.5); `max_finish_reason` is
+    the largest FinishReason the frontend's enum knows.
+    """
+
+    version: str
+    request_index: Dict[str, int]
+    output_fields: Tuple[str, ...]
+    outputs_fields: Tuple[str, ...]
+    ready_response_keys: Tuple[str, ...]
+    max_finish_reason: FinishReason
+
+    def output_position(self, name: str) -> int:
+        return self.output_fields.index(name)
+
+
+_LAYOUT_0_33 = WireLayout(
+    version="0.33",
+    # §3.2: the 22-element 0.21+ layout; only the fields the mock reads.
+    request_index={
+        "request_id": 0,
+        "prompt_token_ids": 1,
+        "sampling_params": 3,
+        "arrival_time": 5,
+        "client_index": 11,
+        "current_wave": 12,
+        "priority": 13,
+        "external_req_id": 16,
+        "abort_immediately": 19,
+    },
+    # §4.3, 0.33 layout.
+    output_fields=(
+        "request_id",
+        "new_token_ids",
+        "new_logprobs",
+        "new_prompt_logprobs_tensors",
+        "pooling_output",
+        "finish_reason",
+        "stop_reason",
+        "events",
+        "kv_transfer_params",
+        "ec_transfer_params",
+        "trace_headers",
+        "prefill_stats",
+        "routed_experts",
+        "num_nans_in_logits",
+        "mm_cache_miss_hashes",
+        "new_sampling_mask",
+        "spec_decode_metrics",
+        "prompt_token_id_logprobs",
+        "error",
+    ),
+    # §4.2: 9 elements; vllm-rs 0.33 rejects longer arrays.
+    outputs_fields=(
+        "engine_index",
+        "outputs",
+        "scheduler_stats",
+        "timestamp",
+        "utility_output",
+        "finished_requests",
+        "wave_complete",
+        "start_wave",
+        "weight_version",
+    ),
+    # §2.5: the full 0.33 key set; every older frontend ignores unknown keys.
+    ready_response_keys=(
+        "max_model_len",
+        "num_gpu_blocks",
+        "block_size",
+        "dp_stats_address",
+        "dtype",
+        "vllm_version",
+        "world_size",
+        "data_parallel_size",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "decode_context_parallel_size",
+        "data_parallel_rank",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "instance_id",
+        "supports_lora",
+        "max_loras",
+        "mamba_block_size",
+        "kv_cache_size_tokens",
+        "kv_cache_max_concurrency",
+        "kv_events_config",
+        "weight_transfer_backend",
+        "enable_sleep_mode",
+        "supports_draft_weight_updates",
+        "effective_attention_block_size",
+        "coord_store_port",
+        "coordinator_input_address",
+        "coordinator_output_address",
+    ),
+    max_finish_reason=FinishReason.REPETITION,
+)
+
+#: Every supported frontend wire layout, keyed by vLLM "major.minor".
+WIRE_LAYOUTS: Dict[str, WireLayout] = {"0.33": _LAYOUT_0_33}
+DEFAULT_PROTOCOL_VERSION = "0.33"
+
+
+# --------------------------------------------------------------------------
+# Decoded input messages
+# --------------------------------------------------------------------------
+
+
+class ProtocolError(ValueError):
+    """A frame that does not follow the protocol; the message says why."""
+
+
+@dataclass
+class EngineCoreRequest:
+    """The fields of an ADD (§3.2) that the mock uses."""
+
+    request_id: str
+    prompt_len: int
+    #: None when `sampling_params` is nil (a pooling request, §3.2).
+    max_tokens: Optional[int]
+    has_sampling_params: bool
+    client_index: int = 0
+    current_wave: int = 0
+    priority: int = 0
+    arrival_time: Optional[float] = None
+    external_req_id: Optional[str] = None
+    abort_immediately: bool = False
+    sampling_params: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AbortRequests:
+    """An ABORT (§3.4): internal request ids, possibly unknown ones."""
+
+    request_ids: List[str]
+
+
+@dataclass
+class UtilityCall:
+    """A UTILITY (§3.5); the reply goes to `outputs[client_index]`."""
+
+    client_index: int
+    call_id: int
+    method: str
+    args: List[Any]
+
+
+@dataclass
+class StartDPWave:
+    """START_DP_WAVE from the coordinator (§3.6, §6.3)."""
+
+    wave: int
+    exclude_engine_index: Any
+
+
+InputMessage = Union[EngineCoreRequest, AbortRequests, UtilityCall, StartDPWave]
+
+
+def _ext_hook(code: int, data: bytes) -> msgpack.ExtType:
+    if code in PICKLE_EXT_TYPES:
+        raise ProtocolError(f"payload contains a pickle ext type ({code}); refusing to decode it")
+    return msgpack.ExtType(code, data)
+
+
+def unpack(payload: bytes) -> Any:
+    """msgpack-decode one frame the way vLLM's peers encode it (§0)."""
+    try:
+        return msgpack.unpackb(payload, raw=False, strict_map_key=False, ext_hook=_ext_hook)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"undecodable msgpack ({type(exc).__name__}: {exc or 'invalid data'})") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _field(array: Sequence[Any], index: int, default: Any = None) -> Any:
+    return array[index] if index < len(array) else default
+
+
+def decode_add(payload: Any, layout: WireLayout) -> EngineCoreRequest:
+    """Decode an already-unpacked EngineCoreRequest array (§3.2, §8.2).
+
+    Short arrays take defaults for missing trailing fields; longer ones
+    (future appended fields) are accepted.
+    """
+    ix = layout.request_index
+    if not isinstance(payload, list) or len(payload) < 4:
+        raise ProtocolError("ADD payload is not an EngineCoreRequest array of at least 4 elements")
+    request_id = payload[ix["request_id"]]
+    if not isinstance(request_id, str) or not request_id:
+        raise ProtocolError("ADD request_id (index 0) is not a non-empty string")
+    prompt = payload[ix["prompt_token_ids"]]
+    if prompt is None:
+        prompt_len = 0  # prompt given as embeddings only
+    elif isinstance(prompt, list):
+        prompt_len = len(prompt)
+    else:
+        raise ProtocolError(f"ADD {request_id}: prompt_token_ids is {type(prompt).__name__}, not a list or nil")
+    sampling = payload[ix["sampling_params"]]
+    if sampling is not None and not isinstance(sampling, dict):
+        raise ProtocolError(f"ADD {request_id}: sampling_params is {type(sampling).__name__}, not a map or nil")
+    max_tokens: Optional[int] = None
+    if sampling is not None:
+        max_tokens = sampling.get("max_tokens", DEFAULT_MAX_TOKENS)
+        if max_tokens is None:
+            max_tokens = DEFAULT_MAX_TOKENS  # Py-FE never sends nil; be lenient
+        if not _is_int(max_tokens) or max_tokens < 0:
+            raise ProtocolError(f"ADD {request_id}: max_tokens {max_tokens!r} is not a non-negative int")
+    client_index = _field(payload, ix["client_index"], 0)
+    if client_index is None:
+        client_index = 0
+    if not _is_int(client_index) or client_index < 0:
+        raise ProtocolError(f"ADD {request_id}: client_index {client_index!r} is not a non-negative int")
+    current_wave = _field(payload, ix["current_wave"], 0)
+    priority = _field(payload, ix["priority"], 0)
+    arrival = _field(payload, ix["arrival_time"])
+    external = _field(payload, ix["external_req_id"])
+    return EngineCoreRequest(
+        request_id=request_id,
+        prompt_len=prompt_len,
+        max_tokens=max_tokens,
+        has_sampling_params=sampling is not None,
+        client_index=client_index,
+        current_wave=current_wave if _is_int(current_wave) else 0,
+        priority=priority if _is_int(priority) else 0,
+        arrival_time=float(arrival) if isinstance(arrival, (int, float)) and not isinstance(arrival, bool) else None,
+        external_req_id=external if isinstance(external, str) else None,
+        abort_immediately=_field(payload, ix["abort_immediately"], False) is True,
+        sampling_params=sampling or {},
+    )
+
+
+def decode_abort(payload: Any) -> AbortRequests:
+    """Decode an ABORT payload: an array of request-id strings (§3.4)."""
+    if not isinstance(payload, list) or not all(isinstance(r, str) for r in payload):
+        raise ProtocolError("ABORT payload is not an array of request-id strings")
+    return AbortRequests(list(payload))
+
+
+def decode_utility(payload: Any) -> UtilityCall:
+    """Decode `[client_index, call_id, method_name, args]` (§3.5)."""
+    if not isinstance(payload, list) or len(payload) != 4:
+        raise ProtocolError("UTILITY payload is not a 4-array [client_index, call_id, method, args]")
+    client_index, call_id, method, args = payload
+    if not _is_int(client_index) or client_index < 0:
+        raise ProtocolError(f"UTILITY client_index {client_index!r} is not a non-negative int")
+    if not _is_int(call_id):
+        raise ProtocolError(f"UTILITY call_id {call_id!r} is not an int")
+    if not isinstance(method, str):
+        raise ProtocolError(f"UTILITY method name {method!r} is not a string")
+    if args is None:
+        args = []
+    if not isinstance(args, list):
+        raise ProtocolError(f"UTILITY {method}: args is {type(args).__name__}, not an array")
+    return UtilityCall(client_index, call_id, method, args)
+
+
+def decode_start_dp_wave(payload: Any) -> StartDPWave:
+    """Decode `[wave, exclude_engine_index]` (§3.6); exclude may be bytes (≤0.32)."""
+    if not isinstance(payload, list) or len(payload) != 2 or not _is_int(payload[0]):
+        raise ProtocolError("START_DP_WAVE payload is not [wave:int, exclude]")
+    return StartDPWave(payload[0], payload[1])
+
+
+def decode_input(frames: Sequence[bytes], layout: WireLayout) -> InputMessage:
+    """Decode one message from an input DEALER: `[type, payload, aux...]` (§3.1).
+
+    Aux frames (out-of-band tensors of multimodal ADDs) are accepted and
+    ignored. Raises ProtocolError for anything else.
+    """
+    if len(frames) < 2:
+        raise ProtocolError(f"expected at least 2 frames [type, payload], got {len(frames)}")
+    kind = bytes(frames[0])
+    try:
+        request_type = EngineCoreRequestType(kind)
+    except ValueError:
+        raise ProtocolError(f"unknown request type byte {kind.hex() or '(empty)'}") from None
+    payload = unpack(frames[1])
+    if request_type is EngineCoreRequestType.ADD:
+        return decode_add(payload, layout)
+    if request_type is EngineCoreRequestType.ABORT:
+        return decode_abort(payload)
+    if request_type is EngineCoreRequestType.UTILITY:
+        return decode_utility(payload)
+    return decode_start_dp_wave(payload)
+
+
+def decode_coordinator(frames: Sequence[bytes], layout: WireLayout) -> Optional[InputMessage]:
+    """Decode a message from the coordinator socket (§2.6, §3.6).
+
+    Returns None for a (late) `READY` broadcast, which is to be ignored.
+    """
+    if len(frames) == 1 and bytes(frames[0]) == COORDINATOR_READY:
+        return None
+    message = decode_input(frames, layout)
+    if not isinstance(message, StartDPWave):
+        raise ProtocolError(f"coordinator sent a {type(message).__name__}, expected START_DP_WAVE")
+    return message
+
+
+# --------------------------------------------------------------------------
+# Handshake messages (§2)
+# --------------------------------------------------------------------------
+
+
+def hello_message(local: bool = False, headless: bool = True) -> Dict[str, Any]:
+    """HELLO map (§2.2)."""
+    return {"status": "HELLO", "local": local, "headless": headless}
+
+
+@dataclass
+class InitMessage:
+    """The addresses from INIT (§2.3) that an engine connects to."""
+
+    inputs: List[str]
+    outputs: List[str]
+    coordinator_input: Optional[str] = None
+    coordinator_output: Optional[str] = None
+    frontend_stats_publish_address: Optional[str] = None
+
+    @property
+    def has_coordinator(self) -> bool:
+        return self.coordinator_input is not None
+
+
+def decode_init(frames: Sequence[bytes]) -> InitMessage:
+    """Decode and check INIT (§2.3, checklist item 3)."""
+    if len(frames) != 1:
+        raise ProtocolError(f"INIT must be exactly one frame, got {len(frames)}")
+    message = unpack(frames[0])
+    if not isinstance(message, dict) or not isinstance(message.get("addresses"), dict):
+        raise ProtocolError("INIT is not a map with an `addresses` map")
+    addresses = message["addresses"]
+    inputs, outputs = addresses.get("inputs"), addresses.get("outputs")
+    for name, value in (("inputs", inputs), ("outputs", outputs)):
+        if not isinstance(value, list) or not value or not all(isinstance(a, str) for a in value):
+            raise ProtocolError(f"INIT addresses.{name} is not a non-empty list of strings")
+    if len(inputs) != len(outputs):
+        raise ProtocolError(f"INIT has {len(inputs)} inputs but {len(outputs)} outputs")
+    coord_in = addresses.get("coordinator_input")
+    coord_out = addresses.get("coordinator_output")
+    if (coord_in is None) != (coord_out is None):
+        raise ProtocolError("INIT has only one of coordinator_input / coordinator_output")
+    stats = addresses.get("frontend_stats_publish_address")
+    return InitMessage(list(inputs), list(outputs), coord_in, coord_out, stats if isinstance(stats, str) else None)
+
+
+def ready_message(
+    num_gpu_blocks: int,
+    dp_stats_address: Optional[str] = None,
+    parallel_config_hash: Optional[str] = None,
+    local: bool = False,
+    headless: bool = True,
+) -> Dict[str, Any]:
+    """READY map sent on the handshake socket (§2.7).
+
+    `num_gpu_blocks` and `dp_stats_address` are required by frontends ≤ 0.19
+    and harmless later; `parallel_config_hash` only when configured (MoE).
+    """
+    message = {
+        "status": "READY",
+        "local": local,
+        "headless": headless,
+        "num_gpu_blocks": num_gpu_blocks,
+        "dp_stats_address": dp_stats_address,
+    }
+    if parallel_config_hash is not None:
+        message["parallel_config_hash"] = parallel_config_hash
+    return message
+
+
+def ready_response(values: Dict[str, Any], layout: WireLayout) -> Dict[str, Any]:
+    """The input-socket registration map, every key of the layout (§2.5).
+
+    Raises KeyError naming a missing key, so a gap in the caller's values is
+    a bug found at startup, not a frontend that refuses to start.
+    """
+    return {key: values[key] for key in layout.ready_response_keys}
+
+
+# --------------------------------------------------------------------------
+# Outputs (§4)
+# --------------------------------------------------------------------------
+
+
+def engine_core_output(
+    request_id: str,
+    new_token_ids: List[int],
+    finish_reason: Optional[FinishReason] = None,
+    error: Optional[Dict[str, Any]] = None,
+    layout: WireLayout = _LAYOUT_0_33,
+) -> List[Any]:
+    """An EngineCoreOutput array, as short as its content allows (§0, §4.3).
+
+    A running output is `[id, tokens]`; a final one carries `finish_reason`
+    at index 5. `error` (a RequestError map) is only placed when the layout
+    has the field, with the slots before it filled with their defaults
+    (`num_nans_in_logits` must be an int, never nil).
+    """
+    if finish_reason is None:
+        return [request_id, new_token_ids]
+    out: List[Any] = [request_id, new_token_ids, None, None, None, int(finish_reason)]
+    if error is not None and "error" in layout.output_fields:
+        position = layout.output_position("error")
+        out.extend([None] * (position + 1 - len(out)))
+        out[layout.output_position("num_nans_in_logits")] = 0
+        out[position] = error
+    return out
+
+
+def request_error(code: str, message: str, retryable: bool = False) -> Dict[str, Any]:
+    """A RequestError map (0.33, sent with FinishReason.ERROR)."""
+    return {"code": code, "message": message, "retryable": retryable}
+
+
+def engine_core_outputs(
+    engine_index: int,
+    outputs: List[List[Any]],
+    timestamp: float,
+    finished_requests: Optional[List[str]] = None,
+    scheduler_stats: Optional[Dict[str, Any]] = None,
+) -> List[Any]:
+    """A request-batch EngineCoreOutputs (§4.2): never empty, never > 9 fields.
+
+    Raises ValueError for a batch with nothing in it: an empty message stops
+    vllm-rs's output dispatcher (§4.2), so it must never be built.
+    """
+    if not outputs and not finished_requests and scheduler_stats is None:
+        raise ValueError("refusing to build an empty EngineCoreOutputs (§4.2)")
+    message: List[Any] = [engine_index, outputs, scheduler_stats, float(timestamp)]
+    if finished_requests:
+        message.extend([None, finished_requests])
+    return message
+
+
+def utility_reply(
+    engine_index: int,
+    call_id: int,
+    timestamp: float,
+    result: Any = None,
+    failure_message: Optional[str] = None,
+) -> List[Any]:
+    """A utility-reply EngineCoreOutputs (§4.6): `[call_id, nil, [nil, value]]`
+    on success, `[call_id, message, nil]` on failure. type_info is always nil."""
+    if failure_message is not None:
+        utility_output = [call_id, failure_message, None]
+    else:
+        utility_output = [call_id, None, [None, result]]
+    return [engine_index, [], None, float(timestamp), utility_output]
+
+
+class Packer:
+    """One msgpack packer per sending greenlet (§0: use_bin_type, no pickles)."""
+
+    def __init__(self) -> None:
+        self._packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+
+    def pack(self, obj: Any) -> bytes:
+        return self._packer.pack(obj)
+
+
+def pack(obj: Any) -> bytes:
+    """msgpack-encode one message (handshake maps and tests)."""
+    return msgpack.packb(obj, use_bin_type=True)

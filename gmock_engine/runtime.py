@@ -1,0 +1,322 @@
+"""Greenlet wiring: per engine, readers -> stepper -> sender, supervised.
+
+Per engine (design card):
+
+* one **reader** greenlet per input DEALER (and one for the coordinator
+  socket): receives `[type, payload, aux...]`, decodes it (protocol.py) and
+  puts the message on the engine's input queue. A bad frame is logged and
+  dropped; the engine keeps serving.
+* one **stepper** greenlet that owns the `EngineCore`: applies queued input,
+  advances every running request once per round, and puts the outputs on the
+  output queue. It blocks on the input queue when there is nothing to do
+  (idle CPU is zero) and yields to the hub after every round, so input is
+  never starved.
+* one **sender** greenlet, the only place a message leaves: packs each
+  output and PUSHes it to `outputs[client_index]`.
+
+Both queues are bounded, so a slow frontend throttles the stepper instead of
+growing memory (the PUSH blocks at its high-water mark, the sender waits,
+the output queue fills, the stepper waits).
+
+Every greenlet runs in the `Supervisor`'s group: an exception anywhere is
+logged with its traceback and stops the whole process with a non-zero
+status, never a half-alive engine.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from typing import Any, Callable, Dict, List, Optional
+
+import gevent
+import gevent.event
+import gevent.pool
+import gevent.queue
+import zmq.green as zmq
+from loguru import logger
+
+from . import protocol, transport
+from .engine import EngineCore, EngineSettings, Outbound
+from .protocol import InitMessage, ProtocolError, WireLayout
+
+#: Bounds of the queues between the stages (messages, not tokens).
+INPUT_QUEUE_SIZE = 4096
+OUTPUT_QUEUE_SIZE = 1024
+#: Budget of each shutdown stage, seconds; the sum stays well under 1 s.
+KILL_TIMEOUT_S = 0.2
+SENDER_FLUSH_TIMEOUT_S = 0.3
+
+_STOP = object()
+
+
+class Supervisor:
+    """Owns every greenlet; the first failure stops the process (exit 1)."""
+
+    def __init__(self) -> None:
+        self.group = gevent.pool.Group()
+        self.stop_event = gevent.event.Event()
+        self.failure: Optional[str] = None
+
+    def spawn(self, name: str, func: Callable, *args: Any) -> gevent.Greenlet:
+        greenlet = gevent.Greenlet(func, *args)
+        greenlet.name = name
+        greenlet.link_exception(self._on_failure)
+        self.group.start(greenlet)
+        return greenlet
+
+    def _on_failure(self, greenlet: gevent.Greenlet) -> None:
+        if self.failure is None:
+            self.failure = f"{greenlet.name} failed: {greenlet.exception!r}"
+        logger.opt(exception=greenlet.exc_info).critical("greenlet {} died; stopping gmock_engine", greenlet.name)
+        self.stop_event.set()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+
+class EngineRunner:
+    """One engine: its handshake, sockets, queues and three kinds of greenlet."""
+
+    def __init__(
+        self,
+        ctx: Any,
+        supervisor: Supervisor,
+        rank: int,
+        config: Any,
+        layout: WireLayout,
+    ) -> None:
+        self.ctx = ctx
+        self.supervisor = supervisor
+        self.rank = rank
+        self.config = config
+        self.layout = layout
+        self.log = logger.bind(engine=rank)
+        self.sockets: Optional[transport.EngineSockets] = None
+        self.engine: Optional[EngineCore] = None
+        self.in_queue: gevent.queue.Queue = gevent.queue.Queue(INPUT_QUEUE_SIZE)
+        self.out_queue: gevent.queue.Queue = gevent.queue.Queue(OUTPUT_QUEUE_SIZE)
+        self.handshake: Optional[gevent.Greenlet] = None
+        self.readers: List[gevent.Greenlet] = []
+        self.stepper: Optional[gevent.Greenlet] = None
+        self.sender: Optional[gevent.Greenlet] = None
+        self.joined = gevent.event.Event()
+        self.bad_frames = 0
+
+    # -- startup ---------------------------------------------------------------
+
+    def start(self) -> None:
+        """Spawn the handshake; it spawns the serving greenlets when done."""
+        self.handshake = self.supervisor.spawn(f"engine-{self.rank}-handshake", self._handshake)
+
+    def ready_response(self, init: InitMessage) -> Dict[str, Any]:
+        """The registration map (§2.5): full 0.33 key set, correct types."""
+        c = self.config
+        values = {
+            "max_model_len": c.max_model_len,
+            "num_gpu_blocks": c.num_gpu_blocks,
+            "block_size": c.block_size,
+            # Echo the frontend's own stats address (Py-FE asserts equality).
+            "dp_stats_address": init.frontend_stats_publish_address,
+            "dtype": c.dtype,
+            "vllm_version": c.vllm_version,
+            "world_size": 1,
+            "data_parallel_size": c.data_parallel_size,
+            "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1,
+            "decode_context_parallel_size": 1,
+            "data_parallel_rank": self.rank,
+            "max_num_seqs": c.max_num_seqs,
+            "max_num_batched_tokens": c.max_num_batched_tokens,
+            "instance_id": f"gmock-{socket.gethostname()}-{os.getpid()}-{self.rank}",
+            "supports_lora": False,
+            "max_loras": 0,
+            "mamba_block_size": None,
+            "kv_cache_size_tokens": c.num_gpu_blocks * c.block_size,
+            "kv_cache_max_concurrency": None,
+            "kv_events_config": None,
+            "weight_transfer_backend": None,
+            "enable_sleep_mode": False,
+            "supports_draft_weight_updates": False,
+            "effective_attention_block_size": c.block_size,
+            "coord_store_port": 0,
+            "coordinator_input_address": init.coordinator_input,
+            "coordinator_output_address": init.coordinator_output,
+        }
+        return protocol.ready_response(values, self.layout)
+
+    def ready_message(self, init: InitMessage) -> Dict[str, Any]:
+        return protocol.ready_message(
+            num_gpu_blocks=self.config.num_gpu_blocks,
+            dp_stats_address=init.frontend_stats_publish_address,
+            parallel_config_hash=self.config.parallel_config_hash,
+        )
+
+    def _handshake(self) -> None:
+        self.sockets, init = transport.join_frontend(
+            self.ctx, self.rank, self.config.handshake_address, self.ready_response, self.ready_message
+        )
+        c = self.config
+        self.engine = EngineCore(
+            EngineSettings(
+                rank=self.rank,
+                num_clients=len(init.outputs),
+                output_token_chunk_size=c.output_token_chunk_size,
+                vocab_size=c.vocab_size,
+                seed=c.seed,
+                log_requests=c.log_requests,
+                supported_tasks=tuple(c.supported_tasks),
+                layout=self.layout,
+            )
+        )
+        spawn = self.supervisor.spawn
+        for index, sock in enumerate(self.sockets.inputs):
+            self.readers.append(spawn(f"engine-{self.rank}-reader-{index}", self._reader, sock, index))
+        if self.sockets.coordinator_input is not None:
+            self.readers.append(spawn(f"engine-{self.rank}-coordinator-reader", self._coordinator_reader))
+        self.stepper = spawn(f"engine-{self.rank}-stepper", self._stepper)
+        self.sender = spawn(f"engine-{self.rank}-sender", self._sender)
+        self.joined.set()
+
+    # -- the three stages --------------------------------------------------------
+
+    def _drop(self, where: str, error: ProtocolError) -> None:
+        self.bad_frames += 1
+        self.log.warning("bad frame on {} dropped: {}", where, error)
+
+    def _reader(self, sock: Any, index: int) -> None:
+        """Input DEALER -> decoded messages -> input queue."""
+        layout, put = self.layout, self.in_queue.put
+        where = f"input[{index}]"
+        while True:
+            frames = sock.recv_multipart()
+            try:
+                message = protocol.decode_input(frames, layout)
+            except ProtocolError as exc:
+                self._drop(where, exc)
+                continue
+            put(message)
+
+    def _coordinator_reader(self) -> None:
+        """Coordinator XSUB: START_DP_WAVE, and later READY frames to ignore (§2.6)."""
+        sock = self.sockets.coordinator_input
+        while True:
+            frames = sock.recv_multipart()
+            try:
+                message = protocol.decode_coordinator(frames, self.layout)
+            except ProtocolError as exc:
+                self._drop("coordinator_input", exc)
+                continue
+            if message is not None:
+                self.in_queue.put(message)
+
+    def _stepper(self) -> None:
+        """Owns the EngineCore: apply input, step, hand outputs to the sender."""
+        engine, in_queue = self.engine, self.in_queue
+        emit = self._emit
+        while True:
+            if not engine.has_work:
+                emit(engine.apply(in_queue.get()))  # sleeps until input: idle CPU 0
+            # Apply everything already queued before the next step, so an
+            # ABORT or a new request takes effect at once.
+            while not in_queue.empty():
+                emit(engine.apply(in_queue.get_nowait()))
+            if engine.has_work:
+                emit(engine.step())
+            # Yield to the hub between rounds: readers and the sender run.
+            gevent.sleep(0)
+
+    def _emit(self, messages: List[Outbound]) -> None:
+        put = self.out_queue.put
+        for item in messages:
+            put(item)
+
+    def _sender(self) -> None:
+        """The one place a message leaves: pack and PUSH to outputs[client_index]."""
+        outputs = self.sockets.outputs
+        pack = protocol.Packer().pack
+        get = self.out_queue.get
+        while True:
+            item = get()
+            if item is _STOP:
+                return
+            client, message = item
+            outputs[client].send(pack(message))
+
+    # -- shutdown ------------------------------------------------------------------
+
+    def input_greenlets(self) -> List[gevent.Greenlet]:
+        """Stage 1 of shutdown stops these: the handshake (if still waiting),
+        the readers and the stepper."""
+        return [g for g in [self.handshake, *self.readers, self.stepper] if g is not None]
+
+    def flush_output(self) -> None:
+        """Stage 2: let the sender send what is queued, then end it."""
+        if self.sender is None or self.sender.dead:
+            return
+        try:
+            self.out_queue.put(_STOP, timeout=SENDER_FLUSH_TIMEOUT_S)
+        except gevent.queue.Full:
+            pass
+        self.sender.join(timeout=SENDER_FLUSH_TIMEOUT_S)
+        self.sender.kill(block=True, timeout=KILL_TIMEOUT_S)
+
+    def close(self) -> None:
+        """Stage 3: close the sockets (outputs linger, bounded)."""
+        if self.sockets is not None:
+            self.sockets.close()
+
+
+class App:
+    """All engines of this process, their supervisor and the ZMQ context."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.layout = protocol.WIRE_LAYOUTS[config.protocol_version]
+        self.ctx = zmq.Context()
+        self.supervisor = Supervisor()
+        first = config.data_parallel_start_rank
+        self.runners = [
+            EngineRunner(self.ctx, self.supervisor, rank, config, self.layout)
+            for rank in range(first, first + config.engine_count)
+        ]
+
+    def start(self) -> None:
+        for runner in self.runners:
+            runner.start()
+
+    def wait_joined(self, timeout: Optional[float] = None) -> bool:
+        """True once every engine finished its handshake."""
+        return all(r.joined.wait(timeout) for r in self.runners)
+
+    def run_until_stopped(self) -> int:
+        """Block until stop() or a failure; shut down in order; exit status."""
+        self.supervisor.stop_event.wait()
+        self.shutdown()
+        return 1 if self.supervisor.failure else 0
+
+    def stop(self) -> None:
+        self.supervisor.stop()
+
+    def shutdown(self) -> None:
+        """Ordered and bounded: readers+steppers, senders flush, sockets, context."""
+        inputs = [g for r in self.runners for g in r.input_greenlets()]
+        gevent.killall(inputs, block=True, timeout=KILL_TIMEOUT_S)
+        senders = [gevent.spawn(r.flush_output) for r in self.runners]
+        gevent.joinall(senders, timeout=SENDER_FLUSH_TIMEOUT_S + KILL_TIMEOUT_S)
+        for runner in self.runners:
+            runner.close()
+        # Everything is closed with a bounded linger, so term() returns.
+        self.supervisor.group.kill(block=True, timeout=KILL_TIMEOUT_S)
+        self.ctx.term()
+
+    def counters(self) -> Dict[int, Dict[str, int]]:
+        """Per-rank counters (started, finished_*, aborted, bad_frames, ...)."""
+        out = {}
+        for runner in self.runners:
+            counts = dict(runner.engine.counters) if runner.engine else {}
+            counts["bad_frames"] = runner.bad_frames
+            counts["active"] = runner.engine.num_active if runner.engine else 0
+            out[runner.rank] = counts
+        return out

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# gmock_engine launcher.
+#
+#   ./run.sh [engine options]     run the mock engine (e.g. ./run.sh --config conf/dp4.ini)
+#   ./run.sh test [pytest args]   run the whole test suite
+#
+# The first use creates a virtualenv in .venv inside the checkout and installs
+# the package into it (plus the `test` extra for `./run.sh test`); later uses
+# only re-install when setup.cfg or setup.py changed. Override the interpreter
+# with PYTHON=..., the venv folder with GMOCK_VENV=...
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+VENV="${GMOCK_VENV:-$HERE/.venv}"
+PYTHON="${PYTHON:-python3}"
+
+MODE=run
+if [[ "${1:-}" == "test" ]]; then
+  MODE=test
+  shift
+fi
+EXTRA=""
+[[ "$MODE" == test ]] && EXTRA="[test]"
+
+bootstrap() {
+  if [[ ! -x "$VENV/bin/python" ]]; then
+    echo "run.sh: creating virtualenv $VENV" >&2
+    "$PYTHON" -m venv "$VENV"
+  fi
+  # The stamp names what is installed and for which setup files, so an edit
+  # of the dependencies re-installs and a plain run costs nothing.
+  local want stamp
+  want="$(cat "$HERE/setup.cfg" "$HERE/setup.py" | cksum | cut -d' ' -f1)"
+  stamp="$VENV/.gmock-installed${EXTRA:+-test}"
+  if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
+    echo "run.sh: installing gmock_engine${EXTRA} into $VENV" >&2
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$HERE$EXTRA" >&2
+    echo "$want" >"$stamp"
+    # the test install includes the plain one
+    if [[ -n "$EXTRA" ]]; then echo "$want" >"$VENV/.gmock-installed"; fi
+  fi
+}
+bootstrap
+
+cd "$HERE"
+if [[ "$MODE" == test ]]; then
+  exec "$VENV/bin/python" -m pytest "$@"
+fi
+# exec, so that SIGTERM/SIGINT reach the engine itself.
+exec "$VENV/bin/python" -m gmock_engine "$@"
