@@ -149,9 +149,18 @@ class FakeFrontend:
             "parallel_config": {},
         }
 
-    def accept_engines(self, ranks: Optional[Sequence[int]] = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def accept_engines(
+        self,
+        ranks: Optional[Sequence[int]] = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        gate_check: float = 0.0,
+    ) -> None:
         """HELLO -> INIT for every engine, the coordinator gate, READYs and
-        the registration on every input socket (§2.1)."""
+        the registration on every input socket (§2.1).
+
+        With a coordinator and `gate_check` > 0, first assert that no READY
+        arrives during that many seconds before the coordinator's READY.
+        """
         expected = set(range(self.dp) if ranks is None else ranks)
         with gevent.Timeout(timeout):
             while set(self.hellos) != expected:
@@ -167,6 +176,10 @@ class FakeFrontend:
                     frame = self.coord_pub.recv()
                     assert frame == b"\x01", f"coordinator got {frame!r}, expected a subscription"
                     subscriptions += 1
+                if gate_check:
+                    with gevent.Timeout(gate_check, False):
+                        early = self.handshake.recv_multipart()
+                        raise AssertionError(f"READY before the coordinator gate: {early!r}")
                 self.coord_pub.send(b"READY")
             while set(self.readies) != expected:
                 ident, payload = self.handshake.recv_multipart()

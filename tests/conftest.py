@@ -1,0 +1,9 @@
+"""Shared test setup: tests/ on sys.path for the fake frontend helpers."""
+
+import os
+import sys
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_DIR = os.path.dirname(TESTS_DIR)
+if TESTS_DIR not in sys.path:
+    sys.path.insert(0, TESTS_DIR)

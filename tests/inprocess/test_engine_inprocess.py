@@ -1,0 +1,210 @@
+"""One gmock_engine process's runtime against the fake frontend, in one hub.
+
+Real sockets (tcp and ipc), real greenlets; the fake frontend plays the
+frontend's side of the handshake and traffic (tests/fake_frontend.py).
+"""
+
+import gevent
+import msgpack
+import pytest
+
+from fake_frontend import FakeFrontend
+from gmock_engine.config import parse_config
+from gmock_engine.protocol import FinishReason
+from gmock_engine.runtime import App
+
+
+def start_app(frontend, *extra):
+    config = parse_config(["--handshake-address", frontend.handshake_address, *extra], env={})
+    app = App(config)
+    app.start()
+    waiter = gevent.spawn(app.run_until_stopped)
+    return app, waiter
+
+
+@pytest.fixture
+def dp4():
+    """4 engines, 2 clients, with a coordinator: the `vllm serve --data-parallel-size 4
+    --api-server-count 2` topology."""
+    frontend = FakeFrontend(num_clients=2, dp=4, coordinator=True, stats_address="ipc:///tmp/fake-stats")
+    app, waiter = start_app(frontend, "--engine-count", "4", "--num-gpu-blocks", "1234", "--output-token-chunk-size", "2")
+    frontend.accept_engines(gate_check=0.3)
+    assert app.wait_joined(5)
+    yield frontend, app
+    app.stop()
+    assert waiter.get(timeout=5) == 0
+    frontend.close()
+
+
+def test_handshake_dp4_two_clients_with_coordinator(dp4):
+    frontend, app = dp4
+    assert set(frontend.hellos) == {0, 1, 2, 3}
+    for rank in range(4):
+        assert frontend.hellos[rank] == {"status": "HELLO", "local": False, "headless": True}
+        ready = frontend.readies[rank]
+        assert ready["status"] == "READY" and ready["num_gpu_blocks"] == 1234
+        assert ready["dp_stats_address"] == "ipc:///tmp/fake-stats"
+        # one registration per input socket, full 0.33 key set, right types
+        registrations = frontend.registrations[rank]
+        assert len(registrations) == 2
+        for reg in registrations:
+            assert len(reg) == 28
+            assert reg["data_parallel_rank"] == rank and reg["data_parallel_size"] == 4
+            assert reg["num_gpu_blocks"] == 1234 and reg["max_model_len"] == 1048576
+            assert reg["dtype"] in ("float16", "bfloat16", "float32")
+            assert isinstance(reg["instance_id"], str) and reg["supports_lora"] is False
+            assert reg["dp_stats_address"] == "ipc:///tmp/fake-stats"
+            assert reg["coordinator_input_address"] == frontend.coord_addresses[0]
+
+
+def test_requests_on_every_engine_and_client(dp4):
+    frontend, app = dp4
+    ids = {}
+    for rank in range(4):
+        for client in range(2):
+            rid = f"req-{rank}-{client}"
+            ids[rid] = (rank, client)
+            frontend.add(rank, rid, max_tokens=5 + rank, client=client)
+    for client in range(2):
+        mine = [r for r, (_, c) in ids.items() if c == client]
+        collected = frontend.collect(mine, client=client)
+        for rid in mine:
+            rank = ids[rid][0]
+            assert len(collected.tokens(rid)) == 5 + rank
+            assert [len(o[1]) for o in collected.outputs[rid]][:-1] == [2] * ((5 + rank - 1) // 2)
+            assert collected.terminal[rid] == FinishReason.LENGTH
+        assert sorted(collected.finished_requests) == sorted(mine)
+        for message in collected.messages:
+            assert 4 <= len(message) <= 9 and message[1]  # never empty
+            assert all(ids[o[0]][0] == message[0] for o in message[1])  # engine_index = rank
+    counts = app.counters()
+    assert all(counts[r]["finished_length"] == 2 for r in range(4))
+
+
+def test_utility_reply_goes_to_the_callers_client_only(dp4):
+    frontend, _ = dp4
+    call_id = frontend.utility(2, "get_supported_tasks", client=1, call_id=2**64 - 2)
+    assert frontend.utility_result(call_id, client=1) == [2**64 - 2, None, [None, ["generate"]]]
+    assert frontend.poll_nothing(client=0) and frontend.poll_nothing(client=1)
+
+
+def test_bad_frames_are_dropped_and_the_engine_keeps_serving(dp4):
+    frontend, app = dp4
+    bad = [
+        [b"\x09", b"x"],
+        [b"\x00", b"\xc1\xc1"],
+        [b"\x00"],
+        [b"\x00", msgpack.packb(["r", "not-a-list", None, {}, None])],
+        [b"\x00", msgpack.packb(msgpack.ExtType(1, b"pickle"))],
+        [b"\x03", msgpack.packb([0, 1])],
+    ]
+    for frames in bad:
+        frontend.send_raw(1, 0, frames)
+    frontend.add(1, "after-bad", max_tokens=3)
+    collected = frontend.collect(["after-bad"])
+    assert len(collected.tokens("after-bad")) == 3
+    assert app.counters()[1]["bad_frames"] == len(bad)
+
+
+def test_abort_and_pause_end_streams(dp4):
+    frontend, app = dp4
+    frontend.add(0, "long-a", max_tokens=10**9, client=0)
+    frontend.add(0, "long-b", max_tokens=10**9, client=1)
+    frontend.recv(0)
+    frontend.abort(0, ["long-a", "never-seen"], client=0)
+    collected = frontend.collect(["long-a"], client=0)
+    assert collected.terminal["long-a"] == FinishReason.ABORT
+    assert "long-a" in collected.finished_requests
+    # /pause in abort mode reaches the engine only as the utility call (§3.4)
+    call_id = frontend.utility(0, "pause_generation", ["abort", True], client=0)
+    collected = frontend.collect(["long-b"], client=1)
+    assert collected.terminal["long-b"] == FinishReason.ABORT
+    assert frontend.utility_result(call_id, client=0)[1] is None
+    assert app.counters()[0]["active"] == 0
+
+
+def test_coordinator_late_ready_and_start_wave_are_ignored(dp4):
+    frontend, app = dp4
+    frontend.coord_pub.send(b"READY")
+    frontend.coord_pub.send_multipart([b"\x02", msgpack.packb([3, None])])
+    frontend.coord_pub.send_multipart([b"\x02", msgpack.packb([4, b"\x00\x00"])])
+    frontend.coord_pub.send_multipart([b"\x02", b"\xc1"])  # undecodable: dropped
+    frontend.add(3, "after-wave", max_tokens=2)
+    assert len(frontend.collect(["after-wave"]).tokens("after-wave")) == 2
+    assert app.counters()[3]["bad_frames"] == 1
+
+
+def test_ipc_handshake_and_data_sockets(tmp_path):
+    frontend = FakeFrontend(num_clients=1, dp=2, transport="ipc", ipc_dir=str(tmp_path))
+    app, waiter = start_app(frontend, "--engine-count", "2", "--data-parallel-size", "2")
+    try:
+        frontend.accept_engines()
+        assert frontend.handshake_address.startswith("ipc://")
+        frontend.add(1, "ipc-req", max_tokens=4)
+        assert len(frontend.collect(["ipc-req"]).tokens("ipc-req")) == 4
+    finally:
+        app.stop()
+        assert waiter.get(timeout=5) == 0
+        frontend.close()
+
+
+def test_start_rank_offsets_identities():
+    frontend = FakeFrontend(num_clients=1, dp=4)
+    app, waiter = start_app(frontend, "--engine-count", "2", "--data-parallel-start-rank", "2")
+    try:
+        frontend.accept_engines(ranks=[2, 3])
+        assert frontend.registrations[3][0]["data_parallel_rank"] == 3
+        assert frontend.registrations[3][0]["data_parallel_size"] == 4
+        frontend.add(3, "r3", max_tokens=2)
+        message = frontend.recv()
+        assert message[0] == 3
+    finally:
+        app.stop()
+        assert waiter.get(timeout=5) == 0
+        frontend.close()
+
+
+def test_shutdown_is_ordered_and_bounded_with_active_requests():
+    frontend = FakeFrontend(num_clients=1, dp=2)
+    app, waiter = start_app(frontend, "--engine-count", "2")
+    frontend.accept_engines()
+    for i in range(200):
+        frontend.add(i % 2, f"busy-{i}", max_tokens=10**9)
+    frontend.recv()
+    started = gevent.get_hub().loop.now()
+    app.stop()
+    assert waiter.get(timeout=5) == 0
+    assert gevent.get_hub().loop.now() - started < 2.0
+    assert all(g.dead for g in app.supervisor.group)
+    frontend.close()
+
+
+def test_a_malformed_init_stops_the_process_with_status_1():
+    frontend = FakeFrontend(num_clients=1, dp=1)
+    app, waiter = start_app(frontend)
+    try:
+        with gevent.Timeout(5):
+            ident, _ = frontend.handshake.recv_multipart()
+        frontend.handshake.send_multipart([ident, msgpack.packb({"addresses": {"inputs": []}})])
+        assert waiter.get(timeout=5) == 1
+        assert "handshake" in app.supervisor.failure and "inputs" in app.supervisor.failure
+    finally:
+        frontend.close()
+
+
+def test_a_failing_greenlet_stops_everything(monkeypatch):
+    frontend = FakeFrontend(num_clients=1, dp=2)
+    app, waiter = start_app(frontend, "--engine-count", "2")
+    try:
+        frontend.accept_engines()
+
+        def explode(request):
+            raise RuntimeError("boom in add_request")
+
+        monkeypatch.setattr(app.runners[1].engine, "add_request", explode)
+        frontend.add(1, "trigger", max_tokens=1)
+        assert waiter.get(timeout=5) == 1  # the whole process stops, status 1
+        assert "engine-1-stepper" in app.supervisor.failure and "boom" in app.supervisor.failure
+        assert all(g.dead for g in app.supervisor.group)
+    finally:
+        frontend.close()

@@ -1,0 +1,134 @@
+"""The real program through run.sh, in its own process, against the fake frontend."""
+
+import os
+import signal
+import subprocess
+import time
+
+import gevent
+import pytest
+
+from conftest import REPO_DIR
+from fake_frontend import FakeFrontend
+
+RUN_SH = os.path.join(REPO_DIR, "run.sh")
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GMOCK_") or k == "GMOCK_VENV"}
+    env.update(extra)
+    return env
+
+
+def wait_exit(proc, timeout):
+    """Wait for the process without blocking the gevent hub for long."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        gevent.sleep(0.02)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"process did not exit within {timeout} s")
+    return proc.returncode
+
+
+@pytest.fixture
+def frontend():
+    fe = FakeFrontend(num_clients=2, dp=4, coordinator=True)
+    yield fe
+    fe.close()
+
+
+def test_run_sh_with_dp4_config_serves_and_exits_0_on_sigterm(frontend, tmp_path):
+    log = open(tmp_path / "engine.log", "w+")
+    # conf/dp4.ini says tcp://127.0.0.1:29550; the environment overrides the file.
+    proc = subprocess.Popen(
+        [RUN_SH, "--config", "conf/dp4.ini", "--log-requests"],
+        cwd=REPO_DIR,
+        env=clean_env(GMOCK_HANDSHAKE_ADDRESS=frontend.handshake_address),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        frontend.accept_engines(timeout=60)
+        for rank in range(4):
+            frontend.add(rank, f"sub-{rank}", max_tokens=7, client=rank % 2)
+        for client in range(2):
+            ids = [f"sub-{r}" for r in range(4) if r % 2 == client]
+            collected = frontend.collect(ids, client=client)
+            assert all(len(collected.tokens(i)) == 7 for i in ids)
+        frontend.add(0, "in-flight", max_tokens=10**9)
+        frontend.recv(0)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert wait_exit(proc, 10) == 0
+        elapsed = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log.seek(0)
+    text = log.read()
+    print(f"SIGTERM -> exit 0 in {elapsed:.3f} s")
+    for rank in range(4):
+        assert f"mock request started engine={rank} request_id=sub-{rank}" in text
+    assert "SIGTERM received" in text and "engine 3 summary" in text
+    assert "Traceback" not in text
+
+
+def test_second_signal_exits_at_once(tmp_path):
+    # No frontend at all: the engine waits for INIT; SIGINT twice ends it.
+    proc = subprocess.Popen(
+        [RUN_SH, "--handshake-address", "tcp://127.0.0.1:9"],
+        cwd=REPO_DIR,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)
+    status = wait_exit(proc, 10)
+    assert status in (0, 128 + signal.SIGINT)
+
+
+@pytest.mark.parametrize(
+    "args,env,message",
+    [
+        (["--engine-count", "0"], {}, "argument --engine-count: 0 is less than 1 (from command line)"),
+        (["--config", "conf/missing.ini"], {}, "conf/missing.ini (given by command line) does not exist"),
+        ([], {"GMOCK_VOCAB_SIZE": "-3"}, "argument --vocab-size: -3 is less than 1 (from environment GMOCK_VOCAB_SIZE)"),
+        ([], {"GMOCK_HANDSHAKE_ADDRESS": "127.0.0.1:29550"}, "argument --handshake-address"),
+    ],
+)
+def test_bad_configuration_exits_2_before_connecting(args, env, message):
+    result = subprocess.run(
+        [RUN_SH, *args], cwd=REPO_DIR, env=clean_env(**env), capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "joined" not in result.stderr
+
+
+def test_bad_key_in_file_names_file_and_key(tmp_path):
+    path = tmp_path / "bad.ini"
+    path.write_text("[gmock_engine]\nengine-count = 2\nchunk-size = 4\n")
+    result = subprocess.run(
+        [RUN_SH, "--config", str(path)], cwd=REPO_DIR, env=clean_env(), capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert f"config file {path}: unknown key 'chunk-size'" in result.stderr
+
+
+def test_print_config(tmp_path):
+    result = subprocess.run(
+        [RUN_SH, "--config", "conf/dp4.ini", "--print-config"],
+        cwd=REPO_DIR,
+        env=clean_env(GMOCK_SEED="3"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0
+    assert "engine-count = 4" in result.stdout and "from config file conf/dp4.ini, key engine-count" in result.stdout
+    assert "seed = 3" in result.stdout and "from environment GMOCK_SEED" in result.stdout

@@ -1,0 +1,131 @@
+"""config.py: one precedence rule (CLI > env > file > default) and clear errors."""
+
+import configparser
+import os
+
+import pytest
+
+from gmock_engine.config import ConfigError, build_parser, format_config, parse_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def ini(tmp_path, body, name="c.ini"):
+    path = tmp_path / name
+    path.write_text("[gmock_engine]\n" + body)
+    return str(path)
+
+
+def test_defaults_match_the_rust_mock():
+    args = parse_config([], env={})
+    assert args.handshake_address == "tcp://127.0.0.1:29550"
+    assert (args.engine_count, args.output_token_chunk_size, args.vocab_size, args.seed) == (1, 1, 32000, 0)
+    assert args.log_requests is False
+    assert args.max_model_len == 1048576 and args.block_size == 16
+    assert args.data_parallel_size == 1 and args.sources["engine_count"].kind == "default"
+
+
+@pytest.mark.parametrize(
+    "flag,key,env,values",
+    [
+        ("--engine-count", "engine-count", "GMOCK_ENGINE_COUNT", ("2", "3", "4")),
+        ("--handshake-address", "handshake-address", "GMOCK_HANDSHAKE_ADDRESS", ("tcp://h:1", "ipc:///tmp/x", "tcp://[::1]:5")),
+        ("--vocab-size", "vocab-size", "GMOCK_VOCAB_SIZE", ("10", "20", "30")),
+        ("--dtype", "dtype", "GMOCK_DTYPE", ("float16", "float32", "bfloat16")),
+    ],
+)
+def test_precedence_file_env_cli(tmp_path, flag, key, env, values):
+    file_value, env_value, cli_value = values
+    path = ini(tmp_path, f"{key} = {file_value}\n")
+    dest = key.replace("-", "_")
+
+    def value(args):
+        return str(getattr(args, dest))
+
+    assert value(parse_config(["--config", path], env={})) == file_value
+    args = parse_config(["--config", path], env={env: env_value})
+    assert value(args) == env_value and args.sources[dest].kind == "environment"
+    args = parse_config(["--config", path, flag, cli_value], env={env: env_value})
+    assert value(args) == cli_value and args.sources[dest].kind == "command line"
+    args = parse_config([], env={"GMOCK_CONFIG": path})
+    assert value(args) == file_value and args.sources[dest].kind == "config file"
+    assert path in args.sources[dest].detail and key in args.sources[dest].detail
+
+
+def test_boolean_precedence_both_ways(tmp_path):
+    path = ini(tmp_path, "log-requests = true\n")
+    assert parse_config(["--config", path], env={}).log_requests is True
+    assert parse_config(["--config", path], env={"GMOCK_LOG_REQUESTS": "false"}).log_requests is False
+    assert parse_config(["--config", path, "--no-log-requests"], env={}).log_requests is False
+    assert parse_config(["--log-requests"], env={"GMOCK_LOG_REQUESTS": "false"}).log_requests is True
+
+
+def test_data_parallel_size_follows_start_rank_and_count():
+    args = parse_config(["--engine-count", "2", "--data-parallel-start-rank", "2"], env={})
+    assert args.data_parallel_size == 4
+    with pytest.raises(ConfigError, match=r"--data-parallel-size: 3 is smaller .* = 4 \(from command line\)"):
+        parse_config(["--engine-count", "2", "--data-parallel-start-rank", "2", "--data-parallel-size", "3"], env={})
+
+
+@pytest.mark.parametrize(
+    "argv,env,body,pattern",
+    [
+        (["--engine-count", "0"], {}, None, r"--engine-count: 0 is less than 1 \(from command line\)"),
+        ([], {"GMOCK_OUTPUT_TOKEN_CHUNK_SIZE": "0"}, None, r"--output-token-chunk-size: .*environment GMOCK_OUTPUT_TOKEN_CHUNK_SIZE"),
+        (None, {}, "vocab-size = 0\n", r"--vocab-size: 0 is less than 1 \(from config file .*c.ini, key vocab-size\)"),
+        (None, {}, "engine-count = four\n", r"--engine-count: 'four' is not an integer \(from config file .*key engine-count"),
+        (None, {}, "handshake-address = localhost:29550\n", r"--handshake-address: .* \(from config file .*key handshake-address"),
+        (["--handshake-address", "tcp://h:99999"], {}, None, r"port 99999"),
+        (["--handshake-address", "ipc://"], {}, None, r"no path"),
+        (None, {}, "engine-cont = 4\n", r"config file .*c.ini: unknown key 'engine-cont'"),
+        (None, {}, "dtype = int8\n", r"--dtype: 'int8' is not one of"),
+        (["--no-such-flag"], {}, None, r"unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_bad_values_name_flag_and_source(tmp_path, argv, env, body, pattern):
+    if body is not None:
+        argv = ["--config", ini(tmp_path, body)]
+    with pytest.raises(ConfigError, match=pattern):
+        parse_config(argv, env=env)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match=r"--config: config file .*nope.ini \(given by command line\) does not exist"):
+        parse_config(["--config", str(tmp_path / "nope.ini")], env={})
+    with pytest.raises(ConfigError, match=r"given by environment GMOCK_CONFIG\) does not exist"):
+        parse_config([], env={"GMOCK_CONFIG": str(tmp_path / "nope.ini")})
+    other = tmp_path / "other.ini"
+    other.write_text("[engine]\nengine-count = 2\n")
+    with pytest.raises(ConfigError, match=r"has no \[gmock_engine\] section"):
+        parse_config(["--config", str(other)], env={})
+    garbage = tmp_path / "garbage.ini"
+    garbage.write_text("engine-count = 2\n")
+    with pytest.raises(ConfigError, match=r"is not valid INI"):
+        parse_config(["--config", str(garbage)], env={})
+
+
+def test_print_config_names_every_option_and_its_source(tmp_path):
+    path = ini(tmp_path, "engine-count = 4\n")
+    text = format_config(parse_config(["--config", path, "--seed", "9"], env={"GMOCK_VOCAB_SIZE": "77"}))
+    assert "engine-count = 4" in text and f"config file {path}, key engine-count" in text
+    assert "seed = 9" in text and "from command line" in text
+    assert "vocab-size = 77" in text and "environment GMOCK_VOCAB_SIZE" in text
+    # The output is itself a valid config file with every option.
+    parser = configparser.ConfigParser(inline_comment_prefixes=(";",))
+    parser.read_string(text)
+    keys = set(parser["gmock_engine"])
+    flags = {a.option_strings[0][2:] for a in build_parser()._actions if a.option_strings and a.dest not in ("help", "version", "print_config", "config")}
+    assert flags <= keys
+
+
+@pytest.mark.parametrize("name", ["dp1.ini", "dp4.ini", "all-options.ini"])
+def test_shipped_config_files_parse(name):
+    args = parse_config(["--config", os.path.join(REPO, "conf", name)], env={})
+    assert args.engine_count == {"dp1.ini": 1, "dp4.ini": 4, "all-options.ini": 1}[name]
+
+
+def test_all_options_file_lists_every_option():
+    text = open(os.path.join(REPO, "conf", "all-options.ini")).read()
+    for action in build_parser()._actions:
+        if action.option_strings and action.dest not in ("help", "version", "config"):
+            assert f";{action.option_strings[0][2:]} =" in text, action.option_strings[0]

@@ -1,0 +1,222 @@
+"""protocol.py against real frames from ../shared/traces (copied into tests/data)."""
+
+import json
+import os
+
+import msgpack
+import pytest
+
+from gmock_engine import protocol
+from gmock_engine.protocol import (
+    AbortRequests,
+    EngineCoreRequest,
+    FinishReason,
+    ProtocolError,
+    StartDPWave,
+    UtilityCall,
+)
+
+LAYOUT = protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION]
+DATA = os.path.join(os.path.dirname(__file__), "..", "data", "frames.json")
+with open(DATA) as _f:
+    RECORDS = json.load(_f)["records"]
+
+
+def _frames(record):
+    return [bytes.fromhex(h) for h in record["frames_hex"]]
+
+
+def _records(socket_prefix, direction, note=None):
+    return [
+        r
+        for r in RECORDS
+        if r["socket"].startswith(socket_prefix) and r["dir"] == direction and (note is None or r["note"] == note)
+    ]
+
+
+INPUTS = _records("input", "recv")
+
+
+def test_trace_inputs_cover_every_kind():
+    kinds = {r["decoded"][0]["request_type"] for r in INPUTS}
+    assert kinds == {"ADD", "ABORT", "UTILITY"}
+    assert {r["trace"] for r in INPUTS} >= {"dp1.json", "rust_frontend_dp1.json", "dp4_api2.json"}
+
+
+@pytest.mark.parametrize("record", INPUTS, ids=lambda r: f"{r['trace']}-{r['decoded'][0]['request_type']}")
+def test_decode_real_input_frames(record):
+    """Every input frame the real frontends sent decodes to what the trace's
+    independent decoder saw."""
+    message = protocol.decode_input(_frames(record), LAYOUT)
+    kind = record["decoded"][0]["request_type"]
+    payload = record["decoded"][1]
+    if kind == "ADD":
+        assert isinstance(message, EngineCoreRequest)
+        assert message.request_id == payload[0]
+        assert message.prompt_len == len(payload[1])
+        assert message.client_index == payload[11]
+        sampling = payload[3]
+        # §3.3: Py-FE omits max_tokens when it equals the default 16.
+        assert message.max_tokens == sampling.get("max_tokens", 16)
+        assert message.has_sampling_params
+        assert message.abort_immediately is False
+        assert message.external_req_id == payload[16]
+    elif kind == "ABORT":
+        assert message == AbortRequests(payload)
+    else:
+        assert isinstance(message, UtilityCall)
+        assert [message.client_index, message.call_id, message.method, message.args] == payload
+
+
+def test_uint64_call_ids_survive_a_round_trip():
+    big = [r for r in INPUTS if r["decoded"][0]["request_type"] == "UTILITY" and r["decoded"][1][1] > 2**63]
+    assert big, "traces should hold a call id above 2**63"
+    call = protocol.decode_input(_frames(big[0]), LAYOUT)
+    reply = msgpack.unpackb(protocol.Packer().pack(protocol.utility_reply(0, call.call_id, 1.0, None)))
+    assert reply[4][0] == call.call_id > 2**63
+
+
+def test_py_frontend_absent_max_tokens_means_16():
+    adds = [r for r in INPUTS if r["decoded"][0]["request_type"] == "ADD" and "max_tokens" not in r["decoded"][1][3]]
+    assert adds, "the dp1 trace has a chat request with max_tokens 16 (key absent)"
+    assert protocol.decode_input(_frames(adds[0]), LAYOUT).max_tokens == 16
+
+
+def test_decode_init_from_traces():
+    inits = _records("handshake", "recv", "INIT")
+    assert len(inits) >= 3
+    for record in inits:
+        init = protocol.decode_init(_frames(record))
+        addresses = record["decoded"][0]["addresses"]
+        assert init.inputs == addresses["inputs"] and init.outputs == addresses["outputs"]
+        assert init.coordinator_input == addresses["coordinator_input"]
+        assert init.frontend_stats_publish_address == addresses["frontend_stats_publish_address"]
+    dp4 = [r for r in inits if r["trace"] == "dp4_api2.json"][0]
+    init = protocol.decode_init(_frames(dp4))
+    assert len(init.inputs) == 2 and init.has_coordinator
+
+
+def test_coordinator_frames():
+    coord = _records("coord_in", "recv")
+    ready = [r for r in coord if r["note"] == "coordinator READY"]
+    waves = [r for r in coord if r["note"] != "coordinator READY"]
+    assert ready and waves
+    assert protocol.decode_coordinator(_frames(ready[0]), LAYOUT) is None
+    wave = protocol.decode_coordinator(_frames(waves[0]), LAYOUT)
+    # ≤ 0.32 coordinators send the 2-byte identity as exclude (§3.6).
+    assert isinstance(wave, StartDPWave) and wave.wave == waves[0]["decoded"][1][0]
+    assert wave.exclude_engine_index == b"\x00\x00"
+
+
+def test_ready_response_has_every_key_the_real_frontends_saw():
+    """The registration our layout sends is a superset of what a working
+    engine sent (0.32 trace), with the same value types."""
+    sent = _records("input", "send")[0]["decoded"][0]
+    ours = {key: None for key in LAYOUT.ready_response_keys}
+    assert set(sent) <= set(ours)
+    assert len(LAYOUT.ready_response_keys) == 28  # the 0.33 key set (§2.5)
+    with pytest.raises(KeyError):
+        protocol.ready_response({"max_model_len": 1}, LAYOUT)
+
+
+BAD_FRAMES = [
+    ([b"\x00"], "at least 2 frames"),
+    ([], "at least 2 frames"),
+    ([b"\x07", msgpack.packb([])], "unknown request type byte 07"),
+    ([b"\x00\x00", msgpack.packb([])], "unknown request type"),
+    ([b"\x00", b"\xc1"], "undecodable msgpack"),
+    ([b"\x00", msgpack.packb([1, 2, 3])], "EngineCoreRequest array"),
+    ([b"\x00", msgpack.packb({"a": 1})], "EngineCoreRequest array"),
+    ([b"\x00", msgpack.packb([7, [1], None, {}, None])], "request_id"),
+    ([b"\x00", msgpack.packb(["r", "abc", None, {}, None])], "prompt_token_ids"),
+    ([b"\x00", msgpack.packb(["r", [1], None, [1], None])], "sampling_params"),
+    ([b"\x00", msgpack.packb(["r", [1], None, {"max_tokens": "9"}, None])], "max_tokens"),
+    ([b"\x00", msgpack.packb(["r", [1], None, {"max_tokens": -1}, None])], "max_tokens"),
+    ([b"\x00", msgpack.packb(["r", [1], None, {}, None, 0.0, None, None, None, None, None, "x"])], "client_index"),
+    ([b"\x01", msgpack.packb("r")], "ABORT payload"),
+    ([b"\x01", msgpack.packb(["r", 5])], "ABORT payload"),
+    ([b"\x03", msgpack.packb([0, 1, "m"])], "4-array"),
+    ([b"\x03", msgpack.packb([0, "1", "m", []])], "call_id"),
+    ([b"\x03", msgpack.packb([0, 1, 5, []])], "method name"),
+    ([b"\x03", msgpack.packb([0, 1, "m", 5])], "args"),
+    ([b"\x03", msgpack.packb([-1, 1, "m", []])], "client_index"),
+    ([b"\x02", msgpack.packb(["w", None])], "START_DP_WAVE"),
+    ([b"\x00", msgpack.packb(msgpack.ExtType(1, b"cos\nsystem\n"))], "pickle ext type"),
+    ([b"\x03", msgpack.packb([0, 1, "m", [msgpack.ExtType(2, b"x")]])], "pickle ext type"),
+]
+
+
+@pytest.mark.parametrize("frames,reason", BAD_FRAMES, ids=[r for _, r in BAD_FRAMES])
+def test_bad_frames_raise_a_clear_protocol_error(frames, reason):
+    with pytest.raises(ProtocolError, match=reason):
+        protocol.decode_input(frames, LAYOUT)
+
+
+def test_aux_frames_are_accepted():
+    frames = [b"\x00", msgpack.packb(["r-1", [1, 2], None, {"max_tokens": 3}, None]), b"tensor bytes"]
+    request = protocol.decode_input(frames, LAYOUT)
+    assert request.request_id == "r-1" and request.max_tokens == 3 and request.client_index == 0
+
+
+def test_nil_sampling_params_and_abort_immediately():
+    request = protocol.decode_add(["r", [1], None, None, None], LAYOUT)
+    assert not request.has_sampling_params and request.max_tokens is None
+    full = ["r", [1], None, {}, None] + [None] * 6 + [0, 0, 0, None, False, None, None, None, True]
+    assert protocol.decode_add(full, LAYOUT).abort_immediately is True
+
+
+@pytest.mark.parametrize(
+    "init,reason",
+    [
+        ({"addresses": {"inputs": [], "outputs": []}}, "non-empty"),
+        ({"addresses": {"inputs": ["tcp://a:1"], "outputs": ["tcp://b:1", "tcp://c:1"]}}, "1 inputs but 2 outputs"),
+        ({"addresses": {"inputs": ["tcp://a:1"], "outputs": ["tcp://b:1"], "coordinator_input": "tcp://c:1"}}, "only one"),
+        ({"no": 1}, "addresses"),
+    ],
+)
+def test_bad_init(init, reason):
+    with pytest.raises(ProtocolError, match=reason):
+        protocol.decode_init([msgpack.packb(init)])
+
+
+def test_outputs_are_short_and_never_empty():
+    running = protocol.engine_core_output("r", [5])
+    final = protocol.engine_core_output("r", [6], FinishReason.LENGTH)
+    assert running == ["r", [5]]
+    assert final == ["r", [6], None, None, None, 1]
+    batch = protocol.engine_core_outputs(3, [running], 12.5)
+    assert batch == [3, [running], None, 12.5]
+    done = protocol.engine_core_outputs(3, [final], 13, ["r"])
+    assert done == [3, [final], None, 13.0, None, ["r"]] and isinstance(done[3], float)
+    assert len(done) <= len(LAYOUT.outputs_fields) == 9
+    with pytest.raises(ValueError, match="empty"):
+        protocol.engine_core_outputs(0, [], 1.0)
+
+
+def test_error_output_places_request_error_at_its_layout_position():
+    error = protocol.request_error("engine_paused", "paused", retryable=True)
+    out = protocol.engine_core_output("r", [], FinishReason.ERROR, error, LAYOUT)
+    assert out[5] == 3
+    assert out[LAYOUT.output_position("error")] == error
+    # num_nans_in_logits must be an int, never nil (Rs-FE rejects nil).
+    assert out[LAYOUT.output_position("num_nans_in_logits")] == 0
+    assert len(out) == 19
+
+
+def test_utility_reply_envelopes():
+    ok = protocol.utility_reply(1, 2**64 - 1, 5.0, ["generate"])
+    assert ok == [1, [], None, 5.0, [2**64 - 1, None, [None, ["generate"]]]]
+    unit = protocol.utility_reply(1, 7, 5.0)
+    assert unit[4] == [7, None, [None, None]]  # the envelope is always there (§4.6)
+    failed = protocol.utility_reply(1, 7, 5.0, failure_message="nope")
+    assert failed[4] == [7, "nope", None]
+    packed = protocol.Packer().pack(ok)
+    assert msgpack.unpackb(packed)[4][0] == 2**64 - 1
+
+
+def test_handshake_messages():
+    assert protocol.hello_message() == {"status": "HELLO", "local": False, "headless": True}
+    ready = protocol.ready_message(1024)
+    assert ready == {"status": "READY", "local": False, "headless": True, "num_gpu_blocks": 1024, "dp_stats_address": None}
+    assert protocol.ready_message(1, parallel_config_hash="ab")["parallel_config_hash"] == "ab"
+    assert [protocol.engine_identity(r) for r in (0, 1, 258)] == [b"\x00\x00", b"\x01\x00", b"\x02\x01"]
