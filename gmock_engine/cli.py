@@ -56,6 +56,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config.seed,
     )
 
+    if config.processes > 1:
+        from .processes import run_workers
+
+        return run_workers(config, list(sys.argv[1:] if argv is None else argv))
+
     app = App(config)
     signals_seen = []
 

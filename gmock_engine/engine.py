@@ -108,6 +108,8 @@ class EngineCore:
         #: Utility calls answered when the engine has drained (pause mode "wait").
         self._replies_when_drained: List[Tuple[int, int]] = []
         self.counters: Counter = Counter()
+        #: Extra figures for the `gmock_stats` utility (set by the runtime).
+        self.stats_provider: Callable[[], Dict[str, Any]] = dict
         self.log = logger.bind(engine=self.rank)
 
     # -- queries ---------------------------------------------------------
@@ -431,6 +433,19 @@ def _u_set_weight_version(engine: EngineCore, call: UtilityCall) -> List[Outboun
     return [engine._reply(call)]
 
 
+def _u_gmock_stats(engine: EngineCore, call: UtilityCall) -> List[Outbound]:
+    """gmock_engine's own method (not vLLM's): counters and runtime figures,
+    for the bench driver and for ad-hoc inspection by a test harness."""
+    stats: Dict[str, Any] = {
+        "rank": engine.rank,
+        "active": len(engine.active),
+        "held": len(engine.held),
+        "counters": dict(engine.counters),
+    }
+    stats.update(engine.stats_provider())
+    return [engine._reply(call, stats)]
+
+
 def _u_add_lora(engine: EngineCore, call: UtilityCall) -> List[Outbound]:
     raise _UtilityFailure("LoRA is not supported by gmock_engine (supports_lora is false)")
 
@@ -453,6 +468,7 @@ _UTILITIES: Dict[str, Callable[[EngineCore, UtilityCall], List[Outbound]]] = {
     "get_weight_version": _u_get_weight_version,
     "set_weight_version": _u_set_weight_version,
     "list_loras": _u_value([]),
+    "gmock_stats": _u_gmock_stats,
     "add_lora": _u_add_lora,
     "remove_lora": _u_add_lora,
     "pin_lora": _u_add_lora,

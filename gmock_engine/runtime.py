@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
+import time
 from typing import Any, Callable, Dict, List, Optional
 
 import gevent
@@ -40,6 +40,7 @@ from loguru import logger
 from . import protocol, transport
 from .engine import EngineCore, EngineSettings, Outbound
 from .protocol import InitMessage, ProtocolError, WireLayout
+from .stats import Samples
 
 #: Bounds of the queues between the stages (messages, not tokens).
 INPUT_QUEUE_SIZE = 4096
@@ -103,6 +104,7 @@ class EngineRunner:
         self.sender: Optional[gevent.Greenlet] = None
         self.joined = gevent.event.Event()
         self.bad_frames = 0
+        self.step_lateness = Samples()
 
     # -- startup ---------------------------------------------------------------
 
@@ -170,6 +172,7 @@ class EngineRunner:
                 layout=self.layout,
             )
         )
+        self.engine.stats_provider = self.runtime_stats
         spawn = self.supervisor.spawn
         for index, sock in enumerate(self.sockets.inputs):
             self.readers.append(spawn(f"engine-{self.rank}-reader-{index}", self._reader, sock, index))
@@ -212,20 +215,60 @@ class EngineRunner:
                 self.in_queue.put(message)
 
     def _stepper(self) -> None:
-        """Owns the EngineCore: apply input, step, hand outputs to the sender."""
-        engine, in_queue = self.engine, self.in_queue
-        emit = self._emit
+        """Owns the EngineCore: apply input, step, hand outputs to the sender.
+
+        With --itl-ms the steps follow a fixed grid (step k at t0 + k * itl,
+        t0 = when work arrived); the delay of each step against its slot is
+        recorded as step lateness. A step that is a whole interval late
+        re-anchors the grid instead of bursting to catch up, as a real engine
+        would just run its next step.
+        """
+        engine = self.engine
+        drain = self._drain_input
+        interval = self.config.itl_ms / 1000.0
+        clock = time.monotonic
+        next_step_at: Optional[float] = None
         while True:
             if not engine.has_work:
-                emit(engine.apply(in_queue.get()))  # sleeps until input: idle CPU 0
+                next_step_at = None  # idle: the grid restarts with the next work
+                self._emit(engine.apply(self.in_queue.get()))  # sleeps until input: idle CPU 0
             # Apply everything already queued before the next step, so an
             # ABORT or a new request takes effect at once.
-            while not in_queue.empty():
-                emit(engine.apply(in_queue.get_nowait()))
-            if engine.has_work:
-                emit(engine.step())
+            drain()
+            if not engine.has_work:
+                continue
+            if interval:
+                now = clock()
+                if next_step_at is None:
+                    next_step_at = now
+                while now < next_step_at:
+                    gevent.sleep(next_step_at - now)
+                    drain()  # input that arrived meanwhile joins this step
+                    now = clock()
+                self.step_lateness.add(now - next_step_at)
+                next_step_at += interval
+                if next_step_at <= now:
+                    next_step_at = now + interval
+                if not engine.has_work:  # e.g. everything was aborted meanwhile
+                    continue
+            self._emit(engine.step())
             # Yield to the hub between rounds: readers and the sender run.
             gevent.sleep(0)
+
+    def _drain_input(self) -> None:
+        in_queue, apply, emit = self.in_queue, self.engine.apply, self._emit
+        while not in_queue.empty():
+            emit(apply(in_queue.get_nowait()))
+
+    def runtime_stats(self) -> Dict[str, Any]:
+        """Figures only the runtime knows, for the gmock_stats utility."""
+        return {
+            "pid": os.getpid(),
+            "bad_frames": self.bad_frames,
+            "step_lateness_us": self.step_lateness.summary(scale=1e6),
+            "input_queue": self.in_queue.qsize(),
+            "output_queue": self.out_queue.qsize(),
+        }
 
     def _emit(self, messages: List[Outbound]) -> None:
         put = self.out_queue.put

@@ -162,34 +162,46 @@ class FakeFrontend:
         arrives during that many seconds before the coordinator's READY.
         """
         expected = set(range(self.dp) if ranks is None else ranks)
+        gate_open = self.coord_pub is None
         with gevent.Timeout(timeout):
-            while set(self.hellos) != expected:
+            # Engines run their handshakes independently: HELLOs and READYs
+            # interleave (one engine may be READY before another said HELLO).
+            while set(self.readies) != expected:
+                if not gate_open and set(self.hellos) == expected:
+                    self._coordinator_gate(len(expected), gate_check)
+                    gate_open = True
                 ident, payload = self.handshake.recv_multipart()
                 rank = int.from_bytes(ident, "little")
+                message = unpack(payload)
                 assert rank in expected, f"unexpected engine identity {ident!r}"
-                assert rank not in self.hellos, f"second HELLO from engine {rank}"
-                self.hellos[rank] = unpack(payload)
-                self.handshake.send_multipart([ident, pack(self.init_message())])
-            if self.coord_pub is not None:
-                subscriptions = 0
-                while subscriptions < len(expected):
-                    frame = self.coord_pub.recv()
-                    assert frame == b"\x01", f"coordinator got {frame!r}, expected a subscription"
-                    subscriptions += 1
-                if gate_check:
-                    with gevent.Timeout(gate_check, False):
-                        early = self.handshake.recv_multipart()
-                        raise AssertionError(f"READY before the coordinator gate: {early!r}")
-                self.coord_pub.send(b"READY")
-            while set(self.readies) != expected:
-                ident, payload = self.handshake.recv_multipart()
-                self.readies[int.from_bytes(ident, "little")] = unpack(payload)
+                if message["status"] == "HELLO":
+                    assert rank not in self.hellos, f"second HELLO from engine {rank}"
+                    self.hellos[rank] = message
+                    self.handshake.send_multipart([ident, pack(self.init_message())])
+                else:
+                    assert message["status"] == "READY", message
+                    assert rank in self.hellos and rank not in self.readies, f"unexpected READY from engine {rank}"
+                    assert gate_open, f"READY from engine {rank} before the coordinator gate"
+                    self.readies[rank] = message
             for client, sock in enumerate(self.inputs):
                 for _ in expected:
                     frames = sock.recv_multipart()
                     assert len(frames) == 2, f"registration with {len(frames)} frames"
                     rank = int.from_bytes(frames[0], "little")
                     self.registrations.setdefault(rank, []).append(unpack(frames[1]))
+
+    def _coordinator_gate(self, engines: int, gate_check: float) -> None:
+        """As vLLM's DPCoordinator: one subscription per engine, then READY (§2.6)."""
+        subscriptions = 0
+        while subscriptions < engines:
+            frame = self.coord_pub.recv()
+            assert frame == b"\x01", f"coordinator got {frame!r}, expected a subscription"
+            subscriptions += 1
+        if gate_check:
+            with gevent.Timeout(gate_check, False):
+                early = self.handshake.recv_multipart()
+                raise AssertionError(f"READY before the coordinator gate: {early!r}")
+        self.coord_pub.send(b"READY")
 
     # -- requests -------------------------------------------------------------
 

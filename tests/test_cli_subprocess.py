@@ -132,3 +132,58 @@ def test_print_config(tmp_path):
     assert result.returncode == 0
     assert "engine-count = 4" in result.stdout and "from config file conf/dp4.ini, key engine-count" in result.stdout
     assert "seed = 3" in result.stdout and "from environment GMOCK_SEED" in result.stdout
+
+
+def test_processes_spread_ranks_and_stop_together(tmp_path):
+    frontend = FakeFrontend(num_clients=1, dp=4)
+    log = open(tmp_path / "engine.log", "w+")
+    proc = subprocess.Popen(
+        [RUN_SH, "--handshake-address", frontend.handshake_address, "--engine-count", "4", "--processes", "2"],
+        cwd=REPO_DIR,
+        env=clean_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        frontend.accept_engines(timeout=60)
+        for rank in range(4):
+            frontend.add(rank, f"p-{rank}", max_tokens=3)
+        collected = frontend.collect([f"p-{r}" for r in range(4)])
+        assert {m[0] for m in collected.messages} == {0, 1, 2, 3}
+        # the four ranks live in two worker processes
+        pids = {}
+        for rank in range(4):
+            call_id = frontend.utility(rank, "gmock_stats")
+            pids[rank] = frontend.utility_result(call_id)[2][1]["pid"]
+        assert pids[0] == pids[1] != pids[2] == pids[3] != proc.pid
+        proc.send_signal(signal.SIGTERM)
+        assert wait_exit(proc, 15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        frontend.close()
+
+
+def test_a_dead_worker_stops_the_run_with_status_1(tmp_path):
+    frontend = FakeFrontend(num_clients=1, dp=2)
+    log = open(tmp_path / "engine.log", "w+")
+    proc = subprocess.Popen(
+        [RUN_SH, "--handshake-address", frontend.handshake_address, "--engine-count", "2", "--processes", "2"],
+        cwd=REPO_DIR,
+        env=clean_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        frontend.accept_engines(timeout=60)
+        call_id = frontend.utility(1, "gmock_stats")
+        worker = frontend.utility_result(call_id)[2][1]["pid"]
+        os.kill(worker, signal.SIGKILL)
+        assert wait_exit(proc, 15) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        frontend.close()
+    log.seek(0)
+    text = log.read()
+    assert f"worker pid {worker} (engines 1..1) exited with status -9; stopping all workers" in text

@@ -208,3 +208,32 @@ def test_a_failing_greenlet_stops_everything(monkeypatch):
         assert all(g.dead for g in app.supervisor.group)
     finally:
         frontend.close()
+
+
+def test_itl_paces_steps_on_the_engine_clock():
+    """--itl-ms 20: consecutive steps are never closer than the interval
+    (a lower bound: the engine sleeps until each slot; no upper bound is
+    asserted on this shared machine)."""
+    frontend = FakeFrontend(num_clients=1, dp=1)
+    app, waiter = start_app(frontend, "--itl-ms", "20")
+    try:
+        frontend.accept_engines()
+        frontend.add(0, "paced-a", max_tokens=6)
+        frontend.add(0, "paced-b", max_tokens=6)
+        collected = frontend.collect(["paced-a", "paced-b"])
+        stamps = [m[3] for m in collected.messages]
+        # both requests advance on the same steps: 6 messages, not 12
+        assert len(stamps) == 6 and all(len(m[1]) == 2 for m in collected.messages)
+        gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+        # Timestamps are taken after each step's work, so one gap can be
+        # short by the difference of two steps' compute times (µs here).
+        assert min(gaps) >= 0.018, gaps
+        assert stamps[-1] - stamps[0] >= 5 * 0.020 - 0.001, stamps
+        call_id = frontend.utility(0, "gmock_stats")
+        stats = frontend.utility_result(call_id)[2][1]
+        assert stats["step_lateness_us"]["total"] == 6
+        assert stats["counters"]["finished_length"] == 2 and stats["active"] == 0
+    finally:
+        app.stop()
+        assert waiter.get(timeout=5) == 0
+        frontend.close()

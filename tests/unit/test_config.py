@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from gmock_engine.config import ConfigError, build_parser, format_config, parse_config
+from gmock_engine.config import ConfigError, build_parser, format_config, options_template, parse_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -126,6 +126,7 @@ def test_shipped_config_files_parse(name):
 
 def test_all_options_file_lists_every_option():
     text = open(os.path.join(REPO, "conf", "all-options.ini")).read()
+    assert text == options_template(), "regenerate: python -m gmock_engine.config > conf/all-options.ini"
     for action in build_parser()._actions:
         if action.option_strings and action.dest not in ("help", "version", "config"):
             assert f";{action.option_strings[0][2:]} =" in text, action.option_strings[0]

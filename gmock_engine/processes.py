@@ -1,0 +1,123 @@
+"""--processes N: engine ranks spread over N worker processes, supervised.
+
+gevent runs on one core. To use more, the parent starts N copies of this
+program, each with its slice of ranks (`--data-parallel-start-rank`,
+`--engine-count`) and its own hub, and supervises them: a worker that exits
+on its own stops the whole run with a clear message and status 1; SIGINT or
+SIGTERM is passed on to every worker, which then have a bounded time to exit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import sys
+from typing import Any, List, Sequence, Tuple
+
+import gevent
+import gevent.event
+from gevent import subprocess
+from loguru import logger
+
+#: How long workers get to exit after SIGTERM before they are killed.
+WORKER_EXIT_TIMEOUT_S = 3.0
+
+
+def split_ranks(first: int, count: int, processes: int) -> List[Tuple[int, int]]:
+    """(start rank, engine count) per worker, as even as possible, in order."""
+    base, extra = divmod(count, processes)
+    slices, start = [], first
+    for index in range(processes):
+        size = base + (1 if index < extra else 0)
+        slices.append((start, size))
+        start += size
+    return slices
+
+
+def _worker_preexec() -> None:
+    """In the worker, before exec: die with the parent (Linux PR_SET_PDEATHSIG),
+    so a SIGKILLed parent leaves no engines behind."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent's signal handling still stops the workers
+
+
+def worker_command(argv: Sequence[str], start: int, count: int, dp_size: int) -> List[str]:
+    """This program's own argv with the worker's slice; the command line wins
+    over environment and file, so the appended flags decide."""
+    return [
+        sys.executable,
+        "-m",
+        "gmock_engine",
+        *argv,
+        "--processes",
+        "1",
+        "--data-parallel-start-rank",
+        str(start),
+        "--engine-count",
+        str(count),
+        "--data-parallel-size",
+        str(dp_size),
+    ]
+
+
+def run_workers(config: Any, argv: Sequence[str]) -> int:
+    """Start and supervise the workers; return the exit status."""
+    slices = split_ranks(config.data_parallel_start_rank, config.engine_count, config.processes)
+    stop = gevent.event.Event()
+    failures: List[str] = []
+    workers: List[Any] = []
+    for start, count in slices:
+        command = worker_command(argv, start, count, config.data_parallel_size)
+        # Own session: a terminal's Ctrl-C reaches only the parent, which
+        # passes one SIGTERM on (a worker's second signal would mean "exit now").
+        workers.append(subprocess.Popen(command, start_new_session=True, preexec_fn=_worker_preexec))
+        logger.info("worker pid {} runs engines {}..{}", workers[-1].pid, start, start + count - 1)
+
+    def watch(worker: Any, start: int, count: int) -> None:
+        status = worker.wait()
+        if not stop.is_set():
+            failures.append(f"worker pid {worker.pid} (engines {start}..{start + count - 1}) exited with status {status}")
+            logger.error("{}; stopping all workers", failures[-1])
+            stop.set()
+
+    watchers = [gevent.spawn(watch, w, s, c) for w, (s, c) in zip(workers, slices)]
+    signals_seen: List[int] = []
+
+    def on_signal(signum: int) -> None:
+        if signals_seen:
+            for worker in workers:
+                if worker.poll() is None:
+                    worker.kill()
+            return
+        signals_seen.append(signum)
+        logger.info("{} received; stopping {} workers", signal.Signals(signum).name, len(workers))
+        stop.set()
+
+    handlers = [gevent.signal_handler(s, on_signal, s) for s in (signal.SIGINT, signal.SIGTERM)]
+    try:
+        stop.wait()
+        for worker in workers:
+            if worker.poll() is None:
+                worker.send_signal(signal.SIGTERM)
+        deadline = gevent.Timeout(WORKER_EXIT_TIMEOUT_S, False)
+        with deadline:
+            for worker in workers:
+                worker.wait()
+        for worker in workers:
+            if worker.poll() is None:
+                failures.append(f"worker pid {worker.pid} did not exit within {WORKER_EXIT_TIMEOUT_S} s; killed")
+                logger.error(failures[-1])
+                worker.kill()
+                worker.wait()
+        gevent.killall(watchers, timeout=1)
+    finally:
+        for handler in handlers:
+            handler.cancel()
+    bad = [w for w in workers if w.returncode not in (0, None)]
+    if failures or bad:
+        if not failures:
+            logger.error("workers exited with status {}", [w.returncode for w in workers])
+        return 1
+    return 0
