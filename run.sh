@@ -3,6 +3,7 @@
 #
 #   ./run.sh [engine options]     run the mock engine (e.g. ./run.sh --config conf/dp4.ini)
 #   ./run.sh test [pytest args]   run the whole test suite
+#   ./run.sh bench [options]      the load driver (gmock-engine bench --help)
 #
 # The first use creates a virtualenv in .venv inside the checkout and installs
 # the package into it (plus the `test` extra for `./run.sh test`); later uses
@@ -46,5 +47,6 @@ cd "$HERE"
 if [[ "$MODE" == test ]]; then
   exec "$VENV/bin/python" -m pytest "$@"
 fi
-# exec, so that SIGTERM/SIGINT reach the engine itself.
+# exec, so that SIGTERM/SIGINT reach the engine itself. `bench` is passed
+# through as the first argument: `./run.sh bench` = `gmock-engine bench`.
 exec "$VENV/bin/python" -m gmock_engine "$@"

@@ -1,21 +1,29 @@
 """Entry point: `python -m gmock_engine` and the `gmock-engine` script.
 
-gevent's monkey-patching must come before anything else imports socket,
-threading or time-related modules (STYLE.md pitfall 1).
+`gmock-engine bench ...` runs the load driver (bench.py), a plain pyzmq
+program that starts the engine as a subprocess. Everything else is the
+engine, which needs gevent's monkey-patching before anything else imports
+socket, threading or time-related modules (STYLE.md pitfall 1): it is the
+first thing the engine path does.
 """
 
-from gevent import monkey
-
-monkey.patch_all()
-
-import sys  # noqa: E402
-
-from gmock_engine.cli import main as _main  # noqa: E402
+import sys
 
 
 def main() -> None:
-    """Console-script entry: exit with the engine's status."""
-    sys.exit(_main())
+    """Console-script entry: exit with the program's status."""
+    if sys.argv[1:2] == ["bench"]:
+        from gmock_engine.bench import main as bench_main
+
+        sys.exit(bench_main(sys.argv[2:]))
+
+    from gevent import monkey
+
+    monkey.patch_all()
+
+    from gmock_engine.cli import main as engine_main
+
+    sys.exit(engine_main())
 
 
 if __name__ == "__main__":
