@@ -275,7 +275,7 @@ class Driver:
             self.run(0.05, measure=False, keep_loading=False)
         self.sent_at.clear()
 
-    def utility(self, rank: int, method: str, timeout: float = 5.0) -> Any:
+    def utility(self, rank: int, method: str, timeout: float = 30.0) -> Any:
         call_id = next(self.ids) + 1
         self.fe.inputs[0].send_multipart([_identity(rank), b"\x03", self.fe.pack([0, call_id, method, []])])
         deadline = time.monotonic() + timeout
@@ -320,6 +320,7 @@ def run_target(target: str, args: argparse.Namespace) -> Dict[str, Any]:
         fe.accept(args.join_timeout, proc)
         result["join_s"] = time.monotonic() - started
         pids = process_tree(proc.pid)
+        result["rss_idle_mb"] = tree_rss_bytes(pids) / 2**20
         driver = Driver(fe, args, pids)
         if args.warmup:
             driver.run(args.warmup, measure=False)
@@ -352,6 +353,10 @@ def run_target(target: str, args: argparse.Namespace) -> Dict[str, Any]:
                 "processes": len(pids),
                 "rss_mb": load.peak_rss / 2**20,
                 "rss_before_mb": rss_before / 2**20,
+                # per request in flight, from the idle engine to the loaded one
+                "rss_kb_per_request": (load.peak_rss / 2**20 - result["rss_idle_mb"])
+                * 1024
+                / max(1, args.concurrency * args.engines),
                 "tokens": load.tokens,
             }
         )

@@ -242,8 +242,16 @@ class EngineRunner:
                 if next_step_at is None:
                     next_step_at = now
                 while now < next_step_at:
-                    gevent.sleep(next_step_at - now)
-                    drain()  # input that arrived meanwhile joins this step
+                    # Wait for the slot, but keep taking input meanwhile: it
+                    # joins this step, and the readers never stall on a full
+                    # input queue while the engine waits for its timer.
+                    try:
+                        message = self.in_queue.get(timeout=next_step_at - now)
+                    except gevent.queue.Empty:
+                        pass
+                    else:
+                        self._emit(engine.apply(message))
+                        drain()
                     now = clock()
                 self.step_lateness.add(now - next_step_at)
                 next_step_at += interval
