@@ -41,6 +41,7 @@ from . import protocol, transport
 from .engine import EngineCore, EngineSettings, Outbound
 from .protocol import InitMessage, ProtocolError, WireLayout
 from .stats import Samples
+from .steptimer import StepTimer
 
 #: Bounds of the queues between the stages (messages, not tokens).
 INPUT_QUEUE_SIZE = 4096
@@ -105,6 +106,8 @@ class EngineRunner:
         self.joined = gevent.event.Event()
         self.bad_frames = 0
         self.step_lateness = Samples()
+        #: Set by the readers after queueing input and by the step timer.
+        self.wake = gevent.event.Event()
 
     # -- startup ---------------------------------------------------------------
 
@@ -190,7 +193,7 @@ class EngineRunner:
 
     def _reader(self, sock: Any, index: int) -> None:
         """Input DEALER -> decoded messages -> input queue."""
-        layout, put = self.layout, self.in_queue.put
+        layout, put, wake = self.layout, self.in_queue.put, self.wake
         where = f"input[{index}]"
         while True:
             frames = sock.recv_multipart()
@@ -200,6 +203,7 @@ class EngineRunner:
                 self._drop(where, exc)
                 continue
             put(message)
+            wake.set()
 
     def _coordinator_reader(self) -> None:
         """Coordinator XSUB: START_DP_WAVE, and later READY frames to ignore (§2.6)."""
@@ -213,9 +217,14 @@ class EngineRunner:
                 continue
             if message is not None:
                 self.in_queue.put(message)
+                self.wake.set()
 
     def _stepper(self) -> None:
         """Owns the EngineCore: apply input, step, hand outputs to the sender.
+
+        It sleeps on `wake`, which the readers set after queueing input and
+        the step timer sets when a slot is due, so an idle engine costs no
+        CPU and input is applied while the engine waits for its next slot.
 
         With --itl-ms the steps follow a fixed grid (step k at t0 + k * itl,
         t0 = when work arrived); the delay of each step against its slot is
@@ -223,45 +232,40 @@ class EngineRunner:
         re-anchors the grid instead of bursting to catch up, as a real engine
         would just run its next step.
         """
-        engine = self.engine
-        drain = self._drain_input
+        engine, wake = self.engine, self.wake
         interval = self.config.itl_ms / 1000.0
         clock = time.monotonic
+        timer = StepTimer(wake.set) if interval else None
         next_step_at: Optional[float] = None
-        while True:
-            if not engine.has_work:
-                next_step_at = None  # idle: the grid restarts with the next work
-                self._emit(engine.apply(self.in_queue.get()))  # sleeps until input: idle CPU 0
-            # Apply everything already queued before the next step, so an
-            # ABORT or a new request takes effect at once.
-            drain()
-            if not engine.has_work:
-                continue
-            if interval:
-                now = clock()
-                if next_step_at is None:
-                    next_step_at = now
-                while now < next_step_at:
-                    # Wait for the slot, but keep taking input meanwhile: it
-                    # joins this step, and the readers never stall on a full
-                    # input queue while the engine waits for its timer.
-                    try:
-                        message = self.in_queue.get(timeout=next_step_at - now)
-                    except gevent.queue.Empty:
-                        pass
-                    else:
-                        self._emit(engine.apply(message))
-                        drain()
-                    now = clock()
-                self.step_lateness.add(now - next_step_at)
-                next_step_at += interval
-                if next_step_at <= now:
-                    next_step_at = now + interval
-                if not engine.has_work:  # e.g. everything was aborted meanwhile
+        try:
+            while True:
+                # Apply everything queued before the next step, so an ABORT
+                # or a new request takes effect at once.
+                self._drain_input()
+                if not engine.has_work:
+                    next_step_at = None  # idle: the grid restarts with the next work
+                    wake.wait()
+                    wake.clear()
                     continue
-            self._emit(engine.step())
-            # Yield to the hub between rounds: readers and the sender run.
-            gevent.sleep(0)
+                if interval:
+                    now = clock()
+                    if next_step_at is None:
+                        next_step_at = now
+                    elif now < next_step_at:
+                        timer.arm(next_step_at)
+                        wake.wait()
+                        wake.clear()
+                        continue  # input may have arrived: drain, then check the time
+                    self.step_lateness.add(now - next_step_at)
+                    next_step_at += interval
+                    if next_step_at <= now:
+                        next_step_at = now + interval
+                self._emit(engine.step())
+                # Yield to the hub between rounds: readers and the sender run.
+                gevent.sleep(0)
+        finally:
+            if timer is not None:
+                timer.close()
 
     def _drain_input(self) -> None:
         in_queue, apply, emit = self.in_queue, self.engine.apply, self._emit
