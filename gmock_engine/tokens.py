@@ -45,6 +45,9 @@ class RandomTokens:
     def draw(self, state: int, n: int) -> Tuple[List[int], int]:
         """The next `n` token ids after `state`, and the state after them."""
         vocab = self.vocab_size
+        if n == 1:  # the common case (chunk 1): no loop, no list growth
+            state = (state * _LCG_MUL + _LCG_INC) & _MASK64
+            return [((state >> 32) * vocab) >> 32], state
         tokens = []
         for _ in range(n):
             state = (state * _LCG_MUL + _LCG_INC) & _MASK64
