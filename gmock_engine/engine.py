@@ -37,6 +37,11 @@ from .tokens import RandomTokens
 Outbound = Tuple[int, List[Any]]
 
 PAUSE_MODES = ("abort", "wait", "keep")
+#: Client index of the coordinator_output socket in Outbound pairs (vLLM uses -1 too).
+COORDINATOR = -1
+#: SchedulerStats go out when running/waiting changed, at most this often
+#: (at once when the engine becomes idle, so gauges drop to 0 promptly).
+STATS_INTERVAL_S = 0.05
 
 
 class PauseState(enum.Enum):
@@ -59,6 +64,10 @@ class EngineSettings:
     seed: int = 0
     log_requests: bool = False
     supported_tasks: Tuple[str, ...] = ("generate",)
+    num_gpu_blocks: int = 65536
+    block_size: int = 16
+    #: INIT named a DP coordinator: stats also go to it (client index -1, §6.2).
+    has_coordinator: bool = False
     layout: WireLayout = field(default_factory=lambda: protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION])
 
 
@@ -108,6 +117,11 @@ class EngineCore:
         #: Utility calls answered when the engine has drained (pause mode "wait").
         self._replies_when_drained: List[Tuple[int, int]] = []
         self.counters: Counter = Counter()
+        #: Σ (prompt + output tokens) of the running requests, for kv_cache_usage.
+        self.kv_tokens = 0
+        self._kv_capacity = max(1, settings.num_gpu_blocks * settings.block_size)
+        self._stats_counts: Tuple[int, int] = (0, 0)
+        self._stats_at = float("-inf")
         #: Extra figures for the `gmock_stats` utility (set by the runtime).
         self.stats_provider: Callable[[], Dict[str, Any]] = dict
         self.log = logger.bind(engine=self.rank)
@@ -196,18 +210,30 @@ class EngineCore:
             return self._flush(batches)
         entry = ActiveRequest(rid, client, max_tokens, self.tokens.initial_state(rid), request.prompt_len)
         if self.pause_state is PauseState.UNPAUSED:
-            self.active[rid] = entry
+            self._activate(entry)
         else:
             self.held[rid] = entry
         return []
+
+    def _activate(self, entry: ActiveRequest) -> None:
+        self.active[entry.request_id] = entry
+        self.kv_tokens += entry.prompt_len + entry.num_output_tokens
+
+    def _release(self, entry: ActiveRequest) -> None:
+        """Account for a running request that left `active` (its KV is freed)."""
+        self.kv_tokens -= entry.prompt_len + entry.num_output_tokens
 
     def abort_requests(self, request_ids: List[str]) -> List[Outbound]:
         """ABORT (§3.4): end the listed active ids; unknown ids are ignored."""
         batches: Dict[int, _Batch] = {}
         for rid in request_ids:
-            entry = self.active.pop(rid, None) or self.held.pop(rid, None)
-            if entry is None:
-                continue
+            entry = self.active.pop(rid, None)
+            if entry is not None:
+                self._release(entry)
+            else:
+                entry = self.held.pop(rid, None)
+                if entry is None:
+                    continue
             self._end(batches, entry, FinishReason.ABORT)
         out = self._flush(batches)
         self._check_drained(out)
@@ -234,6 +260,7 @@ class EngineCore:
         make_output = protocol.engine_core_output
         batches: Dict[int, _Batch] = {}
         done: List[ActiveRequest] = []
+        emitted = 0
         for entry in self.active.values():
             batch = batches.get(entry.client_index)
             if batch is None:
@@ -242,6 +269,7 @@ class EngineCore:
             n = chunk if chunk < remaining else remaining
             tokens, entry.rng_state = draw(entry.rng_state, n)
             entry.num_output_tokens += n
+            emitted += n
             if n == remaining:
                 batch.outputs.append(make_output(entry.request_id, tokens, FinishReason.LENGTH))
                 batch.finished.append(entry.request_id)
@@ -249,8 +277,11 @@ class EngineCore:
             else:
                 batch.outputs.append(make_output(entry.request_id, tokens))
         self.counters["steps"] += 1
+        self.counters["tokens"] += emitted
+        self.kv_tokens += emitted
         for entry in done:
             del self.active[entry.request_id]
+            self._release(entry)
             self._count_finish(entry, FinishReason.LENGTH)
         out = self._flush(batches)
         self._check_drained(out)
@@ -297,9 +328,9 @@ class EngineCore:
         """resume_scheduler: held requests start generating."""
         self.pause_state = PauseState.UNPAUSED
         self.reject_new_requests = False
-        if self.held:
-            self.active.update(self.held)
-            self.held.clear()
+        for entry in self.held.values():
+            self._activate(entry)
+        self.held.clear()
 
     def _check_drained(self, out: List[Outbound]) -> None:
         if self._replies_when_drained and not self.active:
@@ -358,11 +389,34 @@ class EngineCore:
             )
 
     def _flush(self, batches: Dict[int, _Batch]) -> List[Outbound]:
+        """One EngineCoreOutputs per client; SchedulerStats on the first one
+        when due (§4.1, §7.3), and then also to the coordinator (§6.2)."""
         now = self.clock()
-        return [
-            (client, protocol.engine_core_outputs(self.rank, batch.outputs, now, batch.finished or None))
-            for client, batch in batches.items()
-        ]
+        stats = self._stats_if_due(now) if batches else None
+        out: List[Outbound] = []
+        for client, batch in batches.items():
+            out.append((client, protocol.engine_core_outputs(self.rank, batch.outputs, now, batch.finished or None, stats)))
+            stats = None
+        if out and out[0][1][2] is not None and self.settings.has_coordinator:
+            out.append((COORDINATOR, protocol.engine_core_outputs(self.rank, [], now, None, out[0][1][2])))
+        return out
+
+    def _stats_if_due(self, now: float) -> Optional[Dict[str, Any]]:
+        counts = (len(self.active), len(self.held))
+        if counts == self._stats_counts or (counts[0] and now - self._stats_at < STATS_INTERVAL_S):
+            return None
+        self._stats_counts, self._stats_at = counts, now
+        return self.scheduler_stats()
+
+    def scheduler_stats(self) -> Dict[str, Any]:
+        """The engine's SchedulerStats now. KV usage counts tokens, not
+        per-request rounded-up blocks (within one block per request)."""
+        return protocol.scheduler_stats(
+            num_running_reqs=len(self.active),
+            num_waiting_reqs=len(self.held),
+            kv_cache_usage=min(1.0, self.kv_tokens / self._kv_capacity),
+            step_counter=self.counters["steps"],
+        )
 
 
 class _UtilityFailure(Exception):

@@ -77,19 +77,27 @@ def run_workers(config: Any, argv: Sequence[str]) -> int:
 
     def watch(worker: Any, start: int, count: int) -> None:
         status = worker.wait()
-        if not stop.is_set():
-            failures.append(f"worker pid {worker.pid} (engines {start}..{start + count - 1}) exited with status {status}")
-            logger.error("{}; stopping all workers", failures[-1])
-            stop.set()
+        if stop.is_set():
+            return
+        what = f"worker pid {worker.pid} (engines {start}..{start + count - 1}) exited with status {status}"
+        if status == 0:
+            # An orderly stop of a worker (someone signalled it directly):
+            # stop the others the same way.
+            logger.info("{}; stopping the other workers", what)
+        else:
+            failures.append(what)
+            logger.error("{}; stopping all workers", what)
+        stop.set()
 
     watchers = [gevent.spawn(watch, w, s, c) for w, (s, c) in zip(workers, slices)]
     signals_seen: List[int] = []
 
     def on_signal(signum: int) -> None:
-        if signals_seen:
+        if signals_seen:  # a second signal: stop now
             for worker in workers:
                 if worker.poll() is None:
                     worker.kill()
+            signals_seen.append(signum)
             return
         signals_seen.append(signum)
         logger.info("{} received; stopping {} workers", signal.Signals(signum).name, len(workers))
@@ -101,8 +109,7 @@ def run_workers(config: Any, argv: Sequence[str]) -> int:
         for worker in workers:
             if worker.poll() is None:
                 worker.send_signal(signal.SIGTERM)
-        deadline = gevent.Timeout(WORKER_EXIT_TIMEOUT_S, False)
-        with deadline:
+        with gevent.Timeout(WORKER_EXIT_TIMEOUT_S, False):
             for worker in workers:
                 worker.wait()
         for worker in workers:
@@ -115,9 +122,9 @@ def run_workers(config: Any, argv: Sequence[str]) -> int:
     finally:
         for handler in handlers:
             handler.cancel()
-    bad = [w for w in workers if w.returncode not in (0, None)]
-    if failures or bad:
-        if not failures:
-            logger.error("workers exited with status {}", [w.returncode for w in workers])
-        return 1
-    return 0
+    if len(signals_seen) > 1:
+        return 128 + signals_seen[-1]
+    # After a requested stop, how a worker ended does not matter (it may have
+    # had a signal of its own too, e.g. from a process-group kill), only that
+    # it did, in time. Before it, any exit is a failure (see watch()).
+    return 1 if failures else 0

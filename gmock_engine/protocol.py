@@ -493,6 +493,50 @@ def engine_core_output(
     return out
 
 
+def scheduler_stats(
+    num_running_reqs: int,
+    num_waiting_reqs: int,
+    kv_cache_usage: float,
+    step_counter: int,
+    current_wave: int = 0,
+) -> Dict[str, Any]:
+    """A SchedulerStats map with the full 0.33 key set (§7.1).
+
+    vllm-rs 0.33 fails to decode a message whose stats lack any required key
+    (step_counter, the 7 prefix-cache counters, kv_cache_eviction_events...),
+    so every key is always sent; the Python frontend ignores unknown ones.
+    Prefix-cache counters are per-interval deltas (0: no prefix cache).
+    """
+    return {
+        "num_running_reqs": num_running_reqs,
+        "num_waiting_reqs": num_waiting_reqs,
+        "num_skipped_waiting_reqs": 0,
+        "num_kv_fetch_reqs_by_stage": {},
+        "step_counter": step_counter,
+        "current_wave": current_wave,
+        "kv_cache_usage": float(kv_cache_usage),
+        "iteration_details": None,
+        "prefix_cache_stats": {
+            "reset": False,
+            "requests": 0,
+            "queries": 0,
+            "hits": 0,
+            "preempted_requests": 0,
+            "preempted_queries": 0,
+            "preempted_hits": 0,
+        },
+        "connector_prefix_cache_stats": None,
+        "kv_cache_eviction_events": [],
+        "spec_decoding_stats": None,
+        "kv_connector_stats": None,
+        "ec_connector_stats": None,
+        "waiting_lora_adapters": {},
+        "running_lora_adapters": {},
+        "cudagraph_stats": None,
+        "perf_stats": None,
+    }
+
+
 def request_error(code: str, message: str, retryable: bool = False) -> Dict[str, Any]:
     """A RequestError map (0.33, sent with FinishReason.ERROR)."""
     return {"code": code, "message": message, "retryable": retryable}

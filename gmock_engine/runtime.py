@@ -172,6 +172,9 @@ class EngineRunner:
                 seed=c.seed,
                 log_requests=c.log_requests,
                 supported_tasks=tuple(c.supported_tasks),
+                num_gpu_blocks=c.num_gpu_blocks,
+                block_size=c.block_size,
+                has_coordinator=init.has_coordinator,
                 layout=self.layout,
             )
         )
@@ -288,8 +291,10 @@ class EngineRunner:
             put(item)
 
     def _sender(self) -> None:
-        """The one place a message leaves: pack and PUSH to outputs[client_index]."""
-        outputs = self.sockets.outputs
+        """The one place a message leaves: pack and PUSH to outputs[client_index]
+        (client index -1: the coordinator_output socket, §6.2)."""
+        outputs = list(self.sockets.outputs)
+        outputs.append(self.sockets.coordinator_output)  # index -1
         pack = protocol.Packer().pack
         get = self.out_queue.get
         while True:

@@ -79,6 +79,14 @@ def test_requests_on_every_engine_and_client(dp4):
             assert all(ids[o[0]][0] == message[0] for o in message[1])  # engine_index = rank
     counts = app.counters()
     assert all(counts[r]["finished_length"] == 2 for r in range(4))
+    # every engine told the coordinator its running count, ending at 0 (§6.2)
+    last = {}
+    with gevent.Timeout(5):
+        while len(last) < 4 or any(s["num_running_reqs"] for s in last.values()):
+            message = msgpack.unpackb(frontend.coord_pull.recv(), strict_map_key=False)
+            assert message[1] == [] and len(message) == 4
+            last[message[0]] = message[2]
+    assert set(last) == {0, 1, 2, 3}
 
 
 def test_utility_reply_goes_to_the_callers_client_only(dp4):

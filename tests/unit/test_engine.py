@@ -269,3 +269,55 @@ def test_invalid_pause_mode_fails_the_call():
     engine.apply(add("r", 5))
     answer = reply(call(engine, "pause_generation", "sideways"))
     assert "sideways" in answer[1] and engine.num_active == 1
+
+
+RS_FE_REQUIRED_STATS = {
+    "num_running_reqs",
+    "num_waiting_reqs",
+    "step_counter",
+    "current_wave",
+    "kv_cache_usage",
+    "prefix_cache_stats",
+    "kv_cache_eviction_events",
+}
+
+
+def test_scheduler_stats_follow_running_and_drop_to_zero():
+    engine = EngineCore(EngineSettings(rank=2, num_clients=2, num_gpu_blocks=10, block_size=16), clock=Clock())
+    engine.apply(add("a", 3, client=1))
+    engine.apply(add("b", 2, client=0))
+    first = engine.step()
+    stats = [m[2] for _, m in first if m[2] is not None]
+    assert len(stats) == 1  # on one client's message per step (§4.1)
+    assert first[0][1][2] is stats[0]
+    assert RS_FE_REQUIRED_STATS <= set(stats[0])
+    assert set(stats[0]["prefix_cache_stats"]) >= {"reset", "requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits"}
+    assert stats[0]["num_running_reqs"] == 2 and stats[0]["num_waiting_reqs"] == 0
+    # KV: (3 + 1) + (3 + 1) tokens of 160
+    assert stats[0]["kv_cache_usage"] == pytest.approx(8 / 160)
+    sent = run(engine)
+    last = [m[2] for _, m in sent if m[2] is not None][-1]
+    assert last["num_running_reqs"] == 0 and last["kv_cache_usage"] == 0.0
+    assert engine.kv_tokens == 0
+
+
+def test_stats_also_go_to_the_coordinator():
+    engine = EngineCore(EngineSettings(rank=1, num_clients=1, has_coordinator=True), clock=Clock())
+    engine.apply(add("a", 2))
+    sent = engine.step()
+    coordinator = [m for c, m in sent if c == -1]
+    assert len(coordinator) == 1
+    assert coordinator[0][0] == 1 and coordinator[0][1] == [] and coordinator[0][2]["num_running_reqs"] == 1
+    assert len(coordinator[0]) == 4  # stats only: no outputs, no utility (§6.2)
+
+
+def test_held_requests_count_as_waiting_and_aborts_free_kv():
+    engine = make()
+    engine.apply(add("run", 100))
+    engine.step()
+    call(engine, "pause_generation", "keep", False)
+    engine.apply(add("wait", 5))
+    assert engine.scheduler_stats()["num_waiting_reqs"] == 1
+    assert engine.scheduler_stats()["num_running_reqs"] == 1
+    engine.apply(AbortRequests(["run", "wait"]))
+    assert engine.kv_tokens == 0 and engine.num_active == 0
