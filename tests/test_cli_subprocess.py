@@ -8,9 +8,9 @@ import time
 import gevent
 import pytest
 
-from conftest import REPO_DIR
 from fake_frontend import FakeFrontend
 
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_SH = os.path.join(REPO_DIR, "run.sh")
 
 
