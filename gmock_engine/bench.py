@@ -215,7 +215,7 @@ class Driver:
         rate_gap = 1.0 / args.rate if args.rate else 0.0
         next_send = start
         rr = itertools.cycle(range(fe.engines))
-        if not args.rate:
+        if keep_loading and not args.rate:
             for rank in range(fe.engines):
                 while self.per_engine[rank] < concurrency:
                     self.add(rank, start, measure)
@@ -224,7 +224,7 @@ class Driver:
             now = time.monotonic()
             if now >= end:
                 break
-            if args.rate:
+            if args.rate and keep_loading:
                 while next_send <= now:
                     self.add(next(rr), now, measure)
                     next_send += rate_gap
@@ -262,7 +262,7 @@ class Driver:
         load.driver_cpu = time.process_time() - drv0
         return load
 
-    def drain(self, timeout: float = 10.0) -> None:
+    def drain(self, timeout: float = 30.0) -> None:
         """Abort everything in flight and read until each has ended."""
         by_rank: Dict[int, List[str]] = {}
         for rid, rank in self.inflight.items():
@@ -274,6 +274,8 @@ class Driver:
         while self.inflight and time.monotonic() < deadline:
             self.run(0.05, measure=False, keep_loading=False)
         self.sent_at.clear()
+        if self.inflight:
+            raise RuntimeError(f"{len(self.inflight)} requests still in flight {timeout} s after aborting them")
 
     def utility(self, rank: int, method: str, timeout: float = 30.0) -> Any:
         call_id = next(self.ids) + 1
