@@ -24,6 +24,7 @@ from loguru import logger
 from . import protocol
 from .protocol import (
     AbortRequests,
+    EngineCoreEventType,
     EngineCoreRequest,
     FinishReason,
     InputMessage,
@@ -74,15 +75,19 @@ class EngineSettings:
 class ActiveRequest:
     """A request that is generating (or held while the engine is paused)."""
 
-    __slots__ = ("request_id", "client_index", "max_tokens", "num_output_tokens", "rng_state", "prompt_len")
+    __slots__ = ("request_id", "client_index", "max_tokens", "num_output_tokens", "rng_state", "prompt_len", "queued_at")
 
-    def __init__(self, request_id: str, client_index: int, max_tokens: int, rng_state: int, prompt_len: int) -> None:
+    def __init__(
+        self, request_id: str, client_index: int, max_tokens: int, rng_state: int, prompt_len: int, queued_at: float
+    ) -> None:
         self.request_id = request_id
         self.client_index = client_index
         self.max_tokens = max_tokens
         self.num_output_tokens = 0
         self.rng_state = rng_state
         self.prompt_len = prompt_len
+        #: Engine clock at ADD: the QUEUED event of the first output (§4.5).
+        self.queued_at = queued_at
 
 
 class _Batch:
@@ -208,7 +213,7 @@ class EngineCore:
         if max_tokens == 0:
             self._finish_now(batches, client, rid, FinishReason.LENGTH)
             return self._flush(batches)
-        entry = ActiveRequest(rid, client, max_tokens, self.tokens.initial_state(rid), request.prompt_len)
+        entry = ActiveRequest(rid, client, max_tokens, self.tokens.initial_state(rid), request.prompt_len, self.clock())
         if self.pause_state is PauseState.UNPAUSED:
             self._activate(entry)
         else:
@@ -258,6 +263,8 @@ class EngineCore:
         chunk = self.chunk
         draw = self.tokens.draw
         make_output = protocol.engine_core_output
+        #: SCHEDULED event of the requests that run their first step now.
+        scheduled_at = self.clock()
         batches: Dict[int, _Batch] = {}
         done: List[ActiveRequest] = []
         emitted = 0
@@ -268,14 +275,29 @@ class EngineCore:
             remaining = entry.max_tokens - entry.num_output_tokens
             n = chunk if chunk < remaining else remaining
             tokens, entry.rng_state = draw(entry.rng_state, n)
+            first = entry.num_output_tokens == 0
             entry.num_output_tokens += n
             emitted += n
-            if n == remaining:
-                batch.outputs.append(make_output(entry.request_id, tokens, FinishReason.LENGTH))
+            finish = FinishReason.LENGTH if n == remaining else None
+            if first:
+                # §4.5: queue/prefill time and prompt tokens for the frontend's metrics.
+                output = make_output(
+                    entry.request_id,
+                    tokens,
+                    finish,
+                    layout=self.layout,
+                    events=[
+                        protocol.engine_core_event(EngineCoreEventType.QUEUED, entry.queued_at),
+                        protocol.engine_core_event(EngineCoreEventType.SCHEDULED, scheduled_at),
+                    ],
+                    prefill_stats=protocol.prefill_stats(entry.prompt_len),
+                )
+            else:
+                output = make_output(entry.request_id, tokens, finish)
+            batch.outputs.append(output)
+            if finish is not None:
                 batch.finished.append(entry.request_id)
                 done.append(entry)
-            else:
-                batch.outputs.append(make_output(entry.request_id, tokens))
         self.counters["steps"] += 1
         self.counters["tokens"] += emitted
         self.kv_tokens += emitted

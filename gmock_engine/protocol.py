@@ -474,23 +474,48 @@ def engine_core_output(
     finish_reason: Optional[FinishReason] = None,
     error: Optional[Dict[str, Any]] = None,
     layout: WireLayout = _LAYOUT_0_33,
+    events: Optional[List[Dict[str, Any]]] = None,
+    prefill_stats: Optional[Dict[str, Any]] = None,
 ) -> List[Any]:
     """An EngineCoreOutput array, as short as its content allows (§0, §4.3).
 
     A running output is `[id, tokens]`; a final one carries `finish_reason`
-    at index 5. `error` (a RequestError map) is only placed when the layout
-    has the field, with the slots before it filled with their defaults
-    (`num_nans_in_logits` must be an int, never nil).
+    at index 5. `events`, `prefill_stats` and `error` (a RequestError map)
+    go to their layout positions when the layout has the field, with the
+    slots before them filled with their defaults (`num_nans_in_logits` must
+    be an int, never nil).
     """
-    if finish_reason is None:
-        return [request_id, new_token_ids]
-    out: List[Any] = [request_id, new_token_ids, None, None, None, int(finish_reason)]
-    if error is not None and "error" in layout.output_fields:
-        position = layout.output_position("error")
-        out.extend([None] * (position + 1 - len(out)))
-        out[layout.output_position("num_nans_in_logits")] = 0
-        out[position] = error
+    if finish_reason is None and events is None and error is None:
+        return [request_id, new_token_ids]  # the per-token path: keep it cheap
+    out: List[Any] = [request_id, new_token_ids, None, None, None, None if finish_reason is None else int(finish_reason)]
+    for name, value in (("events", events), ("prefill_stats", prefill_stats), ("error", error)):
+        if value is None or name not in layout.output_fields:
+            continue
+        position = layout.output_position(name)
+        if len(out) <= position:
+            out.extend([None] * (position + 1 - len(out)))
+        out[position] = value
+    nans = layout.output_position("num_nans_in_logits")
+    if len(out) > nans:
+        out[nans] = 0
     return out
+
+
+def engine_core_event(event_type: EngineCoreEventType, timestamp: float) -> Dict[str, Any]:
+    """An EngineCoreEvent map (§4.5); timestamps on the engine's one clock."""
+    return {"type": int(event_type), "timestamp": float(timestamp)}
+
+
+def prefill_stats(num_prompt_tokens: int, num_cached_tokens: int = 0) -> Dict[str, Any]:
+    """A PrefillStats map (§4.5, 0.21+): feeds `vllm:prompt_tokens_total`."""
+    return {
+        "num_prompt_tokens": num_prompt_tokens,
+        "num_computed_tokens": num_prompt_tokens - num_cached_tokens,
+        "num_cached_tokens": num_cached_tokens,
+        "num_local_cached_tokens": num_cached_tokens,
+        "num_external_cached_tokens": 0,
+        "num_cache_creation_tokens": num_prompt_tokens - num_cached_tokens,
+    }
 
 
 def scheduler_stats(

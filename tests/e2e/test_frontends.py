@@ -250,6 +250,43 @@ def test_metrics_idle_after_load(stack):
     assert gen and sum(v for _, v in gen) >= 24 * 9, f"vllm:generation_tokens_total samples: {gen}"
 
 
+def _metric_sum(stack: h.Stack, name: str) -> float:
+    return sum(v for _, v in h.metric_samples(stack.metrics(), name))
+
+
+def test_prompt_tokens_and_request_timings_come_from_the_engine(stack):
+    """prefill_stats on each request's first output make vllm:prompt_tokens_total
+    count exactly the prompts' tokens; its QUEUED/SCHEDULED events make the queue
+    and prefill histograms small positive times, not raw clock values (§4.5)."""
+    names = [
+        "vllm:prompt_tokens_total",
+        "vllm:request_queue_time_seconds_count",
+        "vllm:request_queue_time_seconds_sum",
+        "vllm:request_prefill_time_seconds_sum",
+    ]
+    before = {n: _metric_sum(stack, n) for n in names}
+    expected_prompt, requests = 0, 6
+    for i in range(requests):
+        r = stack.post(COMPLETIONS, completion_body(3, stream=False, prompt=PROMPT + " again" * i))
+        assert r.status_code == 200, r.text[:300]
+        expected_prompt += r.json()["usage"]["prompt_tokens"]
+    now: dict = {}
+
+    def counted() -> bool:
+        now.update({n: _metric_sum(stack, n) - before[n] for n in names})
+        return now["vllm:prompt_tokens_total"] >= expected_prompt and now["vllm:request_queue_time_seconds_count"] >= requests
+
+    try:
+        h.wait_until(counted, 15, "the frontend to count the requests' prompt tokens and queue times", interval=0.5)
+    except TimeoutError:
+        pass
+    assert now["vllm:prompt_tokens_total"] == expected_prompt, now
+    assert now["vllm:request_queue_time_seconds_count"] == requests, now
+    # engine clock differences: well under a second each, never the clock itself
+    assert 0 <= now["vllm:request_queue_time_seconds_sum"] < 0.5 * requests, now
+    assert 0 <= now["vllm:request_prefill_time_seconds_sum"] < 0.5 * requests, now
+
+
 # --------------------------------------------------------------------------- abort
 
 

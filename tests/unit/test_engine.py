@@ -63,7 +63,8 @@ def test_chunks_and_length_finish(max_tokens, chunk, sizes):
     sent = run(engine)
     outs = outputs_of(sent, "r")
     assert [len(o[1]) for o in outs] == sizes
-    assert all(len(o) == 2 for o in outs[:-1])  # running outputs carry no finish
+    assert all(len(o) == 2 for o in outs[1:-1])  # later running outputs: [id, tokens]
+    assert all(len(o) <= 5 or o[5] is None for o in outs[:-1])  # no finish before the last
     assert outs[-1][5] == FinishReason.LENGTH
     assert finished_of(sent) == ["r"]
     assert engine.num_active == 0 and not engine.has_work
@@ -321,3 +322,25 @@ def test_held_requests_count_as_waiting_and_aborts_free_kv():
     assert engine.scheduler_stats()["num_running_reqs"] == 1
     engine.apply(AbortRequests(["run", "wait"]))
     assert engine.kv_tokens == 0 and engine.num_active == 0
+
+
+def test_first_output_carries_queued_scheduled_events_and_prefill_stats():
+    engine = make()
+    engine.apply(EngineCoreRequest(request_id="e", prompt_len=42, max_tokens=3, has_sampling_params=True))
+    sent = run(engine)
+    first, second = outputs_of(sent, "e")[:2]
+    events = first[7]
+    assert [e["type"] for e in events] == [1, 2]  # QUEUED, SCHEDULED
+    queued, scheduled = events[0]["timestamp"], events[1]["timestamp"]
+    message_ts = [m[3] for _, m in sent if m[1] and m[1][0][0] == "e"][0]
+    assert 0 < queued < scheduled <= message_ts  # one clock, in order (§4.5)
+    assert first[11]["num_prompt_tokens"] == 42 and first[11]["num_computed_tokens"] == 42
+    assert len(first) == 12  # ends with prefill_stats: nothing past index 11
+    assert len(second) == 2
+
+
+def test_a_one_token_request_gets_events_and_finish_in_one_output():
+    engine = make()
+    engine.apply(add("one", 1))
+    [out] = outputs_of(run(engine), "one")
+    assert out[5] == FinishReason.LENGTH and [e["type"] for e in out[7]] == [1, 2]
