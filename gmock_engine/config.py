@@ -68,6 +68,17 @@ def _float_at_least(minimum: float):
     return parse
 
 
+def _float_in(low: float, high: float):
+    def parse(text: str) -> float:
+        value = _float_at_least(low)(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"{value} is more than {high}")
+        return value
+
+    parse.__name__ = f"number in [{low}, {high}]"
+    return parse
+
+
 def zmq_address(text: str) -> str:
     """A ZMQ endpoint the engine connects to: tcp://host:port or ipc:///path."""
     text = text.strip()
@@ -192,11 +203,50 @@ def build_parser() -> configargparse.ArgumentParser:
     )
     gen.add_argument("--vocab-size", type=_int_at_least(1), default=32000, help="token ids are drawn from [0, vocab-size)")
     gen.add_argument("--seed", type=_int_at_least(0), default=0, help="base seed; each request's tokens depend on (seed, rank, request id)")
-    gen.add_argument(
+    lat = parser.add_argument_group("latency model (all off by default: steps back to back, instant prefill)")
+    lat.add_argument(
         "--itl-ms",
         type=_float_at_least(0.0),
         default=0.0,
-        help="fixed decode step interval in ms (inter-token latency); 0 steps as fast as the CPU allows",
+        help="decode step time in ms (inter-token latency); 0 with the others 0: steps as fast as the CPU allows",
+    )
+    lat.add_argument(
+        "--itl-ms-per-request",
+        type=_float_at_least(0.0),
+        default=0.0,
+        help="extra step time per running request, ms (the batch slows down as it grows)",
+    )
+    lat.add_argument(
+        "--ttft-ms",
+        type=_float_at_least(0.0),
+        default=0.0,
+        help="fixed part of the time from scheduling to a request's first token, ms (does not hold the batch back)",
+    )
+    lat.add_argument(
+        "--prefill-ms-per-token",
+        type=_float_at_least(0.0),
+        default=0.0,
+        help="prefill cost per prompt token, ms: delays the first token and lengthens the step that prefills",
+    )
+    lat.add_argument(
+        "--jitter",
+        type=_float_in(0.0, 1.0),
+        default=0.0,
+        help="each step time and fixed TTFT is scaled by a factor from [1-jitter, 1+jitter] (seeded by --seed)",
+    )
+    lat.add_argument(
+        "--time-scale",
+        type=_float_at_least(0.0),
+        default=1.0,
+        help="multiplies every duration of the latency model (0.5 = twice as fast)",
+    )
+
+    sched = parser.add_argument_group("scheduler")
+    sched.add_argument(
+        "--scheduling-policy",
+        type=_choice(("fcfs", "priority")),
+        default="fcfs",
+        help="order of the waiting queue: arrival, or the request's priority (lower first) then arrival",
     )
     gen.add_argument(
         "--supported-tasks",
@@ -210,7 +260,12 @@ def build_parser() -> configargparse.ArgumentParser:
     ready.add_argument("--num-gpu-blocks", type=_int_at_least(0), default=65536, help="KV cache blocks per engine")
     ready.add_argument("--block-size", type=_int_at_least(1), default=16, help="KV cache block size in tokens")
     ready.add_argument("--dtype", type=_choice(DTYPES), default="bfloat16", help="reported model dtype")
-    ready.add_argument("--max-num-seqs", type=_int_at_least(1), default=256, help="reported max running requests per engine")
+    ready.add_argument(
+        "--max-num-seqs",
+        type=_int_at_least(1),
+        default=256,
+        help="max running requests per engine: reported; enforced (the rest wait) only when given",
+    )
     ready.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=8192, help="reported per-step token budget")
     ready.add_argument("--vllm-version", default="0.33.0", help="reported vLLM version string (informational)")
 

@@ -8,12 +8,23 @@ decides *what* the engine says lives here and is unit-tested without I/O.
 
 Behaviour is the Rust mock's (PROTOCOL.md §9.3) plus what the real frontends
 need from an engine: pause/sleep that end in-flight streams (§3.4, §5),
-requests held while paused, `finished_requests` for every end (§3.4, §6.1).
+`finished_requests` for every end (§3.4, §6.1), SchedulerStats, events and
+prefill stats (§4.5, §7).
+
+Scheduling: an ADD goes to the waiting queue (FCFS, or by `priority` with
+the priority policy); each step first admits waiting requests while the
+running batch is below `max_num_seqs` (no limit unless configured) and the
+engine is not paused, then advances every running request whose prefill is
+done (latency.py). Waiting requests are what the frontends show as
+`num_requests_waiting`.
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
+import itertools
+import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,6 +43,7 @@ from .protocol import (
     UtilityCall,
     WireLayout,
 )
+from .latency import LatencyModel
 from .tokens import RandomTokens
 
 #: One message to send: (client index = output socket, EngineCoreOutputs array).
@@ -69,13 +81,28 @@ class EngineSettings:
     block_size: int = 16
     #: INIT named a DP coordinator: stats also go to it (client index -1, §6.2).
     has_coordinator: bool = False
+    #: Running-batch limit; None: unlimited (the default unless configured).
+    max_num_seqs: Optional[int] = None
+    #: "fcfs", or "priority": lower `priority` first, then arrival (as vLLM).
+    scheduling_policy: str = "fcfs"
+    latency: LatencyModel = field(default_factory=LatencyModel)
     layout: WireLayout = field(default_factory=lambda: protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION])
 
 
 class ActiveRequest:
-    """A request that is generating (or held while the engine is paused)."""
+    """A request, waiting or running."""
 
-    __slots__ = ("request_id", "client_index", "max_tokens", "num_output_tokens", "rng_state", "prompt_len", "queued_at")
+    __slots__ = (
+        "request_id",
+        "client_index",
+        "max_tokens",
+        "num_output_tokens",
+        "rng_state",
+        "prompt_len",
+        "queued_at",
+        "scheduled_at",
+        "ready_at",
+    )
 
     def __init__(
         self, request_id: str, client_index: int, max_tokens: int, rng_state: int, prompt_len: int, queued_at: float
@@ -86,8 +113,11 @@ class ActiveRequest:
         self.num_output_tokens = 0
         self.rng_state = rng_state
         self.prompt_len = prompt_len
-        #: Engine clock at ADD: the QUEUED event of the first output (§4.5).
+        #: Engine clock at ADD / at admission: the QUEUED and SCHEDULED events (§4.5).
         self.queued_at = queued_at
+        self.scheduled_at = queued_at
+        #: Engine clock from which its first token may come (prefill done).
+        self.ready_at = queued_at
 
 
 class _Batch:
@@ -110,10 +140,19 @@ class EngineCore:
         self.tokens = RandomTokens(settings.vocab_size, settings.seed, settings.rank)
         self.chunk = settings.output_token_chunk_size
         self.layout = settings.layout
-        #: Generating requests, in arrival order.
+        #: The running batch, in admission order.
         self.active: Dict[str, ActiveRequest] = {}
-        #: Requests accepted while paused; they start on resume (vLLM queues them).
-        self.held: Dict[str, ActiveRequest] = {}
+        #: Requests not admitted yet (queue order for FCFS).
+        self.waiting: Dict[str, ActiveRequest] = {}
+        #: Priority policy: (priority, arrival seq, id); aborted ids are skipped lazily.
+        self._priority_queue: List[Tuple[int, int, str]] = []
+        self._arrivals = itertools.count()
+        #: Running requests whose prefill is not done: id -> ready_at.
+        self.prefilling: Dict[str, float] = {}
+        self.latency = settings.latency
+        self._rng = random.Random(f"{settings.seed}/{settings.rank}/latency")
+        #: Engine time the last step asked its successor to wait (latency model).
+        self.step_delay = 0.0
         self.pause_state = PauseState.UNPAUSED
         #: pause_generation in modes abort/wait rejects new ADDs (0.33, §5).
         self.reject_new_requests = False
@@ -134,13 +173,36 @@ class EngineCore:
     # -- queries ---------------------------------------------------------
 
     @property
+    def can_admit(self) -> bool:
+        """Waiting requests may join the running batch now."""
+        limit = self.settings.max_num_seqs
+        return self.pause_state is PauseState.UNPAUSED and (limit is None or len(self.active) < limit)
+
+    @property
     def has_work(self) -> bool:
-        """True when a step would produce output."""
-        return bool(self.active) and self.pause_state is not PauseState.PAUSED_ALL
+        """True when a step would do something."""
+        if self.pause_state is PauseState.PAUSED_ALL:
+            return False
+        return bool(self.active) or (bool(self.waiting) and self.can_admit)
 
     @property
     def num_active(self) -> int:
-        return len(self.active) + len(self.held)
+        """Requests not finished yet: running and waiting."""
+        return len(self.active) + len(self.waiting)
+
+    def next_step_time(self, step_started: float) -> Optional[float]:
+        """When the next step is due, on the engine clock (None: idle).
+
+        The step after one that started at `step_started` comes `step_delay`
+        later; but if nothing could emit then (every running request still
+        prefilling, nothing to admit), it comes when the first prefill is done.
+        """
+        if not self.has_work:
+            return None
+        due = step_started + self.step_delay
+        if self.prefilling and len(self.prefilling) == len(self.active) and not (self.waiting and self.can_admit):
+            due = max(due, min(self.prefilling.values()))
+        return due
 
     # -- input -----------------------------------------------------------
 
@@ -182,7 +244,7 @@ class EngineCore:
             self.counters["aborted"] += 1
             self._batch(batches, client).finished.append(rid)
             return self._flush(batches)
-        if rid in self.active or rid in self.held:
+        if rid in self.active or rid in self.waiting:
             self.log.warning("ADD {}: duplicate of an active request id; answered with ERROR", rid)
             self._finish_now(batches, client, rid, FinishReason.ERROR, protocol.request_error("duplicate_request_id", f"request id {rid} is already active"))
             return self._flush(batches)
@@ -214,19 +276,43 @@ class EngineCore:
             self._finish_now(batches, client, rid, FinishReason.LENGTH)
             return self._flush(batches)
         entry = ActiveRequest(rid, client, max_tokens, self.tokens.initial_state(rid), request.prompt_len, self.clock())
-        if self.pause_state is PauseState.UNPAUSED:
-            self._activate(entry)
-        else:
-            self.held[rid] = entry
+        self.waiting[rid] = entry
+        if self.settings.scheduling_policy == "priority":
+            heapq.heappush(self._priority_queue, (request.priority, next(self._arrivals), rid))
         return []
 
-    def _activate(self, entry: ActiveRequest) -> None:
-        self.active[entry.request_id] = entry
-        self.kv_tokens += entry.prompt_len + entry.num_output_tokens
+    def _next_waiting(self) -> ActiveRequest:
+        if self.settings.scheduling_policy != "priority":
+            return self.waiting.pop(next(iter(self.waiting)))
+        while True:
+            _, _, rid = heapq.heappop(self._priority_queue)
+            entry = self.waiting.pop(rid, None)
+            if entry is not None:
+                return entry
+
+    def _admit(self, now: float) -> int:
+        """Move waiting requests into the running batch; return the prompt
+        tokens they prefill in this step."""
+        prefill_tokens = 0
+        latency = self.latency
+        while self.waiting and self.can_admit:
+            entry = self._next_waiting()
+            entry.scheduled_at = now
+            self.active[entry.request_id] = entry
+            self.kv_tokens += entry.prompt_len + entry.num_output_tokens
+            prefill_tokens += entry.prompt_len
+            if latency.paced:
+                entry.ready_at = now + latency.first_token_seconds(entry.prompt_len, self._rng)
+                if entry.ready_at > now:
+                    self.prefilling[entry.request_id] = entry.ready_at
+            else:
+                entry.ready_at = now
+        return prefill_tokens
 
     def _release(self, entry: ActiveRequest) -> None:
         """Account for a running request that left `active` (its KV is freed)."""
         self.kv_tokens -= entry.prompt_len + entry.num_output_tokens
+        self.prefilling.pop(entry.request_id, None)
 
     def abort_requests(self, request_ids: List[str]) -> List[Outbound]:
         """ABORT (§3.4): end the listed active ids; unknown ids are ignored."""
@@ -236,7 +322,7 @@ class EngineCore:
             if entry is not None:
                 self._release(entry)
             else:
-                entry = self.held.pop(rid, None)
+                entry = self.waiting.pop(rid, None)
                 if entry is None:
                     continue
             self._end(batches, entry, FinishReason.ABORT)
@@ -247,7 +333,7 @@ class EngineCore:
     def abort_all(self) -> List[Outbound]:
         """End every in-flight request with an explicit ABORT output (§3.4:
         pause/sleep in mode abort; the frontend does not end those streams)."""
-        return self.abort_requests(list(self.active) + list(self.held))
+        return self.abort_requests(list(self.active) + list(self.waiting))
 
     # -- the decode step -------------------------------------------------
 
@@ -260,15 +346,20 @@ class EngineCore:
         """
         if not self.has_work:
             return []
+        now = self.clock()
+        prefill_tokens = self._admit(now)
         chunk = self.chunk
         draw = self.tokens.draw
         make_output = protocol.engine_core_output
-        #: SCHEDULED event of the requests that run their first step now.
-        scheduled_at = self.clock()
+        prefilling = self.prefilling
         batches: Dict[int, _Batch] = {}
         done: List[ActiveRequest] = []
         emitted = 0
         for entry in self.active.values():
+            if prefilling and entry.request_id in prefilling:
+                if entry.ready_at > now:
+                    continue  # prefill not done: no token this step
+                del prefilling[entry.request_id]
             batch = batches.get(entry.client_index)
             if batch is None:
                 batch = batches[entry.client_index] = _Batch()
@@ -288,7 +379,7 @@ class EngineCore:
                     layout=self.layout,
                     events=[
                         protocol.engine_core_event(EngineCoreEventType.QUEUED, entry.queued_at),
-                        protocol.engine_core_event(EngineCoreEventType.SCHEDULED, scheduled_at),
+                        protocol.engine_core_event(EngineCoreEventType.SCHEDULED, entry.scheduled_at),
                     ],
                     prefill_stats=protocol.prefill_stats(entry.prompt_len),
                 )
@@ -300,6 +391,8 @@ class EngineCore:
                 done.append(entry)
         self.counters["steps"] += 1
         self.counters["tokens"] += emitted
+        if self.latency.paced:
+            self.step_delay = self.latency.step_seconds(len(self.active), prefill_tokens, self._rng)
         self.kv_tokens += emitted
         for entry in done:
             del self.active[entry.request_id]
@@ -347,12 +440,9 @@ class EngineCore:
         return out
 
     def resume(self) -> None:
-        """resume_scheduler: held requests start generating."""
+        """resume_scheduler: waiting requests are admitted again."""
         self.pause_state = PauseState.UNPAUSED
         self.reject_new_requests = False
-        for entry in self.held.values():
-            self._activate(entry)
-        self.held.clear()
 
     def _check_drained(self, out: List[Outbound]) -> None:
         if self._replies_when_drained and not self.active:
@@ -424,7 +514,7 @@ class EngineCore:
         return out
 
     def _stats_if_due(self, now: float) -> Optional[Dict[str, Any]]:
-        counts = (len(self.active), len(self.held))
+        counts = (len(self.active), len(self.waiting))
         if counts == self._stats_counts or (counts[0] and now - self._stats_at < STATS_INTERVAL_S):
             return None
         self._stats_counts, self._stats_at = counts, now
@@ -435,7 +525,7 @@ class EngineCore:
         per-request rounded-up blocks (within one block per request)."""
         return protocol.scheduler_stats(
             num_running_reqs=len(self.active),
-            num_waiting_reqs=len(self.held),
+            num_waiting_reqs=len(self.waiting),
             kv_cache_usage=min(1.0, self.kv_tokens / self._kv_capacity),
             step_counter=self.counters["steps"],
         )
@@ -515,7 +605,7 @@ def _u_gmock_stats(engine: EngineCore, call: UtilityCall) -> List[Outbound]:
     stats: Dict[str, Any] = {
         "rank": engine.rank,
         "active": len(engine.active),
-        "held": len(engine.held),
+        "waiting": len(engine.waiting),
         "counters": dict(engine.counters),
     }
     stats.update(engine.stats_provider())

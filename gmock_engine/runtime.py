@@ -39,6 +39,7 @@ from loguru import logger
 
 from . import protocol, transport
 from .engine import EngineCore, EngineSettings, Outbound
+from .latency import LatencyModel
 from .protocol import InitMessage, ProtocolError, WireLayout
 from .stats import Samples
 from .steptimer import StepTimer
@@ -175,6 +176,17 @@ class EngineRunner:
                 num_gpu_blocks=c.num_gpu_blocks,
                 block_size=c.block_size,
                 has_coordinator=init.has_coordinator,
+                # A limit is enforced only when configured (default: report it only).
+                max_num_seqs=c.max_num_seqs if c.sources["max_num_seqs"].kind != "default" else None,
+                scheduling_policy=c.scheduling_policy,
+                latency=LatencyModel(
+                    itl_ms=c.itl_ms,
+                    itl_ms_per_request=c.itl_ms_per_request,
+                    ttft_ms=c.ttft_ms,
+                    prefill_ms_per_token=c.prefill_ms_per_token,
+                    jitter=c.jitter,
+                    time_scale=c.time_scale,
+                ),
                 layout=self.layout,
             )
         )
@@ -226,19 +238,19 @@ class EngineRunner:
         """Owns the EngineCore: apply input, step, hand outputs to the sender.
 
         It sleeps on `wake`, which the readers set after queueing input and
-        the step timer sets when a slot is due, so an idle engine costs no
-        CPU and input is applied while the engine waits for its next slot.
+        the step timer sets when a step is due, so an idle engine costs no
+        CPU and input is applied while the engine waits for its next step.
 
-        With --itl-ms the steps follow a fixed grid (step k at t0 + k * itl,
-        t0 = when work arrived); the delay of each step against its slot is
-        recorded as step lateness. A step that is a whole interval late
-        re-anchors the grid instead of bursting to catch up, as a real engine
-        would just run its next step.
+        Unpaced (no latency model) steps run back to back. Paced, the engine
+        says when its next step is due (latency.py: the step time grows with
+        the batch and its prefill); how late each step starts against that
+        is recorded as step lateness. A late step does not make the next one
+        come sooner: the engine counts from the actual start.
         """
         engine, wake = self.engine, self.wake
-        interval = self.config.itl_ms / 1000.0
+        paced = engine.latency.paced
         clock = time.monotonic
-        timer = StepTimer(wake.set) if interval else None
+        timer = StepTimer(wake.set) if paced else None
         next_step_at: Optional[float] = None
         try:
             while True:
@@ -246,11 +258,11 @@ class EngineRunner:
                 # or a new request takes effect at once.
                 self._drain_input()
                 if not engine.has_work:
-                    next_step_at = None  # idle: the grid restarts with the next work
+                    next_step_at = None  # idle: the next work starts a step at once
                     wake.wait()
                     wake.clear()
                     continue
-                if interval:
+                if paced:
                     now = clock()
                     if next_step_at is None:
                         next_step_at = now
@@ -260,10 +272,10 @@ class EngineRunner:
                         wake.clear()
                         continue  # input may have arrived: drain, then check the time
                     self.step_lateness.add(now - next_step_at)
-                    next_step_at += interval
-                    if next_step_at <= now:
-                        next_step_at = now + interval
-                self._emit(engine.step())
+                    self._emit(engine.step())
+                    next_step_at = engine.next_step_time(now)
+                else:
+                    self._emit(engine.step())
                 # Yield to the hub between rounds: readers and the sender run.
                 gevent.sleep(0)
         finally:

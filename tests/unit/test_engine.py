@@ -246,9 +246,10 @@ def test_keep_mode_freezes_and_resume_continues():
 def test_wait_mode_answers_when_drained():
     engine = make()
     engine.apply(add("w", 3))
+    first = engine.step()  # admitted and running
     sent = call(engine, "pause_generation", "wait", True)
     assert sent == []  # not answered yet: a request is still running
-    sent = run(engine)
+    sent = first + run(engine)
     assert len(tokens_of(sent, "w")) == 3
     assert reply(sent)[2] == [None, None]
     [(_, msg)] = engine.apply(add("late", 3))  # wait mode rejects new ADDs
@@ -312,7 +313,7 @@ def test_stats_also_go_to_the_coordinator():
     assert len(coordinator[0]) == 4  # stats only: no outputs, no utility (§6.2)
 
 
-def test_held_requests_count_as_waiting_and_aborts_free_kv():
+def test_requests_added_while_paused_count_as_waiting_and_aborts_free_kv():
     engine = make()
     engine.apply(add("run", 100))
     engine.step()

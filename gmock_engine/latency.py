@@ -1,0 +1,53 @@
+"""The latency model: how long a step and a prefill take, on the engine's clock.
+
+Pure arithmetic; the engine asks it, the runtime sleeps accordingly. All
+figures are off by default (steps back to back, instant prefill).
+
+* A **step** (every running request advances once) takes
+  `itl_ms + itl_ms_per_request × running + prefill_ms_per_token × tokens
+  prefilled in that step`: the batch slows down as it grows and while it
+  prefills new prompts, as a real engine does.
+* A newly scheduled request produces its first token once `ttft_ms +
+  prefill_ms_per_token × prompt_len` have passed since it was scheduled
+  (in the first step at or after that time). The fixed part does not hold
+  the batch back; the per-token part does (see the step time).
+* `jitter` scales each step and each fixed TTFT by a factor drawn uniformly
+  from [1 - jitter, 1 + jitter] (seeded: the same seed gives the same run).
+* `time_scale` multiplies every duration (0.5 = twice as fast).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    """Durations in milliseconds as configured; methods return seconds."""
+
+    itl_ms: float = 0.0
+    itl_ms_per_request: float = 0.0
+    ttft_ms: float = 0.0
+    prefill_ms_per_token: float = 0.0
+    jitter: float = 0.0
+    time_scale: float = 1.0
+
+    @property
+    def paced(self) -> bool:
+        """False when every step and prefill is instant (the Rust mock's mode)."""
+        return bool(self.itl_ms or self.itl_ms_per_request or self.ttft_ms or self.prefill_ms_per_token)
+
+    def _jitter(self, rng: random.Random) -> float:
+        return 1.0 + self.jitter * (2.0 * rng.random() - 1.0) if self.jitter else 1.0
+
+    def step_seconds(self, running: int, prefill_tokens: int, rng: random.Random) -> float:
+        """Duration of a step with `running` requests that prefills `prefill_tokens`."""
+        ms = (self.itl_ms + self.itl_ms_per_request * running) * self._jitter(rng)
+        ms += self.prefill_ms_per_token * prefill_tokens
+        return ms * self.time_scale / 1000.0
+
+    def first_token_seconds(self, prompt_len: int, rng: random.Random) -> float:
+        """Time from scheduling to the earliest first token of a request."""
+        ms = self.ttft_ms * self._jitter(rng) + self.prefill_ms_per_token * prompt_len
+        return ms * self.time_scale / 1000.0

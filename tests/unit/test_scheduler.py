@@ -1,0 +1,164 @@
+"""Scheduler and latency model on a virtual clock (no wall-clock assertions)."""
+
+import pytest
+
+from gmock_engine.engine import EngineCore, EngineSettings
+from gmock_engine.latency import LatencyModel
+from gmock_engine.protocol import AbortRequests, EngineCoreRequest, FinishReason, UtilityCall
+
+
+class VirtualClock:
+    def __init__(self, now=1000.0):
+        self.now = now
+
+    def __call__(self):
+        return self.now
+
+
+def request(rid, max_tokens=4, prompt_len=8, priority=0):
+    return EngineCoreRequest(rid, prompt_len, max_tokens, True, priority=priority)
+
+
+def engine_with(clock, **settings):
+    latency = settings.pop("latency", LatencyModel())
+    return EngineCore(EngineSettings(rank=0, num_clients=1, latency=latency, **settings), clock=clock)
+
+
+def drive(engine, clock, limit=10000):
+    """Run steps at the times the engine asks for; return (time, message) pairs."""
+    sent, step_started = [], clock.now
+    for _ in range(limit):
+        if not engine.has_work:
+            return sent
+        step_started = clock.now
+        for _, message in engine.step():
+            sent.append((clock.now, message))
+        due = engine.next_step_time(step_started)
+        if due is None:
+            return sent
+        clock.now = max(clock.now, due)
+    raise AssertionError("never idle")
+
+
+def first_token_times(sent):
+    seen = {}
+    for t, message in sent:
+        for output in message[1]:
+            if output[1] and output[0] not in seen:
+                seen[output[0]] = t
+    return seen
+
+
+def test_max_num_seqs_keeps_the_rest_waiting_fcfs():
+    clock = VirtualClock()
+    engine = engine_with(clock, max_num_seqs=2)
+    for i in range(5):
+        engine.apply(request(f"r{i}", max_tokens=3))
+    first = engine.step()
+    stats = first[0][1][2]
+    assert stats["num_running_reqs"] == 2 and stats["num_waiting_reqs"] == 3
+    assert [o[0] for o in first[0][1][1]] == ["r0", "r1"]
+    sent = [(clock.now, m) for _, m in first] + drive(engine, clock)
+    order = sorted(first_token_times(sent), key=lambda rid: list(first_token_times(sent)).index(rid))
+    assert order == ["r0", "r1", "r2", "r3", "r4"]
+    running = [m[2]["num_running_reqs"] for _, m in sent if m[2] is not None]
+    assert max(running) == 2 and running[-1] == 0
+    assert engine.counters["finished_length"] == 5
+
+
+def test_priority_policy_admits_lower_priority_values_first():
+    clock = VirtualClock()
+    engine = engine_with(clock, max_num_seqs=1, scheduling_policy="priority")
+    for rid, priority in [("late-low", 5), ("urgent", -1), ("mid-a", 2), ("mid-b", 2)]:
+        engine.apply(request(rid, max_tokens=1, priority=priority))
+    order = list(first_token_times(drive(engine, clock)))
+    assert order == ["urgent", "mid-a", "mid-b", "late-low"]
+
+
+def test_abort_of_a_waiting_request_with_priority_policy():
+    clock = VirtualClock()
+    engine = engine_with(clock, max_num_seqs=1, scheduling_policy="priority")
+    engine.apply(request("a", 2))
+    engine.apply(request("b", 2, priority=-3))
+    [(_, message)] = engine.apply(AbortRequests(["b"]))
+    assert message[1][0][5] == FinishReason.ABORT and message[5] == ["b"]
+    assert list(first_token_times(drive(engine, clock))) == ["a"]
+
+
+def test_ttft_prefill_and_itl_on_the_engine_clock():
+    clock = VirtualClock(1000.0)
+    latency = LatencyModel(itl_ms=10, ttft_ms=100, prefill_ms_per_token=1)
+    engine = engine_with(clock, latency=latency)
+    engine.apply(EngineCoreRequest("r", 50, 4, True))
+    sent = drive(engine, clock)
+    stamps = [m[3] for _, m in sent]
+    # scheduled at 1000.0; first token after ttft 100 ms + 50 tokens x 1 ms
+    assert stamps[0] == pytest.approx(1000.150)
+    assert [round(b - a, 6) for a, b in zip(stamps, stamps[1:])] == [0.010] * 3
+    events = sent[0][1][1][0][7]
+    assert events[1]["timestamp"] == pytest.approx(1000.0)  # SCHEDULED
+
+
+def test_prefill_lengthens_the_step_for_the_running_batch():
+    clock = VirtualClock(0.0)
+    engine = engine_with(clock, latency=LatencyModel(itl_ms=10, prefill_ms_per_token=2))
+    engine.apply(EngineCoreRequest("old", 0, 100, True))
+    engine.step()  # t=0: "old" admitted (no prompt) and emits
+    clock.now = engine.next_step_time(0.0)
+    assert clock.now == pytest.approx(0.010)
+    engine.apply(EngineCoreRequest("new", 30, 5, True))
+    engine.step()  # "new" admitted: its 30 prompt tokens cost 60 ms of this step
+    assert engine.step_delay == pytest.approx(0.010 + 0.060)
+
+
+def test_batch_size_load_and_time_scale():
+    clock = VirtualClock(0.0)
+    engine = engine_with(clock, latency=LatencyModel(itl_ms=10, itl_ms_per_request=2, time_scale=0.5))
+    for i in range(5):
+        engine.apply(EngineCoreRequest(f"r{i}", 0, 100, True))
+    engine.step()
+    assert engine.step_delay == pytest.approx((10 + 2 * 5) * 0.5 / 1000)
+
+
+def test_jitter_is_bounded_and_seeded():
+    def delays(seed):
+        clock = VirtualClock(0.0)
+        engine = engine_with(clock, seed=seed, latency=LatencyModel(itl_ms=10, jitter=0.2))
+        engine.apply(EngineCoreRequest("r", 0, 50, True))
+        out = []
+        while engine.has_work:
+            engine.step()
+            out.append(engine.step_delay)
+        return out
+
+    first = delays(1)
+    assert all(0.008 <= d <= 0.012 for d in first) and len(set(first)) > 10
+    assert delays(1) == first and delays(2) != first
+
+
+def test_no_busy_steps_while_everything_prefills():
+    """Only a long TTFT pending: the next step is when it is ready, not now."""
+    clock = VirtualClock(0.0)
+    engine = engine_with(clock, latency=LatencyModel(ttft_ms=500))
+    engine.apply(EngineCoreRequest("slow", 4, 2, True))
+    assert engine.step() == []  # admitted, prefilling, nothing to send
+    assert engine.next_step_time(0.0) == pytest.approx(0.5)
+    clock.now = 0.5
+    drive(engine, clock)
+    # t=0 admit; t=0.5 first token; then (itl 0) the second token at once
+    assert engine.counters["steps"] == 3 and engine.counters["finished_length"] == 1
+
+
+def test_pause_keeps_waiting_requests_waiting():
+    clock = VirtualClock()
+    engine = engine_with(clock, max_num_seqs=1)
+    engine.apply(request("a", 50))
+    engine.apply(request("b", 50))
+    engine.step()
+    engine.apply(UtilityCall(0, 1, "pause_scheduler", ["wait", False]))
+    assert engine.scheduler_stats()["num_waiting_reqs"] == 1
+    drive(engine, clock)  # "a" runs to its end; "b" is not admitted while paused
+    assert "b" in engine.waiting and not engine.active
+    engine.apply(UtilityCall(0, 2, "resume_scheduler", []))
+    drive(engine, clock)
+    assert engine.num_active == 0 and engine.counters["finished_length"] == 2
