@@ -118,10 +118,13 @@ def test_print_config_names_every_option_and_its_source(tmp_path):
     assert flags <= keys
 
 
-@pytest.mark.parametrize("name", ["dp1.ini", "dp4.ini", "all-options.ini"])
+@pytest.mark.parametrize("name", ["dp1.ini", "dp4.ini", "all-options.ini", "small-gpu.ini", "large-gpu.ini"])
 def test_shipped_config_files_parse(name):
     args = parse_config(["--config", os.path.join(REPO, "conf", name)], env={})
-    assert args.engine_count == {"dp1.ini": 1, "dp4.ini": 4, "all-options.ini": 1}[name]
+    expected = {"dp1.ini": 1, "dp4.ini": 4, "all-options.ini": 1, "small-gpu.ini": 4, "large-gpu.ini": 8}
+    assert args.engine_count == expected[name]
+    if name.endswith("gpu.ini"):  # profiles enforce their batch limit
+        assert args.sources["max_num_seqs"].kind == "config file" and args.itl_ms > 0
 
 
 def test_all_options_file_lists_every_option():
