@@ -188,6 +188,8 @@ class Driver:
         self.sent_at: Dict[str, float] = {}
         self.prompt = list(range(args.prompt_len))
         self.clients = len(frontend.inputs)
+        #: UtilityOutputs by call id, as run() sees them.
+        self.replies: Dict[int, List[Any]] = {}
 
     def add(self, rank: int, now: float, measure: bool) -> None:
         rid = f"bench-{next(self.ids)}"
@@ -242,6 +244,9 @@ class Driver:
                         break
                     message = unpack(frame, strict_map_key=False)
                     received = time.monotonic()
+                    if len(message) > 4 and message[4] is not None:
+                        self.replies[message[4][0]] = message[4]  # a UtilityOutput
+                        continue
                     for output in message[1]:
                         load.tokens += len(output[1])
                         if sent_at:
@@ -278,15 +283,17 @@ class Driver:
             raise RuntimeError(f"{len(self.inflight)} requests still in flight {timeout} s after aborting them")
 
     def utility(self, rank: int, method: str, timeout: float = 30.0) -> Any:
+        """Call a utility method on one engine; the outputs that arrive
+        meanwhile are accounted as usual (not dropped), without new load."""
         call_id = next(self.ids) + 1
         self.fe.inputs[0].send_multipart([_identity(rank), b"\x03", self.fe.pack([0, call_id, method, []])])
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.fe.outputs[0].poll(100):
-                message = msgpack.unpackb(self.fe.outputs[0].recv(), strict_map_key=False)
-                if len(message) > 4 and message[4] and message[4][0] == call_id:
-                    return message[4][2][1] if message[4][2] else None
-        raise RuntimeError(f"no answer to {method} from engine {rank}")
+        while call_id not in self.replies and time.monotonic() < deadline:
+            self.run(0.05, measure=False, keep_loading=False)
+        reply = self.replies.pop(call_id, None)
+        if reply is None:
+            raise RuntimeError(f"no answer to {method} from engine {rank}")
+        return reply[2][1] if reply[2] else None
 
 
 # -- one target ---------------------------------------------------------------------

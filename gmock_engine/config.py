@@ -79,6 +79,16 @@ def _float_in(low: float, high: float):
     return parse
 
 
+def _length_spec(text: str) -> str:
+    from .lengths import OutputLengths
+
+    try:
+        OutputLengths.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip()
+
+
 def zmq_address(text: str) -> str:
     """A ZMQ endpoint the engine connects to: tcp://host:port or ipc:///path."""
     text = text.strip()
@@ -239,6 +249,21 @@ def build_parser() -> configargparse.ArgumentParser:
         type=_float_at_least(0.0),
         default=1.0,
         help="multiplies every duration of the latency model (0.5 = twice as fast)",
+    )
+
+    stop = parser.add_argument_group("how requests end (default: by max_tokens only, as the Rust mock)")
+    stop.add_argument(
+        "--output-len-dist",
+        type=_length_spec,
+        default=None,
+        help="tokens until EOS per request: fixed:N, uniform:MIN:MAX, normal:MEAN:STD or exponential:MEAN; "
+        "shorter than max_tokens ends with finish_reason stop (min_tokens and ignore_eos are honoured)",
+    )
+    stop.add_argument(
+        "--eos-probability",
+        type=_float_in(0.0, 1.0),
+        default=0.0,
+        help="chance that each token is EOS (instead of --output-len-dist); 0: never",
     )
 
     sched = parser.add_argument_group("scheduler")

@@ -44,6 +44,7 @@ from .protocol import (
     WireLayout,
 )
 from .latency import LatencyModel
+from .lengths import OutputLengths
 from .tokens import RandomTokens
 
 #: One message to send: (client index = output socket, EngineCoreOutputs array).
@@ -86,6 +87,10 @@ class EngineSettings:
     #: "fcfs", or "priority": lower `priority` first, then arrival (as vLLM).
     scheduling_policy: str = "fcfs"
     latency: LatencyModel = field(default_factory=LatencyModel)
+    #: Tokens until EOS (lengths.py); None: requests end by max_tokens only.
+    output_lengths: Optional[OutputLengths] = None
+    #: prompt + output never beyond this (then LENGTH), as a real engine.
+    max_model_len: int = 1 << 20
     layout: WireLayout = field(default_factory=lambda: protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION])
 
 
@@ -102,6 +107,10 @@ class ActiveRequest:
         "queued_at",
         "scheduled_at",
         "ready_at",
+        "finish",
+        "stop_reason",
+        "last_token",
+        "stop_ids",
     )
 
     def __init__(
@@ -118,6 +127,12 @@ class ActiveRequest:
         self.scheduled_at = queued_at
         #: Engine clock from which its first token may come (prefill done).
         self.ready_at = queued_at
+        #: How it ends after `max_tokens` tokens (the plan, see EngineCore._plan_end).
+        self.finish = FinishReason.LENGTH
+        self.stop_reason: Optional[int] = None
+        self.last_token: Optional[int] = None
+        #: Ids random tokens must avoid (a real engine would have stopped on them).
+        self.stop_ids: Optional[frozenset] = None
 
 
 class _Batch:
@@ -262,6 +277,13 @@ class EngineCore:
             )
             return self._flush(batches)
         max_tokens = request.max_tokens or 0
+        entry = ActiveRequest(rid, client, max_tokens, self.tokens.initial_state(rid), request.prompt_len, self.clock())
+        try:
+            self._plan_end(entry, request)
+        except (TypeError, ValueError) as exc:
+            self.log.warning("ADD {}: bad vllm_xargs ({}); answered with ERROR", rid, exc)
+            self._finish_now(batches, client, rid, FinishReason.ERROR, protocol.request_error("validation_error", f"bad vllm_xargs: {exc}"))
+            return self._flush(batches)
         self.counters["started"] += 1
         if self.settings.log_requests:
             self.log.info(
@@ -275,11 +297,66 @@ class EngineCore:
         if max_tokens == 0:
             self._finish_now(batches, client, rid, FinishReason.LENGTH)
             return self._flush(batches)
-        entry = ActiveRequest(rid, client, max_tokens, self.tokens.initial_state(rid), request.prompt_len, self.clock())
         self.waiting[rid] = entry
         if self.settings.scheduling_policy == "priority":
             heapq.heappush(self._priority_queue, (request.priority, next(self._arrivals), rid))
         return []
+
+    def _avoid_stop_ids(self, tokens: List[int], stop_ids: frozenset) -> List[int]:
+        """Shift a random token off the stop ids: only the plan ends a request."""
+        vocab = self.settings.vocab_size
+        out = []
+        for token in tokens:
+            for _ in range(len(stop_ids)):
+                if token not in stop_ids:
+                    break
+                token = (token + 1) % vocab
+            out.append(token)
+        return out
+
+    def _plan_end(self, entry: ActiveRequest, request: EngineCoreRequest) -> None:
+        """Decide how many tokens the request gets and how it ends (§3.3).
+
+        Length: max_tokens, cut to max_model_len - prompt_len. Then, first
+        match wins: `mock_fail_after` (vllm_xargs) ends with ERROR; an EOS
+        length (`mock_output_len`, else the configured length model unless
+        `ignore_eos`; never before `min_tokens`) ends with STOP and the EOS id
+        as last token. `mock_finish` = stop | error | length changes how the
+        request ends at its length; `mock_stop_token_id` makes a STOP end on
+        that id, reported as stop_reason. Random tokens never hit a stop id.
+        """
+        xargs = request.extra_args
+        limit = min(entry.max_tokens, max(0, self.settings.max_model_len - request.prompt_len))
+        finish = FinishReason.LENGTH
+        fail_after = xargs.get("mock_fail_after")
+        natural = xargs.get("mock_output_len")
+        # EOS ends a request only if the frontend named an EOS id: vllm-rs
+        # implements ignore_eos by sending none (Python sends ignore_eos).
+        eos_possible = request.eos_token_id is not None and not request.ignore_eos
+        if natural is None and self.settings.output_lengths is not None and eos_possible:
+            seed = self.tokens.initial_state(entry.request_id) ^ 0x9E3779B97F4A7C15
+            natural = self.settings.output_lengths.draw(random.Random(seed))
+        if fail_after is not None and int(fail_after) < limit:
+            limit, finish = max(0, int(fail_after)), FinishReason.ERROR
+        elif natural is not None and max(int(natural), request.min_tokens, 1) < limit:
+            limit, finish = max(int(natural), request.min_tokens, 1), FinishReason.STOP
+        mode = xargs.get("mock_finish")
+        if mode is not None:
+            modes = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "error": FinishReason.ERROR}
+            if mode not in modes:
+                raise ValueError(f"mock_finish must be stop, length or error, not {mode!r}")
+            finish = modes[mode]
+        entry.max_tokens, entry.finish = limit, finish
+        stop_ids = set(request.all_stop_token_ids) | set(request.stop_token_ids)
+        if request.eos_token_id is not None:
+            stop_ids.add(request.eos_token_id)
+        if finish is FinishReason.STOP:
+            stop_token = xargs.get("mock_stop_token_id")
+            if stop_token is not None:
+                entry.last_token = entry.stop_reason = int(stop_token)
+            else:
+                entry.last_token = request.eos_token_id
+        entry.stop_ids = frozenset(stop_ids) if stop_ids else None
 
     def _next_waiting(self) -> ActiveRequest:
         if self.settings.scheduling_policy != "priority":
@@ -366,22 +443,33 @@ class EngineCore:
             remaining = entry.max_tokens - entry.num_output_tokens
             n = chunk if chunk < remaining else remaining
             tokens, entry.rng_state = draw(entry.rng_state, n)
+            if entry.stop_ids is not None:
+                tokens = self._avoid_stop_ids(tokens, entry.stop_ids)
             first = entry.num_output_tokens == 0
             entry.num_output_tokens += n
             emitted += n
-            finish = FinishReason.LENGTH if n == remaining else None
-            if first:
-                # §4.5: queue/prefill time and prompt tokens for the frontend's metrics.
+            finish = None
+            if n == remaining:
+                finish = entry.finish
+                if entry.last_token is not None and tokens:
+                    tokens[-1] = entry.last_token
+            if first or (finish is not None and finish is not FinishReason.LENGTH):
+                # §4.5: queue/prefill time and prompt tokens for the frontend's
+                # metrics; a STOP or ERROR end says why (stop_reason, error).
                 output = make_output(
                     entry.request_id,
                     tokens,
                     finish,
+                    error=protocol.request_error("mock_failure", "failed on request (vllm_xargs)") if finish is FinishReason.ERROR else None,
+                    stop_reason=entry.stop_reason if finish is FinishReason.STOP else None,
                     layout=self.layout,
                     events=[
                         protocol.engine_core_event(EngineCoreEventType.QUEUED, entry.queued_at),
                         protocol.engine_core_event(EngineCoreEventType.SCHEDULED, entry.scheduled_at),
-                    ],
-                    prefill_stats=protocol.prefill_stats(entry.prompt_len),
+                    ]
+                    if first
+                    else None,
+                    prefill_stats=protocol.prefill_stats(entry.prompt_len) if first else None,
                 )
             else:
                 output = make_output(entry.request_id, tokens, finish)
@@ -397,7 +485,7 @@ class EngineCore:
         for entry in done:
             del self.active[entry.request_id]
             self._release(entry)
-            self._count_finish(entry, FinishReason.LENGTH)
+            self._count_finish(entry, entry.finish)
         out = self._flush(batches)
         self._check_drained(out)
         return out

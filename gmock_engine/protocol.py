@@ -207,7 +207,14 @@ class EngineCoreRequest:
     arrival_time: Optional[float] = None
     external_req_id: Optional[str] = None
     abort_immediately: bool = False
-    sampling_params: Dict[str, Any] = field(default_factory=dict)
+    #: Stop conditions from SamplingParams (§3.3).
+    stop_token_ids: Tuple[int, ...] = ()
+    eos_token_id: Optional[int] = None
+    all_stop_token_ids: Tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    #: SamplingParams.extra_args: what a client put in `vllm_xargs`.
+    extra_args: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -285,7 +292,9 @@ def decode_add(payload: Any, layout: WireLayout) -> EngineCoreRequest:
     if sampling is not None and not isinstance(sampling, dict):
         raise ProtocolError(f"ADD {request_id}: sampling_params is {type(sampling).__name__}, not a map or nil")
     max_tokens: Optional[int] = None
+    stops: Dict[str, Any] = {}
     if sampling is not None:
+        stops = _decode_stops(request_id, sampling)
         max_tokens = sampling.get("max_tokens", DEFAULT_MAX_TOKENS)
         if max_tokens is None:
             max_tokens = DEFAULT_MAX_TOKENS  # Py-FE never sends nil; be lenient
@@ -311,8 +320,38 @@ def decode_add(payload: Any, layout: WireLayout) -> EngineCoreRequest:
         arrival_time=float(arrival) if isinstance(arrival, (int, float)) and not isinstance(arrival, bool) else None,
         external_req_id=external if isinstance(external, str) else None,
         abort_immediately=_field(payload, ix["abort_immediately"], False) is True,
-        sampling_params=sampling or {},
+        **stops,
     )
+
+
+def _int_list(request_id: str, sampling: Dict[str, Any], key: str) -> Tuple[int, ...]:
+    value = sampling.get(key)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(_is_int(v) for v in value):
+        raise ProtocolError(f"ADD {request_id}: {key} is not an array of ints")
+    return tuple(value)
+
+
+def _decode_stops(request_id: str, sampling: Dict[str, Any]) -> Dict[str, Any]:
+    """Stop-related SamplingParams keys (§3.3), defaults for absent ones."""
+    eos = sampling.get("_eos_token_id")
+    if eos is not None and not _is_int(eos):
+        raise ProtocolError(f"ADD {request_id}: _eos_token_id {eos!r} is not an int")
+    min_tokens = sampling.get("min_tokens") or 0
+    if not _is_int(min_tokens) or min_tokens < 0:
+        raise ProtocolError(f"ADD {request_id}: min_tokens {min_tokens!r} is not a non-negative int")
+    extra = sampling.get("extra_args") or {}
+    if not isinstance(extra, dict):
+        raise ProtocolError(f"ADD {request_id}: extra_args is {type(extra).__name__}, not a map")
+    return {
+        "stop_token_ids": _int_list(request_id, sampling, "stop_token_ids"),
+        "eos_token_id": eos,
+        "all_stop_token_ids": _int_list(request_id, sampling, "_all_stop_token_ids"),
+        "ignore_eos": sampling.get("ignore_eos") is True,
+        "min_tokens": min_tokens,
+        "extra_args": extra,
+    }
 
 
 def decode_abort(payload: Any) -> AbortRequests:
@@ -476,6 +515,7 @@ def engine_core_output(
     layout: WireLayout = _LAYOUT_0_33,
     events: Optional[List[Dict[str, Any]]] = None,
     prefill_stats: Optional[Dict[str, Any]] = None,
+    stop_reason: Optional[int] = None,
 ) -> List[Any]:
     """An EngineCoreOutput array, as short as its content allows (§0, §4.3).
 
@@ -488,7 +528,7 @@ def engine_core_output(
     if finish_reason is None and events is None and error is None:
         return [request_id, new_token_ids]  # the per-token path: keep it cheap
     out: List[Any] = [request_id, new_token_ids, None, None, None, None if finish_reason is None else int(finish_reason)]
-    for name, value in (("events", events), ("prefill_stats", prefill_stats), ("error", error)):
+    for name, value in (("stop_reason", stop_reason), ("events", events), ("prefill_stats", prefill_stats), ("error", error)):
         if value is None or name not in layout.output_fields:
             continue
         position = layout.output_position(name)

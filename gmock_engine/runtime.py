@@ -37,7 +37,7 @@ import gevent.queue
 import zmq.green as zmq
 from loguru import logger
 
-from . import protocol, transport
+from . import lengths, protocol, transport
 from .engine import EngineCore, EngineSettings, Outbound
 from .latency import LatencyModel
 from .protocol import InitMessage, ProtocolError, WireLayout
@@ -179,6 +179,8 @@ class EngineRunner:
                 # A limit is enforced only when configured (default: report it only).
                 max_num_seqs=c.max_num_seqs if c.sources["max_num_seqs"].kind != "default" else None,
                 scheduling_policy=c.scheduling_policy,
+                output_lengths=lengths.from_config(c.output_len_dist, c.eos_probability),
+                max_model_len=c.max_model_len,
                 latency=LatencyModel(
                     itl_ms=c.itl_ms,
                     itl_ms_per_request=c.itl_ms_per_request,

@@ -76,6 +76,14 @@ def test_uint64_call_ids_survive_a_round_trip():
     assert reply[4][0] == call.call_id > 2**63
 
 
+def test_stop_params_from_both_frontends():
+    adds = [r for r in INPUTS if r["decoded"][0]["request_type"] == "ADD"]
+    for record in adds:
+        request = protocol.decode_input(_frames(record), LAYOUT)
+        assert request.eos_token_id == 31999 and request.all_stop_token_ids == (31999,)
+        assert request.stop_token_ids == () and request.ignore_eos is False and request.min_tokens == 0
+
+
 def test_py_frontend_absent_max_tokens_means_16():
     adds = [r for r in INPUTS if r["decoded"][0]["request_type"] == "ADD" and "max_tokens" not in r["decoded"][1][3]]
     assert adds, "the dp1 trace has a chat request with max_tokens 16 (key absent)"
@@ -133,6 +141,10 @@ BAD_FRAMES = [
     ([b"\x00", msgpack.packb(["r", [1], None, {"max_tokens": "9"}, None])], "max_tokens"),
     ([b"\x00", msgpack.packb(["r", [1], None, {"max_tokens": -1}, None])], "max_tokens"),
     ([b"\x00", msgpack.packb(["r", [1], None, {}, None, 0.0, None, None, None, None, None, "x"])], "client_index"),
+    ([b"\x00", msgpack.packb(["r", [1], None, {"stop_token_ids": ["a"]}, None])], "stop_token_ids"),
+    ([b"\x00", msgpack.packb(["r", [1], None, {"_eos_token_id": "x"}, None])], "_eos_token_id"),
+    ([b"\x00", msgpack.packb(["r", [1], None, {"min_tokens": -2}, None])], "min_tokens"),
+    ([b"\x00", msgpack.packb(["r", [1], None, {"extra_args": [1]}, None])], "extra_args"),
     ([b"\x01", msgpack.packb("r")], "ABORT payload"),
     ([b"\x01", msgpack.packb(["r", 5])], "ABORT payload"),
     ([b"\x03", msgpack.packb([0, 1, "m"])], "4-array"),
