@@ -89,6 +89,43 @@ def _length_spec(text: str) -> str:
     return text.strip()
 
 
+def _token_source(text: str) -> str:
+    from .tokens import read_token_file
+
+    text = text.strip()
+    if text in ("random", "echo"):
+        return text
+    if text.startswith("file:"):
+        try:
+            read_token_file(text[5:])
+        except (OSError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not random, echo or file:PATH")
+
+
+@dataclass(frozen=True)
+class IdRange:
+    """--token-id-range: [low, high); prints as it is written."""
+
+    low: int
+    high: int
+
+    def __str__(self) -> str:
+        return f"{self.low}:{self.high}"
+
+
+def _id_range(text: str) -> IdRange:
+    low, sep, high = text.partition(":")
+    try:
+        bounds = IdRange(int(low), int(high))
+    except ValueError:
+        bounds = None
+    if not sep or bounds is None or not 0 <= bounds.low < bounds.high:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LOW:HIGH with 0 <= LOW < HIGH")
+    return bounds
+
+
 def zmq_address(text: str) -> str:
     """A ZMQ endpoint the engine connects to: tcp://host:port or ipc:///path."""
     text = text.strip()
@@ -272,6 +309,19 @@ def build_parser() -> configargparse.ArgumentParser:
         type=_choice(("fcfs", "priority")),
         default="fcfs",
         help="order of the waiting queue: arrival, or the request's priority (lower first) then arrival",
+    )
+    gen.add_argument(
+        "--token-source",
+        type=_token_source,
+        default="random",
+        help="random (uniform ids), echo (the prompt's ids, repeated) or file:PATH (whitespace-separated ids, cycled)",
+    )
+    gen.add_argument(
+        "--token-id-range",
+        type=_id_range,
+        default=None,
+        metavar="LOW:HIGH",
+        help="random ids from [LOW, HIGH) only, e.g. ids your tokenizer decodes to clean text (default [0, vocab-size))",
     )
     gen.add_argument(
         "--supported-tasks",
@@ -463,6 +513,11 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
         raise ConfigError(
             f"argument --data-parallel-size: {args.data_parallel_size} is smaller than "
             f"--data-parallel-start-rank + --engine-count = {last_rank} (from {sources.of(action)})"
+        )
+    if args.token_id_range is not None and args.token_id_range.high > args.vocab_size:
+        raise ConfigError(
+            f"argument --token-id-range: {args.token_id_range} goes past "
+            f"--vocab-size {args.vocab_size} (from {sources.of(sources.find('--token-id-range'))})"
         )
     if args.processes > args.engine_count:
         raise ConfigError(

@@ -45,7 +45,7 @@ from .protocol import (
 )
 from .latency import LatencyModel
 from .lengths import OutputLengths
-from .tokens import RandomTokens
+from .tokens import RandomTokens, TokenSource, request_seed
 
 #: One message to send: (client index = output socket, EngineCoreOutputs array).
 Outbound = Tuple[int, List[Any]]
@@ -91,6 +91,8 @@ class EngineSettings:
     output_lengths: Optional[OutputLengths] = None
     #: prompt + output never beyond this (then LENGTH), as a real engine.
     max_model_len: int = 1 << 20
+    #: tokens.py source; None: random ids from [0, vocab_size).
+    token_source: Optional[TokenSource] = None
     layout: WireLayout = field(default_factory=lambda: protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION])
 
 
@@ -152,7 +154,7 @@ class EngineCore:
         self.settings = settings
         self.rank = settings.rank
         self.clock = clock
-        self.tokens = RandomTokens(settings.vocab_size, settings.seed, settings.rank)
+        self.tokens: TokenSource = settings.token_source or RandomTokens(settings.vocab_size, settings.seed, settings.rank)
         self.chunk = settings.output_token_chunk_size
         self.layout = settings.layout
         #: The running batch, in admission order.
@@ -277,7 +279,8 @@ class EngineCore:
             )
             return self._flush(batches)
         max_tokens = request.max_tokens or 0
-        entry = ActiveRequest(rid, client, max_tokens, self.tokens.initial_state(rid), request.prompt_len, self.clock())
+        state = self.tokens.initial_state(rid, request.prompt_token_ids)
+        entry = ActiveRequest(rid, client, max_tokens, state, request.prompt_len, self.clock())
         try:
             self._plan_end(entry, request)
         except (TypeError, ValueError) as exc:
@@ -334,7 +337,7 @@ class EngineCore:
         # implements ignore_eos by sending none (Python sends ignore_eos).
         eos_possible = request.eos_token_id is not None and not request.ignore_eos
         if natural is None and self.settings.output_lengths is not None and eos_possible:
-            seed = self.tokens.initial_state(entry.request_id) ^ 0x9E3779B97F4A7C15
+            seed = request_seed(self.settings.seed, self.rank, entry.request_id) ^ 0x9E3779B97F4A7C15
             natural = self.settings.output_lengths.draw(random.Random(seed))
         if fail_after is not None and int(fail_after) < limit:
             limit, finish = max(0, int(fail_after)), FinishReason.ERROR

@@ -207,6 +207,8 @@ class EngineCoreRequest:
     arrival_time: Optional[float] = None
     external_req_id: Optional[str] = None
     abort_immediately: bool = False
+    #: The prompt's ids (None: embeddings only); only the echo source keeps them.
+    prompt_token_ids: Optional[List[int]] = None
     #: Stop conditions from SamplingParams (§3.3).
     stop_token_ids: Tuple[int, ...] = ()
     eos_token_id: Optional[int] = None
@@ -320,6 +322,7 @@ def decode_add(payload: Any, layout: WireLayout) -> EngineCoreRequest:
         arrival_time=float(arrival) if isinstance(arrival, (int, float)) and not isinstance(arrival, bool) else None,
         external_req_id=external if isinstance(external, str) else None,
         abort_immediately=_field(payload, ix["abort_immediately"], False) is True,
+        prompt_token_ids=prompt,
         **stops,
     )
 

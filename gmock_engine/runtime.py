@@ -37,7 +37,7 @@ import gevent.queue
 import zmq.green as zmq
 from loguru import logger
 
-from . import lengths, protocol, transport
+from . import lengths, protocol, tokens, transport
 from .engine import EngineCore, EngineSettings, Outbound
 from .latency import LatencyModel
 from .protocol import InitMessage, ProtocolError, WireLayout
@@ -180,6 +180,13 @@ class EngineRunner:
                 max_num_seqs=c.max_num_seqs if c.sources["max_num_seqs"].kind != "default" else None,
                 scheduling_policy=c.scheduling_policy,
                 output_lengths=lengths.from_config(c.output_len_dist, c.eos_probability),
+                token_source=tokens.make_source(
+                    c.token_source,
+                    c.vocab_size,
+                    c.seed,
+                    self.rank,
+                    (c.token_id_range.low, c.token_id_range.high) if c.token_id_range else None,
+                ),
                 max_model_len=c.max_model_len,
                 latency=LatencyModel(
                     itl_ms=c.itl_ms,

@@ -1,5 +1,11 @@
 """Where tokens are made: the one place that picks generated token ids.
 
+Sources (`--token-source`): `random` (default; `--token-id-range` narrows it,
+e.g. to ids a tokenizer decodes to clean text), `echo` (the request's own
+prompt ids, over and over) and `file:PATH` (ids read from a file, each
+request starting at its own seeded offset). Every source has the same two
+calls: `initial_state(request_id, prompt_token_ids)` and `draw(state, n)`.
+
 Each request carries its own generator state seeded from (seed, engine rank,
 request id), so a run with the same seed and the same request ids produces
 the same tokens, whatever the interleaving of requests (the Rust mock's rule,
@@ -15,7 +21,7 @@ active requests).
 from __future__ import annotations
 
 import hashlib
-from typing import List, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 _MASK64 = (1 << 64) - 1
 _LCG_MUL = 6364136223846793005
@@ -29,27 +35,92 @@ def request_seed(seed: int, rank: int, request_id: str) -> int:
 
 
 class RandomTokens:
-    """Token ids drawn uniformly from [0, vocab_size)."""
+    """Token ids drawn uniformly from [low, high) (default [0, vocab_size))."""
 
-    def __init__(self, vocab_size: int, seed: int, rank: int) -> None:
-        if vocab_size < 1:
-            raise ValueError("vocab_size must be >= 1")
+    def __init__(self, vocab_size: int, seed: int, rank: int, low: int = 0, high: Optional[int] = None) -> None:
+        high = vocab_size if high is None else high
+        if not 0 <= low < high:
+            raise ValueError(f"empty token id range [{low}, {high})")
         self.vocab_size = vocab_size
         self.seed = seed
         self.rank = rank
+        self.low = low
+        self.span = high - low
 
-    def initial_state(self, request_id: str) -> int:
+    def initial_state(self, request_id: str, prompt_token_ids: Optional[Sequence[int]] = None) -> int:
         """The generator state of a new request."""
         return request_seed(self.seed, self.rank, request_id)
 
     def draw(self, state: int, n: int) -> Tuple[List[int], int]:
         """The next `n` token ids after `state`, and the state after them."""
-        vocab = self.vocab_size
+        span, low = self.span, self.low
         if n == 1:  # the common case (chunk 1): no loop, no list growth
             state = (state * _LCG_MUL + _LCG_INC) & _MASK64
-            return [((state >> 32) * vocab) >> 32], state
+            return [low + (((state >> 32) * span) >> 32)], state
         tokens = []
         for _ in range(n):
             state = (state * _LCG_MUL + _LCG_INC) & _MASK64
-            tokens.append(((state >> 32) * vocab) >> 32)
+            tokens.append(low + (((state >> 32) * span) >> 32))
         return tokens, state
+
+
+class EchoTokens:
+    """The request's prompt ids, repeated (a prompt of none echoes id 0)."""
+
+    def initial_state(self, request_id: str, prompt_token_ids: Optional[Sequence[int]] = None) -> Tuple[Sequence[int], int]:
+        return (prompt_token_ids or (0,), 0)
+
+    def draw(self, state: Tuple[Sequence[int], int], n: int) -> Tuple[List[int], Tuple[Sequence[int], int]]:
+        ids, position = state
+        tokens = [ids[(position + i) % len(ids)] for i in range(n)]
+        return tokens, (ids, (position + n) % len(ids))
+
+
+class FileTokens:
+    """Ids from a file (whitespace-separated integers), cycled; each request
+    starts at an offset seeded by (seed, rank, request id)."""
+
+    def __init__(self, ids: Sequence[int], seed: int, rank: int) -> None:
+        if not ids:
+            raise ValueError("no token ids")
+        self.ids = tuple(ids)
+        self.seed = seed
+        self.rank = rank
+
+    def initial_state(self, request_id: str, prompt_token_ids: Optional[Sequence[int]] = None) -> int:
+        return request_seed(self.seed, self.rank, request_id) % len(self.ids)
+
+    def draw(self, state: int, n: int) -> Tuple[List[int], int]:
+        ids = self.ids
+        tokens = [ids[(state + i) % len(ids)] for i in range(n)]
+        return tokens, (state + n) % len(ids)
+
+
+def read_token_file(path: str) -> List[int]:
+    """The ids of a token file; ValueError with the reason if it has none or a non-integer."""
+    with open(path, encoding="utf-8") as handle:
+        words = handle.read().split()
+    ids = []
+    for index, word in enumerate(words):
+        try:
+            ids.append(int(word))
+        except ValueError:
+            raise ValueError(f"{path}: word {index + 1} ({word[:20]!r}) is not an integer token id") from None
+        if ids[-1] < 0:
+            raise ValueError(f"{path}: word {index + 1} is a negative token id")
+    if not ids:
+        raise ValueError(f"{path} holds no token ids")
+    return ids
+
+
+TokenSource = Union[RandomTokens, EchoTokens, FileTokens]
+
+
+def make_source(spec: str, vocab_size: int, seed: int, rank: int, id_range: Optional[Tuple[int, int]] = None) -> TokenSource:
+    """The source for `--token-source` (random | echo | file:PATH)."""
+    if spec == "echo":
+        return EchoTokens()
+    if spec.startswith("file:"):
+        return FileTokens(read_token_file(spec[5:]), seed, rank)
+    low, high = id_range if id_range else (0, vocab_size)
+    return RandomTokens(vocab_size, seed, rank, low, high)

@@ -345,3 +345,11 @@ def test_a_one_token_request_gets_events_and_finish_in_one_output():
     engine.apply(add("one", 1))
     [out] = outputs_of(run(engine), "one")
     assert out[5] == FinishReason.LENGTH and [e["type"] for e in out[7]] == [1, 2]
+
+
+def test_echo_source_through_the_engine():
+    from gmock_engine.tokens import EchoTokens
+
+    engine = EngineCore(EngineSettings(rank=0, num_clients=1, token_source=EchoTokens()), clock=Clock())
+    engine.apply(EngineCoreRequest("e", 3, 5, True, prompt_token_ids=[7, 8, 9]))
+    assert tokens_of(run(engine), "e") == [7, 8, 9, 7, 8]

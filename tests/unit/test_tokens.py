@@ -2,6 +2,8 @@
 
 import collections
 
+import pytest
+
 from gmock_engine.tokens import RandomTokens, request_seed
 
 
@@ -28,3 +30,40 @@ def test_draw_is_uniform_enough_and_resumable():
 def test_vocab_of_one():
     tokens, _ = RandomTokens(1, 0, 0).draw(5, 8)
     assert tokens == [0] * 8
+
+
+from gmock_engine.tokens import EchoTokens, FileTokens, make_source, read_token_file  # noqa: E402
+
+
+def test_id_range_limits_random_ids():
+    source = make_source("random", 32000, 1, 0, (100, 110))
+    tokens, _ = source.draw(source.initial_state("r"), 5000)
+    assert set(tokens) == set(range(100, 110))
+
+
+def test_echo_repeats_the_prompt():
+    source = EchoTokens()
+    state = source.initial_state("r", [5, 6, 7])
+    first, state = source.draw(state, 2)
+    second, state = source.draw(state, 4)
+    assert first + second == [5, 6, 7, 5, 6, 7]
+    assert source.draw(source.initial_state("r", None), 3)[0] == [0, 0, 0]
+
+
+def test_file_ids_cycle_from_a_seeded_offset(tmp_path):
+    path = tmp_path / "ids.txt"
+    path.write_text("10 11 12\n13\n")
+    source = make_source(f"file:{path}", 32000, 0, 0)
+    assert isinstance(source, FileTokens)
+    tokens, _ = source.draw(source.initial_state("r"), 8)
+    assert set(tokens) == {10, 11, 12, 13}
+    assert tokens[4:] == tokens[:4]  # cycles
+    assert source.draw(source.initial_state("r"), 8)[0] == tokens  # deterministic
+
+
+@pytest.mark.parametrize("text,reason", [("", "no token ids"), ("1 x 3", "word 2"), ("4 -1", "negative")])
+def test_bad_token_files(tmp_path, text, reason):
+    path = tmp_path / "bad.txt"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=reason):
+        read_token_file(str(path))
