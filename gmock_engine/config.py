@@ -332,7 +332,13 @@ def build_parser() -> configargparse.ArgumentParser:
 
     ready = parser.add_argument_group("ready response (what the frontend reads at startup, PROTOCOL.md §2.5)")
     ready.add_argument("--max-model-len", type=_int_at_least(1), default=1048576, help="context length; the frontend uses the minimum over engines")
-    ready.add_argument("--num-gpu-blocks", type=_int_at_least(0), default=65536, help="KV cache blocks per engine")
+    ready.add_argument(
+        "--num-gpu-blocks",
+        type=_int_at_least(1),
+        default=65536,
+        help="KV cache blocks per engine: reported; enforced only when given (a request holds ceil(tokens / block size), "
+        "the newest is preempted when they run out)",
+    )
     ready.add_argument("--block-size", type=_int_at_least(1), default=16, help="KV cache block size in tokens")
     ready.add_argument("--dtype", type=_choice(DTYPES), default="bfloat16", help="reported model dtype")
     ready.add_argument(
@@ -341,7 +347,12 @@ def build_parser() -> configargparse.ArgumentParser:
         default=256,
         help="max running requests per engine: reported; enforced (the rest wait) only when given",
     )
-    ready.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=8192, help="reported per-step token budget")
+    ready.add_argument(
+        "--max-num-batched-tokens",
+        type=_int_at_least(1),
+        default=8192,
+        help="per-step token budget: reported; enforced only when given (decodes first, prompts prefilled in chunks)",
+    )
     ready.add_argument("--vllm-version", default="0.33.0", help="reported vLLM version string (informational)")
 
     logs = parser.add_argument_group("logging")

@@ -93,6 +93,12 @@ class EngineSettings:
     max_model_len: int = 1 << 20
     #: tokens.py source; None: random ids from [0, vocab_size).
     token_source: Optional[TokenSource] = None
+    #: KV blocks enforced (None: only reported): a running request holds
+    #: ceil(tokens / block_size); when they run out the newest is preempted.
+    kv_blocks: Optional[int] = None
+    #: Per-step token budget enforced (None: unlimited): decodes first, then
+    #: prefill in chunks of what is left.
+    max_num_batched_tokens: Optional[int] = None
     layout: WireLayout = field(default_factory=lambda: protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION])
 
 
@@ -113,6 +119,10 @@ class ActiveRequest:
         "stop_reason",
         "last_token",
         "stop_ids",
+        "priority",
+        "prefill_left",
+        "blocks",
+        "pending_events",
     )
 
     def __init__(
@@ -135,6 +145,12 @@ class ActiveRequest:
         self.last_token: Optional[int] = None
         #: Ids random tokens must avoid (a real engine would have stopped on them).
         self.stop_ids: Optional[frozenset] = None
+        self.priority = 0
+        #: Tokens still to prefill in chunks (token budget enforced) and KV blocks held.
+        self.prefill_left = 0
+        self.blocks = 0
+        #: EngineCoreEvents for its next output (QUEUED/PREEMPTED, SCHEDULED).
+        self.pending_events: Optional[List[Dict[str, Any]]] = None
 
 
 class _Batch:
@@ -166,6 +182,9 @@ class EngineCore:
         self._arrivals = itertools.count()
         #: Running requests whose prefill is not done: id -> ready_at.
         self.prefilling: Dict[str, float] = {}
+        #: Running requests with prompt tokens still to prefill (token budget).
+        self.chunking: Dict[str, ActiveRequest] = {}
+        self.used_blocks = 0
         self.latency = settings.latency
         self._rng = random.Random(f"{settings.seed}/{settings.rank}/latency")
         #: Engine time the last step asked its successor to wait (latency model).
@@ -217,7 +236,12 @@ class EngineCore:
         if not self.has_work:
             return None
         due = step_started + self.step_delay
-        if self.prefilling and len(self.prefilling) == len(self.active) and not (self.waiting and self.can_admit):
+        if (
+            self.prefilling
+            and not self.chunking  # chunked prefills progress every step
+            and len(self.prefilling) == len(self.active)
+            and not (self.waiting and self.can_admit)
+        ):
             due = max(due, min(self.prefilling.values()))
         return due
 
@@ -281,6 +305,7 @@ class EngineCore:
         max_tokens = request.max_tokens or 0
         state = self.tokens.initial_state(rid, request.prompt_token_ids)
         entry = ActiveRequest(rid, client, max_tokens, state, request.prompt_len, self.clock())
+        entry.pending_events = [protocol.engine_core_event(EngineCoreEventType.QUEUED, entry.queued_at)]
         try:
             self._plan_end(entry, request)
         except (TypeError, ValueError) as exc:
@@ -300,6 +325,7 @@ class EngineCore:
         if max_tokens == 0:
             self._finish_now(batches, client, rid, FinishReason.LENGTH)
             return self._flush(batches)
+        entry.priority = request.priority
         self.waiting[rid] = entry
         if self.settings.scheduling_policy == "priority":
             heapq.heappush(self._priority_queue, (request.priority, next(self._arrivals), rid))
@@ -361,38 +387,136 @@ class EngineCore:
                 entry.last_token = request.eos_token_id
         entry.stop_ids = frozenset(stop_ids) if stop_ids else None
 
-    def _next_waiting(self) -> ActiveRequest:
+    def _peek_waiting(self) -> ActiveRequest:
+        """The waiting request to admit next (FCFS, or by priority)."""
         if self.settings.scheduling_policy != "priority":
-            return self.waiting.pop(next(iter(self.waiting)))
+            return self.waiting[next(iter(self.waiting))]
         while True:
-            _, _, rid = heapq.heappop(self._priority_queue)
-            entry = self.waiting.pop(rid, None)
-            if entry is not None:
-                return entry
+            rid = self._priority_queue[0][2]
+            if rid in self.waiting:
+                return self.waiting[rid]
+            heapq.heappop(self._priority_queue)  # aborted or already admitted
 
-    def _admit(self, now: float) -> int:
-        """Move waiting requests into the running batch; return the prompt
-        tokens they prefill in this step."""
+    def _pop_waiting(self, entry: ActiveRequest) -> None:
+        del self.waiting[entry.request_id]
+        if self.settings.scheduling_policy == "priority":
+            heapq.heappop(self._priority_queue)
+
+    def _admit(self, now: float, budget: Optional[int], batches: Dict[int, "_Batch"]) -> int:
+        """Move waiting requests into the running batch while the batch limit,
+        the token budget (`budget` left, None: unlimited) and the KV blocks
+        allow; return the prompt tokens they prefill in this step."""
         prefill_tokens = 0
         latency = self.latency
-        while self.waiting and self.can_admit:
-            entry = self._next_waiting()
+        kv_blocks, block = self.settings.kv_blocks, self.settings.block_size
+        while self.waiting and self.can_admit and (budget is None or budget > 0):
+            entry = self._peek_waiting()
+            target = entry.prompt_len + entry.num_output_tokens  # recompute after a preemption
+            if kv_blocks is not None:
+                need = -(-target // block)
+                if self.used_blocks + need > kv_blocks:
+                    if not self.active and need > kv_blocks:
+                        self._reject_too_long(entry, batches)
+                        continue
+                    break  # waits for blocks to free up, as vLLM
+                entry.blocks = need
+                self.used_blocks += need
+            self._pop_waiting(entry)
             entry.scheduled_at = now
+            events = entry.pending_events or []
+            events.append(protocol.engine_core_event(EngineCoreEventType.SCHEDULED, now))
+            entry.pending_events = events
             self.active[entry.request_id] = entry
-            self.kv_tokens += entry.prompt_len + entry.num_output_tokens
-            prefill_tokens += entry.prompt_len
+            self.kv_tokens += target
+            take = target if budget is None else min(target, budget)
+            prefill_tokens += take
+            if budget is not None:
+                budget -= take
+            entry.prefill_left = target - take
+            if entry.prefill_left:
+                self.chunking[entry.request_id] = entry
             if latency.paced:
                 entry.ready_at = now + latency.first_token_seconds(entry.prompt_len, self._rng)
-                if entry.ready_at > now:
-                    self.prefilling[entry.request_id] = entry.ready_at
             else:
                 entry.ready_at = now
+            if entry.prefill_left or entry.ready_at > now:
+                self.prefilling[entry.request_id] = float("inf") if entry.prefill_left else entry.ready_at
         return prefill_tokens
+
+    def _reject_too_long(self, entry: ActiveRequest, batches: Dict[int, "_Batch"]) -> None:
+        """A request whose KV can never fit: ERROR now, not a queue that never moves."""
+        self._pop_waiting(entry)
+        self._finish_now(
+            batches,
+            entry.client_index,
+            entry.request_id,
+            FinishReason.ERROR,
+            protocol.request_error("kv_cache_too_small", f"needs more than the engine's {self.settings.kv_blocks} KV blocks"),
+        )
+
+    def _continue_prefills(self, now: float, budget: int) -> Tuple[int, int]:
+        """Chunked prefill of running requests (admission order) within
+        `budget`; return (tokens prefilled, budget left)."""
+        prefilled = 0
+        for entry in list(self.chunking.values()):
+            if budget <= 0:
+                break
+            take = min(entry.prefill_left, budget)
+            entry.prefill_left -= take
+            budget -= take
+            prefilled += take
+            if not entry.prefill_left:
+                del self.chunking[entry.request_id]
+                if entry.ready_at > now:
+                    self.prefilling[entry.request_id] = entry.ready_at
+                else:
+                    del self.prefilling[entry.request_id]
+        return prefilled, budget
+
+    def _reserve_decode_blocks(self, now: float) -> None:
+        """KV for this step's tokens: a request crossing a block boundary
+        needs a new block; when they run out, the newest running request is
+        preempted (vLLM's recompute preemption) until the rest fit."""
+        kv_blocks, block, chunk = self.settings.kv_blocks, self.settings.block_size, self.chunk
+        while True:
+            needs = []
+            total = 0
+            for entry in self.active.values():
+                if entry.request_id in self.prefilling:
+                    continue
+                n = min(chunk, entry.max_tokens - entry.num_output_tokens)
+                need = -(-(entry.prompt_len + entry.num_output_tokens + n) // block) - entry.blocks
+                if need > 0:
+                    needs.append((entry, need))
+                    total += need
+            if self.used_blocks + total <= kv_blocks or not self.active:
+                break
+            self._preempt(next(reversed(self.active.values())), now)
+        for entry, need in needs:
+            entry.blocks += need
+            self.used_blocks += need
+
+    def _preempt(self, entry: ActiveRequest, now: float) -> None:
+        """Back to the front of the queue; its KV is freed and recomputed later."""
+        del self.active[entry.request_id]
+        self._release(entry)
+        # Events not sent yet (QUEUED, SCHEDULED of a request preempted before
+        # its first token) stay: they all ride on its next output, as in vLLM.
+        entry.pending_events = (entry.pending_events or []) + [protocol.engine_core_event(EngineCoreEventType.PREEMPTED, now)]
+        self.waiting = {entry.request_id: entry, **self.waiting}
+        if self.settings.scheduling_policy == "priority":
+            heapq.heappush(self._priority_queue, (entry.priority, -next(self._arrivals), entry.request_id))
+        self.counters["preemptions"] += 1
+        if self.settings.log_requests:
+            self.log.info("mock request preempted engine={} request_id={}", self.rank, entry.request_id)
 
     def _release(self, entry: ActiveRequest) -> None:
         """Account for a running request that left `active` (its KV is freed)."""
         self.kv_tokens -= entry.prompt_len + entry.num_output_tokens
         self.prefilling.pop(entry.request_id, None)
+        self.chunking.pop(entry.request_id, None)
+        self.used_blocks -= entry.blocks
+        entry.blocks = 0
 
     def abort_requests(self, request_ids: List[str]) -> List[Outbound]:
         """ABORT (§3.4): end the listed active ids; unknown ids are ignored."""
@@ -427,19 +551,30 @@ class EngineCore:
         if not self.has_work:
             return []
         now = self.clock()
-        prefill_tokens = self._admit(now)
+        budget = self.settings.max_num_batched_tokens
+        prefill_tokens = 0
+        if budget is not None:
+            # decodes take their tokens first, then prefills continue, then admissions
+            budget -= (len(self.active) - len(self.prefilling)) * self.chunk
+            if self.chunking:
+                prefill_tokens, budget = self._continue_prefills(now, budget)
+        batches: Dict[int, _Batch] = {}
+        prefill_tokens += self._admit(now, budget, batches)
+        if self.settings.kv_blocks is not None:
+            self._reserve_decode_blocks(now)
         chunk = self.chunk
         draw = self.tokens.draw
         make_output = protocol.engine_core_output
         prefilling = self.prefilling
-        batches: Dict[int, _Batch] = {}
         done: List[ActiveRequest] = []
         emitted = 0
         for entry in self.active.values():
-            if prefilling and entry.request_id in prefilling:
-                if entry.ready_at > now:
-                    continue  # prefill not done: no token this step
-                del prefilling[entry.request_id]
+            if prefilling:
+                ready_at = prefilling.get(entry.request_id)
+                if ready_at is not None:
+                    if ready_at > now:
+                        continue  # prefill not done (inf: chunks left): no token this step
+                    del prefilling[entry.request_id]
             batch = batches.get(entry.client_index)
             if batch is None:
                 batch = batches[entry.client_index] = _Batch()
@@ -449,6 +584,7 @@ class EngineCore:
             if entry.stop_ids is not None:
                 tokens = self._avoid_stop_ids(tokens, entry.stop_ids)
             first = entry.num_output_tokens == 0
+            events = entry.pending_events
             entry.num_output_tokens += n
             emitted += n
             finish = None
@@ -456,7 +592,7 @@ class EngineCore:
                 finish = entry.finish
                 if entry.last_token is not None and tokens:
                     tokens[-1] = entry.last_token
-            if first or (finish is not None and finish is not FinishReason.LENGTH):
+            if events is not None or (finish is not None and finish is not FinishReason.LENGTH):
                 # §4.5: queue/prefill time and prompt tokens for the frontend's
                 # metrics; a STOP or ERROR end says why (stop_reason, error).
                 output = make_output(
@@ -466,14 +602,10 @@ class EngineCore:
                     error=protocol.request_error("mock_failure", "failed on request (vllm_xargs)") if finish is FinishReason.ERROR else None,
                     stop_reason=entry.stop_reason if finish is FinishReason.STOP else None,
                     layout=self.layout,
-                    events=[
-                        protocol.engine_core_event(EngineCoreEventType.QUEUED, entry.queued_at),
-                        protocol.engine_core_event(EngineCoreEventType.SCHEDULED, entry.scheduled_at),
-                    ]
-                    if first
-                    else None,
+                    events=events,
                     prefill_stats=protocol.prefill_stats(entry.prompt_len) if first else None,
                 )
+                entry.pending_events = None
             else:
                 output = make_output(entry.request_id, tokens, finish)
             batch.outputs.append(output)
@@ -617,7 +749,9 @@ class EngineCore:
         return protocol.scheduler_stats(
             num_running_reqs=len(self.active),
             num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=min(1.0, self.kv_tokens / self._kv_capacity),
+            kv_cache_usage=self.used_blocks / self.settings.kv_blocks
+            if self.settings.kv_blocks
+            else min(1.0, self.kv_tokens / self._kv_capacity),
             step_counter=self.counters["steps"],
         )
 

@@ -164,6 +164,10 @@ class EngineRunner:
             self.ctx, self.rank, self.config.handshake_address, self.ready_response, self.ready_message
         )
         c = self.config
+
+        def enforced(name: str) -> bool:
+            return c.sources[name].kind != "default"
+
         self.engine = EngineCore(
             EngineSettings(
                 rank=self.rank,
@@ -176,8 +180,10 @@ class EngineRunner:
                 num_gpu_blocks=c.num_gpu_blocks,
                 block_size=c.block_size,
                 has_coordinator=init.has_coordinator,
-                # A limit is enforced only when configured (default: report it only).
-                max_num_seqs=c.max_num_seqs if c.sources["max_num_seqs"].kind != "default" else None,
+                # A limit is enforced only when configured (default: only reported).
+                max_num_seqs=c.max_num_seqs if enforced("max_num_seqs") else None,
+                kv_blocks=c.num_gpu_blocks if enforced("num_gpu_blocks") else None,
+                max_num_batched_tokens=c.max_num_batched_tokens if enforced("max_num_batched_tokens") else None,
                 scheduling_policy=c.scheduling_policy,
                 output_lengths=lengths.from_config(c.output_len_dist, c.eos_probability),
                 token_source=tokens.make_source(

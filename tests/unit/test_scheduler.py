@@ -162,3 +162,87 @@ def test_pause_keeps_waiting_requests_waiting():
     engine.apply(UtilityCall(0, 2, "resume_scheduler", []))
     drive(engine, clock)
     assert engine.num_active == 0 and engine.counters["finished_length"] == 2
+
+
+# -- KV blocks, preemption, chunked prefill ----------------------------------------
+
+
+def outputs_by_request(sent):
+    out = {}
+    for _, message in sent:
+        for output in message[1]:
+            out.setdefault(output[0], []).append(output)
+    return out
+
+
+def test_kv_blocks_limit_admission_and_usage():
+    clock = VirtualClock()
+    # 4 blocks of 16 tokens; prompts of 20 tokens need 2 blocks each
+    engine = engine_with(clock, kv_blocks=4, block_size=16)
+    for i in range(3):
+        engine.apply(request(f"r{i}", max_tokens=5, prompt_len=20))
+    first = engine.step()
+    stats = first[0][1][2]
+    assert stats["num_running_reqs"] == 2 and stats["num_waiting_reqs"] == 1
+    assert stats["kv_cache_usage"] == pytest.approx(1.0)
+    sent = [(clock.now, m) for _, m in first] + drive(engine, clock)
+    assert engine.counters["finished_length"] == 3 and engine.used_blocks == 0
+
+
+def test_running_out_of_blocks_preempts_the_newest_and_it_recomputes():
+    clock = VirtualClock()
+    # 3 blocks of 4 tokens. a: prompt 4 (1 block), b: prompt 4 (1 block); both grow
+    engine = engine_with(clock, kv_blocks=3, block_size=4)
+    engine.apply(request("a", max_tokens=6, prompt_len=4))
+    engine.apply(request("b", max_tokens=6, prompt_len=4))
+    sent = drive(engine, clock)
+    assert engine.counters["preemptions"] >= 1
+    outputs = outputs_by_request(sent)
+    # every request still gets all of its tokens, exactly once, and ends once
+    for rid in ("a", "b"):
+        assert sum(len(o[1]) for o in outputs[rid]) == 6
+        assert [o[5] for o in outputs[rid] if len(o) > 5 and o[5] is not None] == [FinishReason.LENGTH]
+    # the preempted one reports it: PREEMPTED then SCHEDULED on its next output
+    events = [e["type"] for o in outputs["b"] if len(o) > 7 and o[7] for e in o[7]]
+    assert events[:2] == [1, 2] and 3 in events and events[-1] == 2
+    assert events.count(3) == events.count(2) - 1  # each preemption rescheduled once
+    assert engine.used_blocks == 0 and engine.num_active == 0
+
+
+def test_a_prompt_larger_than_the_cache_fails_instead_of_waiting_forever():
+    clock = VirtualClock()
+    engine = engine_with(clock, kv_blocks=2, block_size=4)
+    engine.apply(request("huge", max_tokens=2, prompt_len=100))
+    sent = engine.step()
+    [output] = sent[0][1][1]
+    assert output[5] == FinishReason.ERROR and output[18]["code"] == "kv_cache_too_small"
+    assert not engine.has_work
+
+
+def test_chunked_prefill_within_the_token_budget():
+    clock = VirtualClock(0.0)
+    engine = engine_with(clock, max_num_batched_tokens=10, latency=LatencyModel(itl_ms=10, prefill_ms_per_token=1))
+    engine.apply(EngineCoreRequest("long", 25, 3, True))
+    delays, firsts = [], []
+    while engine.has_work:
+        started = clock.now
+        for _, message in engine.step():
+            firsts += [o for o in message[1] if o[1]]
+        delays.append(engine.step_delay)
+        clock.now = engine.next_step_time(started) or clock.now
+    # 25 prompt tokens in chunks of 10, 10, 5; the first token with the last chunk
+    assert [round(d, 3) for d in delays[:3]] == [0.02, 0.02, 0.015]
+    assert len(firsts) == 3 and firsts[0][11]["num_prompt_tokens"] == 25
+
+
+def test_decodes_take_the_budget_before_new_prefills():
+    clock = VirtualClock()
+    engine = engine_with(clock, max_num_batched_tokens=4)
+    for i in range(3):
+        engine.apply(request(f"d{i}", max_tokens=50, prompt_len=1))
+    engine.step()  # three 1-token prompts admitted and decoding
+    engine.apply(request("p", max_tokens=2, prompt_len=8))
+    engine.step()  # 3 decodes + 1 prompt token of "p"
+    assert engine.active["p"].prefill_left == 7
+    engine.step()
+    assert engine.active["p"].prefill_left == 6
