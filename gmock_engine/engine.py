@@ -123,6 +123,7 @@ class ActiveRequest:
         "prefill_left",
         "blocks",
         "pending_events",
+        "ttft_ms",
     )
 
     def __init__(
@@ -151,6 +152,8 @@ class ActiveRequest:
         self.blocks = 0
         #: EngineCoreEvents for its next output (QUEUED/PREEMPTED, SCHEDULED).
         self.pending_events: Optional[List[Dict[str, Any]]] = None
+        #: vllm_xargs mock_ttft_ms: this request's fixed time to first token.
+        self.ttft_ms: Optional[float] = None
 
 
 class _Batch:
@@ -376,6 +379,11 @@ class EngineCore:
                 raise ValueError(f"mock_finish must be stop, length or error, not {mode!r}")
             finish = modes[mode]
         entry.max_tokens, entry.finish = limit, finish
+        ttft = xargs.get("mock_ttft_ms")
+        if ttft is not None:
+            entry.ttft_ms = float(ttft)
+            if not entry.ttft_ms >= 0:
+                raise ValueError(f"mock_ttft_ms must be >= 0, not {ttft!r}")
         stop_ids = set(request.all_stop_token_ids) | set(request.stop_token_ids)
         if request.eos_token_id is not None:
             stop_ids.add(request.eos_token_id)
@@ -435,7 +443,9 @@ class EngineCore:
             entry.prefill_left = target - take
             if entry.prefill_left:
                 self.chunking[entry.request_id] = entry
-            if latency.paced:
+            if entry.ttft_ms is not None:
+                entry.ready_at = now + latency.first_token_seconds(entry.prompt_len, self._rng, entry.ttft_ms)
+            elif latency.paced:
                 entry.ready_at = now + latency.first_token_seconds(entry.prompt_len, self._rng)
             else:
                 entry.ready_at = now

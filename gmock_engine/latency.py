@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,9 @@ class LatencyModel:
         ms += self.prefill_ms_per_token * prefill_tokens
         return ms * self.time_scale / 1000.0
 
-    def first_token_seconds(self, prompt_len: int, rng: random.Random) -> float:
-        """Time from scheduling to the earliest first token of a request."""
-        ms = self.ttft_ms * self._jitter(rng) + self.prefill_ms_per_token * prompt_len
+    def first_token_seconds(self, prompt_len: int, rng: random.Random, ttft_ms: Optional[float] = None) -> float:
+        """Time from scheduling to the earliest first token of a request
+        (`ttft_ms` replaces the configured fixed part for one request)."""
+        fixed = self.ttft_ms if ttft_ms is None else ttft_ms
+        ms = fixed * self._jitter(rng) + self.prefill_ms_per_token * prompt_len
         return ms * self.time_scale / 1000.0

@@ -265,7 +265,7 @@ class EngineRunner:
         engine, wake = self.engine, self.wake
         paced = engine.latency.paced
         clock = time.monotonic
-        timer = StepTimer(wake.set) if paced else None
+        timer = StepTimer(wake.set)
         next_step_at: Optional[float] = None
         try:
             while True:
@@ -277,25 +277,22 @@ class EngineRunner:
                     wake.wait()
                     wake.clear()
                     continue
-                if paced:
-                    now = clock()
-                    if next_step_at is None:
-                        next_step_at = now
-                    elif now < next_step_at:
-                        timer.arm(next_step_at)
-                        wake.wait()
-                        wake.clear()
-                        continue  # input may have arrived: drain, then check the time
+                now = clock()
+                if next_step_at is not None and now < next_step_at:
+                    timer.arm(next_step_at)
+                    wake.wait()
+                    wake.clear()
+                    continue  # input may have arrived: drain, then check the time
+                if paced and next_step_at is not None:
                     self.step_lateness.add(now - next_step_at)
-                    self._emit(engine.step())
-                    next_step_at = engine.next_step_time(now)
-                else:
-                    self._emit(engine.step())
+                self._emit(engine.step())
+                # Unpaced this is `now` (steps back to back) unless every
+                # running request waits for its prefill (e.g. mock_ttft_ms).
+                next_step_at = engine.next_step_time(now)
                 # Yield to the hub between rounds: readers and the sender run.
                 gevent.sleep(0)
         finally:
-            if timer is not None:
-                timer.close()
+            timer.close()
 
     def _drain_input(self) -> None:
         in_queue, apply, emit = self.in_queue, self.engine.apply, self._emit

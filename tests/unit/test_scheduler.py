@@ -246,3 +246,15 @@ def test_decodes_take_the_budget_before_new_prefills():
     assert engine.active["p"].prefill_left == 7
     engine.step()
     assert engine.active["p"].prefill_left == 6
+
+
+def test_xargs_ttft_delays_one_request_without_pacing_the_engine():
+    clock = VirtualClock(0.0)
+    engine = engine_with(clock)  # unpaced
+    engine.apply(EngineCoreRequest("fast", 4, 3, True))
+    engine.apply(EngineCoreRequest("slow", 4, 3, True, extra_args={"mock_ttft_ms": 250}))
+    sent = drive(engine, clock)
+    firsts = first_token_times(sent)
+    assert firsts["fast"] == pytest.approx(0.0) and firsts["slow"] == pytest.approx(0.25)
+    # while only "slow" waited, the engine slept until it was due: no busy steps
+    assert engine.counters["steps"] == 6  # 3 for "fast" at t=0, 3 for "slow" from t=0.25
