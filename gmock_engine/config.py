@@ -305,6 +305,13 @@ def build_parser() -> configargparse.ArgumentParser:
 
     sched = parser.add_argument_group("scheduler")
     sched.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="cache prompt blocks (block hashes, LRU over --num-gpu-blocks): a repeated prefix is not prefilled "
+        "again; hits show in the frontends' prefix-cache metrics",
+    )
+    sched.add_argument(
         "--scheduling-policy",
         type=_choice(("fcfs", "priority")),
         default="fcfs",

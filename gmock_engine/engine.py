@@ -45,6 +45,7 @@ from .protocol import (
 )
 from .latency import LatencyModel
 from .lengths import OutputLengths
+from .prefix_cache import PrefixCache, block_hashes
 from .tokens import RandomTokens, TokenSource, request_seed
 
 #: One message to send: (client index = output socket, EngineCoreOutputs array).
@@ -99,6 +100,8 @@ class EngineSettings:
     #: Per-step token budget enforced (None: unlimited): decodes first, then
     #: prefill in chunks of what is left.
     max_num_batched_tokens: Optional[int] = None
+    #: Prefix caching: prompt blocks seen before are not prefilled again.
+    prefix_caching: bool = False
     layout: WireLayout = field(default_factory=lambda: protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION])
 
 
@@ -124,6 +127,8 @@ class ActiveRequest:
         "blocks",
         "pending_events",
         "ttft_ms",
+        "block_hashes",
+        "cached_tokens",
     )
 
     def __init__(
@@ -154,6 +159,9 @@ class ActiveRequest:
         self.pending_events: Optional[List[Dict[str, Any]]] = None
         #: vllm_xargs mock_ttft_ms: this request's fixed time to first token.
         self.ttft_ms: Optional[float] = None
+        #: Prefix caching: the prompt's chained block hashes, and its cached tokens.
+        self.block_hashes: Tuple[int, ...] = ()
+        self.cached_tokens = 0
 
 
 class _Batch:
@@ -188,6 +196,9 @@ class EngineCore:
         #: Running requests with prompt tokens still to prefill (token budget).
         self.chunking: Dict[str, ActiveRequest] = {}
         self.used_blocks = 0
+        self.prefix_cache: Optional[PrefixCache] = (
+            PrefixCache(settings.kv_blocks or settings.num_gpu_blocks, settings.block_size) if settings.prefix_caching else None
+        )
         self.latency = settings.latency
         self._rng = random.Random(f"{settings.seed}/{settings.rank}/latency")
         #: Engine time the last step asked its successor to wait (latency model).
@@ -329,6 +340,8 @@ class EngineCore:
             self._finish_now(batches, client, rid, FinishReason.LENGTH)
             return self._flush(batches)
         entry.priority = request.priority
+        if self.prefix_cache is not None and request.prompt_token_ids:
+            entry.block_hashes = block_hashes(request.prompt_token_ids, self.settings.block_size)
         self.waiting[rid] = entry
         if self.settings.scheduling_policy == "priority":
             heapq.heappush(self._priority_queue, (request.priority, next(self._arrivals), rid))
@@ -436,6 +449,10 @@ class EngineCore:
             entry.pending_events = events
             self.active[entry.request_id] = entry
             self.kv_tokens += target
+            if self.prefix_cache is not None:
+                # cached prompt blocks are not computed again (KV is still held)
+                entry.cached_tokens = self.prefix_cache.admit(entry.block_hashes, entry.prompt_len)
+                target -= entry.cached_tokens
             take = target if budget is None else min(target, budget)
             prefill_tokens += take
             if budget is not None:
@@ -613,7 +630,7 @@ class EngineCore:
                     stop_reason=entry.stop_reason if finish is FinishReason.STOP else None,
                     layout=self.layout,
                     events=events,
-                    prefill_stats=protocol.prefill_stats(entry.prompt_len) if first else None,
+                    prefill_stats=protocol.prefill_stats(entry.prompt_len, entry.cached_tokens) if first else None,
                 )
                 entry.pending_events = None
             else:
@@ -748,15 +765,17 @@ class EngineCore:
 
     def _stats_if_due(self, now: float) -> Optional[Dict[str, Any]]:
         counts = (len(self.active), len(self.waiting))
-        if counts == self._stats_counts or (counts[0] and now - self._stats_at < STATS_INTERVAL_S):
+        changed = counts != self._stats_counts or (self.prefix_cache is not None and self.prefix_cache.pending)
+        if not changed or (counts[0] and now - self._stats_at < STATS_INTERVAL_S):
             return None
         self._stats_counts, self._stats_at = counts, now
-        return self.scheduler_stats()
+        return self.scheduler_stats(self.prefix_cache.take_stats() if self.prefix_cache is not None else None)
 
-    def scheduler_stats(self) -> Dict[str, Any]:
-        """The engine's SchedulerStats now. KV usage counts tokens, not
-        per-request rounded-up blocks (within one block per request)."""
+    def scheduler_stats(self, prefix_cache_stats: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """The engine's SchedulerStats now. KV usage is blocks used / blocks
+        when KV is enforced, else the running requests' tokens / capacity."""
         return protocol.scheduler_stats(
+            prefix_cache_stats=prefix_cache_stats,
             num_running_reqs=len(self.active),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.used_blocks / self.settings.kv_blocks
@@ -822,6 +841,12 @@ def _u_resume_scheduler(engine: EngineCore, call: UtilityCall) -> List[Outbound]
     return [engine._reply(call)]
 
 
+def _u_reset_prefix_cache(engine: EngineCore, call: UtilityCall) -> List[Outbound]:
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.reset()
+    return [engine._reply(call, True)]
+
+
 def _u_get_weight_version(engine: EngineCore, call: UtilityCall) -> List[Outbound]:
     return [engine._reply(call, engine.weight_version)]
 
@@ -861,7 +886,7 @@ _UTILITIES: Dict[str, Callable[[EngineCore, UtilityCall], List[Outbound]]] = {
     "pause_generation": _u_pause_generation,
     "pause_scheduler": _u_pause_scheduler,
     "resume_scheduler": _u_resume_scheduler,
-    "reset_prefix_cache": _u_value(True),
+    "reset_prefix_cache": _u_reset_prefix_cache,
     "reset_mm_cache": _u_value(None),
     "reset_encoder_cache": _u_value(None),
     "profile": _u_value(None),

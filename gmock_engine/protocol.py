@@ -567,6 +567,7 @@ def scheduler_stats(
     kv_cache_usage: float,
     step_counter: int,
     current_wave: int = 0,
+    prefix_cache_stats: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """A SchedulerStats map with the full 0.33 key set (§7.1).
 
@@ -584,7 +585,8 @@ def scheduler_stats(
         "current_wave": current_wave,
         "kv_cache_usage": float(kv_cache_usage),
         "iteration_details": None,
-        "prefix_cache_stats": {
+        "prefix_cache_stats": prefix_cache_stats
+        or {
             "reset": False,
             "requests": 0,
             "queries": 0,

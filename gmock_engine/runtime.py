@@ -185,6 +185,7 @@ class EngineRunner:
                 kv_blocks=c.num_gpu_blocks if enforced("num_gpu_blocks") else None,
                 max_num_batched_tokens=c.max_num_batched_tokens if enforced("max_num_batched_tokens") else None,
                 scheduling_policy=c.scheduling_policy,
+                prefix_caching=c.prefix_caching,
                 output_lengths=lengths.from_config(c.output_len_dist, c.eos_probability),
                 token_source=tokens.make_source(
                     c.token_source,

@@ -16,8 +16,8 @@ pytestmark = [
     ),
 ]
 
-#: Requests also end by EOS: uniform 3-6 tokens, unless ignore_eos.
-ENGINE_ARGS = ["--itl-ms", "1", "--output-len-dist", "uniform:3:6"]
+#: Requests also end by EOS: uniform 3-6 tokens, unless ignore_eos; prompts are cached.
+ENGINE_ARGS = ["--itl-ms", "1", "--output-len-dist", "uniform:3:6", "--prefix-caching"]
 
 
 def complete(stack, **body):
@@ -49,3 +49,36 @@ def test_xargs_fail_after_is_an_error_for_the_client(stack):
     # the engine goes on serving
     r = complete(stack, max_tokens=40, ignore_eos=True)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40
+
+
+def test_xargs_ttft_holds_the_first_token(stack):
+    import time
+
+    started = time.monotonic()
+    r = complete(stack, max_tokens=3, ignore_eos=True, vllm_xargs={"mock_ttft_ms": 400})
+    elapsed = time.monotonic() - started
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text[:300]
+    assert elapsed >= 0.4  # a lower bound only: the first token cannot come sooner
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache(stack):
+    def total(name):
+        return sum(v for _, v in h.metric_samples(stack.metrics(), name))
+
+    hits0, queries0 = total("vllm:prefix_cache_hits_total"), total("vllm:prefix_cache_queries_total")
+    prompt = " ".join(f"word{i}" for i in range(120))
+    prompt_tokens = []
+    for _ in range(2):
+        r = complete(stack, max_tokens=2, ignore_eos=True, prompt=prompt)
+        assert r.status_code == 200, r.text[:300]
+        prompt_tokens.append(r.json()["usage"]["prompt_tokens"])
+    seen = {}
+
+    def counted() -> bool:
+        seen["hits"] = total("vllm:prefix_cache_hits_total") - hits0
+        seen["queries"] = total("vllm:prefix_cache_queries_total") - queries0
+        return seen["queries"] >= sum(prompt_tokens) and seen["hits"] > 0
+
+    h.wait_until(counted, 15, "the frontend to count prefix-cache queries and hits", interval=0.5)
+    # the second request found every full 16-token block of the first
+    assert seen["hits"] == (prompt_tokens[1] // 16) * 16 or seen["hits"] == prompt_tokens[1] - 1, seen
