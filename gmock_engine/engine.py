@@ -254,10 +254,20 @@ class EngineCore:
             self.prefilling
             and not self.chunking  # chunked prefills progress every step
             and len(self.prefilling) == len(self.active)
-            and not (self.waiting and self.can_admit)
+            and not self._head_admissible()
         ):
             due = max(due, min(self.prefilling.values()))
         return due
+
+    def _head_admissible(self) -> bool:
+        """The next waiting request could join the batch now (limit, pause, KV)."""
+        if not (self.waiting and self.can_admit):
+            return False
+        kv_blocks = self.settings.kv_blocks
+        if kv_blocks is None:
+            return True
+        head = self._peek_waiting()
+        return self.used_blocks + -(-(head.prompt_len + head.num_output_tokens) // self.settings.block_size) <= kv_blocks
 
     # -- input -----------------------------------------------------------
 

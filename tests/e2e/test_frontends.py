@@ -77,6 +77,40 @@ def check_stream(stack: h.Stack, path: str, body: dict, max_tokens: int) -> list
     return chunks
 
 
+#: The DP 1 topologies, for modules whose expectations need one engine.
+DP1_TOPOLOGIES = [h.Topology("python", dp=1, api_servers=1), h.Topology("rust", dp=1)]
+
+
+def metric_total(text: str, name: str) -> float:
+    """Sum of a metric over all its label sets."""
+    return sum(v for _, v in h.metric_samples(text, name))
+
+
+def streams_while_sampling(stack: h.Stack, count: int, max_tokens: int, sample, timeout: float = 120) -> None:
+    """Run `count` concurrent streaming completions of exactly `max_tokens`
+    tokens, calling `sample(metrics_text)` every 0.1 s while they run; fail
+    if any stream is wrong or still running after `timeout` seconds."""
+    errors: list = []
+
+    def one(i: int) -> None:
+        try:
+            check_stream(stack, COMPLETIONS, completion_body(max_tokens, stream=True, prompt=f"stream {i}"), max_tokens)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(f"request {i}: {exc}")
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        sample(stack.metrics())
+        time.sleep(0.1)
+    for t in threads:
+        t.join(timeout=max(0.1, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"streams still running after {timeout} s"
+    assert not errors, errors[:5]
+
+
 # --------------------------------------------------------------------------- single requests
 
 

@@ -7,14 +7,9 @@ from __future__ import annotations
 import pytest
 
 import e2e_harness as h
-from test_frontends import COMPLETIONS, completion_body
+from test_frontends import COMPLETIONS, DP1_TOPOLOGIES, completion_body, metric_total
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.parametrize(
-        "stack", [h.Topology("python", dp=1, api_servers=1), h.Topology("rust", dp=1)], indirect=True, ids=lambda t: t.id
-    ),
-]
+pytestmark = [pytest.mark.e2e, pytest.mark.parametrize("stack", DP1_TOPOLOGIES, indirect=True, ids=lambda t: t.id)]
 
 #: Requests also end by EOS: uniform 3-6 tokens, unless ignore_eos; prompts are cached.
 ENGINE_ARGS = ["--itl-ms", "1", "--output-len-dist", "uniform:3:6", "--prefix-caching"]
@@ -63,7 +58,7 @@ def test_xargs_ttft_holds_the_first_token(stack):
 
 def test_a_repeated_prompt_hits_the_prefix_cache(stack):
     def total(name):
-        return sum(v for _, v in h.metric_samples(stack.metrics(), name))
+        return metric_total(stack.metrics(), name)
 
     hits0, queries0 = total("vllm:prefix_cache_hits_total"), total("vllm:prefix_cache_queries_total")
     prompt = " ".join(f"word{i}" for i in range(120))

@@ -258,3 +258,12 @@ def test_xargs_ttft_delays_one_request_without_pacing_the_engine():
     assert firsts["fast"] == pytest.approx(0.0) and firsts["slow"] == pytest.approx(0.25)
     # while only "slow" waited, the engine slept until it was due: no busy steps
     assert engine.counters["steps"] == 6  # 3 for "fast" at t=0, 3 for "slow" from t=0.25
+
+
+def test_no_busy_steps_while_the_queue_waits_for_blocks_and_the_batch_prefills():
+    clock = VirtualClock(0.0)
+    engine = engine_with(clock, kv_blocks=2, block_size=4)
+    engine.apply(EngineCoreRequest("slow", 8, 2, True, extra_args={"mock_ttft_ms": 300}))  # holds both blocks
+    engine.apply(EngineCoreRequest("next", 4, 2, True))  # must wait for a block
+    engine.step()
+    assert engine.next_step_time(0.0) == pytest.approx(0.3)
