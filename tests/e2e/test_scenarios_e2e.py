@@ -49,11 +49,15 @@ def test_xargs_fail_after_is_an_error_for_the_client(stack):
 def test_xargs_ttft_holds_the_first_token(stack):
     import time
 
+    ttft_sum = "vllm:time_to_first_token_seconds_sum"
+    before = metric_total(stack.metrics(), ttft_sum)
     started = time.monotonic()
     r = complete(stack, max_tokens=3, ignore_eos=True, vllm_xargs={"mock_ttft_ms": 400})
     elapsed = time.monotonic() - started
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text[:300]
     assert elapsed >= 0.4  # a lower bound only: the first token cannot come sooner
+    # the frontend's own TTFT histogram saw it too
+    h.wait_until(lambda: metric_total(stack.metrics(), ttft_sum) - before >= 0.4, 15, "TTFT >= 0.4 s in /metrics", interval=0.5)
 
 
 def test_a_repeated_prompt_hits_the_prefix_cache(stack):
