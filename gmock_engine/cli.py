@@ -84,17 +84,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logger.info("{} received; shutting down", signal.Signals(signum).name)
         app.stop()
 
+    def log_summary() -> None:
+        for rank, counts in app.counters().items():
+            logger.bind(engine=rank).info(
+                "engine {} summary: {}", rank, " ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "no requests"
+            )
+
     handlers = [gevent.signal_handler(s, on_signal, s) for s in (signal.SIGINT, signal.SIGTERM)]
+    # On demand during a long run: kill -USR1 <pid> logs every engine's books.
+    handlers.append(gevent.signal_handler(signal.SIGUSR1, log_summary))
     try:
         app.start()
         status = app.run_until_stopped()
     finally:
         for handler in handlers:
             handler.cancel()
-    for rank, counts in app.counters().items():
-        logger.bind(engine=rank).info(
-            "engine {} summary: {}", rank, " ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "no requests"
-        )
+    log_summary()
     if status:
         logger.error("gmock_engine stopped after a failure: {}", app.supervisor.failure)
     return status

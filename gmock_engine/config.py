@@ -371,6 +371,13 @@ def build_parser() -> configargparse.ArgumentParser:
         default=False,
         help="log start, finish and abort of every request (as the Rust mock does)",
     )
+    logs.add_argument(
+        "--strict-ledger",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="a request-ledger violation (an output after a request's end, for an unknown id, ...) stops the "
+        "process with status 1 instead of only being logged",
+    )
     parser.add_argument(
         "--print-config",
         action=argparse.BooleanOptionalAction,

@@ -44,6 +44,7 @@ from .protocol import (
     WireLayout,
 )
 from .latency import LatencyModel
+from .ledger import Ledger
 from .lengths import OutputLengths
 from .prefix_cache import PrefixCache, block_hashes
 from .tokens import RandomTokens, TokenSource, request_seed
@@ -102,6 +103,8 @@ class EngineSettings:
     max_num_batched_tokens: Optional[int] = None
     #: Prefix caching: prompt blocks seen before are not prefilled again.
     prefix_caching: bool = False
+    #: A ledger violation raises LedgerViolation (the process stops) instead of only being logged.
+    strict_ledger: bool = False
     layout: WireLayout = field(default_factory=lambda: protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION])
 
 
@@ -211,6 +214,8 @@ class EngineCore:
         #: Utility calls answered when the engine has drained (pause mode "wait").
         self._replies_when_drained: List[Tuple[int, int]] = []
         self.counters: Counter = Counter()
+        #: The books on every request, checked against every message sent (ledger.py).
+        self.ledger = Ledger()
         #: Σ (prompt + output tokens) of the running requests, for kv_cache_usage.
         self.kv_tokens = 0
         self._kv_capacity = max(1, settings.num_gpu_blocks * settings.block_size)
@@ -304,6 +309,7 @@ class EngineCore:
             return []
         batches: Dict[int, _Batch] = {}
         client = request.client_index
+        self.ledger.started(rid)
         if request.abort_immediately:
             # §3.2 idx 19: no output, only the id in finished_requests.
             self.counters["aborted"] += 1
@@ -643,6 +649,10 @@ class EngineCore:
                     prefill_stats=protocol.prefill_stats(entry.prompt_len, entry.cached_tokens) if first else None,
                 )
                 entry.pending_events = None
+            elif finish is None:
+                # protocol.engine_core_output's running shape, built inline on
+                # the per-token path (test_engine checks they are the same)
+                output = [entry.request_id, tokens]
             else:
                 output = make_output(entry.request_id, tokens, finish)
             batch.outputs.append(output)
@@ -762,16 +772,27 @@ class EngineCore:
 
     def _flush(self, batches: Dict[int, _Batch]) -> List[Outbound]:
         """One EngineCoreOutputs per client; SchedulerStats on the first one
-        when due (§4.1, §7.3), and then also to the coordinator (§6.2)."""
+        when due (§4.1, §7.3), and then also to the coordinator (§6.2).
+        Every message passes the ledger on its way out."""
         now = self.clock()
         stats = self._stats_if_due(now) if batches else None
         out: List[Outbound] = []
         for client, batch in batches.items():
-            out.append((client, protocol.engine_core_outputs(self.rank, batch.outputs, now, batch.finished or None, stats)))
+            message = protocol.engine_core_outputs(self.rank, batch.outputs, now, batch.finished or None, stats)
+            violations = self.ledger.sent(message)
+            if violations:
+                self._report(violations)
+            out.append((client, message))
             stats = None
         if out and out[0][1][2] is not None and self.settings.has_coordinator:
             out.append((COORDINATOR, protocol.engine_core_outputs(self.rank, [], now, None, out[0][1][2])))
         return out
+
+    def _report(self, violations: List[str]) -> None:
+        for violation in violations[:5]:
+            self.log.error("ledger violation engine={}: {}", self.rank, violation)
+        if self.settings.strict_ledger:
+            raise LedgerViolation(violations[0])
 
     def _stats_if_due(self, now: float) -> Optional[Dict[str, Any]]:
         counts = (len(self.active), len(self.waiting))
@@ -793,6 +814,10 @@ class EngineCore:
             else min(1.0, self.kv_tokens / self._kv_capacity),
             step_counter=self.counters["steps"],
         )
+
+
+class LedgerViolation(RuntimeError):
+    """An engine sent something a frontend must never see (--strict-ledger)."""
 
 
 class _UtilityFailure(Exception):
@@ -877,6 +902,7 @@ def _u_gmock_stats(engine: EngineCore, call: UtilityCall) -> List[Outbound]:
         "active": len(engine.active),
         "waiting": len(engine.waiting),
         "counters": dict(engine.counters),
+        "ledger": engine.ledger.summary(),
     }
     stats.update(engine.stats_provider())
     return [engine._reply(call, stats)]

@@ -186,6 +186,7 @@ class EngineRunner:
                 max_num_batched_tokens=c.max_num_batched_tokens if enforced("max_num_batched_tokens") else None,
                 scheduling_policy=c.scheduling_policy,
                 prefix_caching=c.prefix_caching,
+                strict_ledger=c.strict_ledger,
                 output_lengths=lengths.from_config(c.output_len_dist, c.eos_probability),
                 token_source=tokens.make_source(
                     c.token_source,
@@ -397,11 +398,15 @@ class App:
         self.ctx.term()
 
     def counters(self) -> Dict[int, Dict[str, int]]:
-        """Per-rank counters (started, finished_*, aborted, bad_frames, ...)."""
+        """Per-rank ledger summary (started, finished by reason, active,
+        violations, ...) plus steps, tokens, utility calls and bad frames."""
         out = {}
         for runner in self.runners:
-            counts = dict(runner.engine.counters) if runner.engine else {}
-            counts["bad_frames"] = runner.bad_frames
-            counts["active"] = runner.engine.num_active if runner.engine else 0
+            counts: Dict[str, int] = {"bad_frames": runner.bad_frames}
+            if runner.engine is not None:
+                engine = runner.engine
+                counts.update(engine.ledger.summary())
+                for key in ("steps", "tokens", "utility_calls", "preemptions", "rejected"):
+                    counts[key] = engine.counters[key]
             out[runner.rank] = counts
         return out

@@ -73,6 +73,7 @@ def test_run_sh_with_dp4_config_serves_and_exits_0_on_sigterm(frontend, tmp_path
     for rank in range(4):
         assert f"mock request started engine={rank} request_id=sub-{rank}" in text
     assert "SIGTERM received" in text and "engine 3 summary" in text
+    assert text.count("violations=0") == 4 and "ledger violation" not in text
     assert "Traceback" not in text
 
 

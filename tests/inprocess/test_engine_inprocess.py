@@ -34,6 +34,8 @@ def dp4():
     app.stop()
     assert waiter.get(timeout=5) == 0
     frontend.close()
+    # whatever the test did, the books balance (ledger.py)
+    assert all(counts["violations"] == 0 for counts in app.counters().values()), app.counters()
 
 
 def test_handshake_dp4_two_clients_with_coordinator(dp4):

@@ -353,3 +353,13 @@ def test_echo_source_through_the_engine():
     engine = EngineCore(EngineSettings(rank=0, num_clients=1, token_source=EchoTokens()), clock=Clock())
     engine.apply(EngineCoreRequest("e", 3, 5, True, prompt_token_ids=[7, 8, 9]))
     assert tokens_of(run(engine), "e") == [7, 8, 9, 7, 8]
+
+
+def test_running_outputs_have_the_protocol_shape():
+    from gmock_engine import protocol
+
+    engine = make()
+    engine.apply(add("shape", 4))
+    outputs = outputs_of(run(engine), "shape")
+    for output in outputs[1:-1]:
+        assert output == protocol.engine_core_output("shape", output[1])

@@ -1,0 +1,118 @@
+"""The request ledger: the books on every request, kept from the wire.
+
+Pure. It watches what an engine receives (ADD, ABORT) and what it sends
+(every EngineCoreOutputs), independently of the engine's own state, and
+checks the invariants a frontend relies on (PROTOCOL.md §3.4, §4.2):
+
+* every started request gets exactly one terminal output (a finish reason),
+  or, for `abort_immediately`, only its id in `finished_requests`;
+* nothing is sent for a request after its terminal output;
+* nothing is sent for an id the engine never started;
+* every id in `finished_requests` has ended.
+
+A violation is counted and logged as an error (the runtime can make it
+fatal with --strict-ledger). To stay bounded in a 12-hour soak, ended ids
+are remembered for the last `memory` requests only: a late output for an
+older one is reported as "for an unknown id" instead.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from typing import Any, Dict, List, Optional
+
+from .protocol import FinishReason
+
+#: Ended request ids kept to recognise late outputs.
+DEFAULT_MEMORY = 100_000
+
+
+class Ledger:
+    """Invariant checks and counters for one engine."""
+
+    def __init__(self, memory: int = DEFAULT_MEMORY) -> None:
+        self.open: Dict[str, None] = {}
+        self._ended: "OrderedDict[str, None]" = OrderedDict()
+        self._memory = memory
+        self.counts: Counter = Counter()
+        #: Duplicate ADDs of an open id, each answered with its own ERROR output.
+        self._duplicates: Counter = Counter()
+        self.violations: List[str] = []
+        self._violation_log_limit = 100
+
+    # -- what the engine received ------------------------------------------------
+
+    def started(self, request_id: str) -> None:
+        """An ADD the engine will answer (accepted, or ended at once)."""
+        if request_id in self.open:
+            # The Rust mock's rule: the duplicate gets an ERROR, the original goes on.
+            self._duplicates[request_id] += 1
+            self.counts["duplicates"] += 1
+            return
+        self.counts["started"] += 1
+        self.open[request_id] = None
+
+    # -- what the engine sent -------------------------------------------------------
+
+    def sent(self, message: List[Any]) -> Optional[List[str]]:
+        """Check one EngineCoreOutputs; return the new violations, if any.
+
+        Per token this is one set insertion (running outputs are the 2-element
+        `[id, tokens]`); per request end, a little more.
+        """
+        found: List[str] = []
+        outputs = message[1] if len(message) > 1 else ()
+        open_ids = self.open
+        if outputs:
+            ids = {output[0] for output in outputs}
+            if not ids <= open_ids.keys():
+                found.extend(self._stray(rid) for rid in ids - open_ids.keys())
+            answered_here = set()  # ids with a terminal output in this message
+            for output in [o for o in outputs if len(o) > 5 and o[5] is not None]:
+                rid = output[0]
+                if rid not in open_ids:
+                    continue  # reported above
+                answered_here.add(rid)
+                if output[5] == FinishReason.ERROR and self._duplicates[rid]:
+                    self._duplicates[rid] -= 1  # the duplicate's answer, not the original's end
+                    if not self._duplicates[rid]:
+                        del self._duplicates[rid]
+                    continue
+                self._end(rid, FinishReason(output[5]).name.lower())
+        else:
+            answered_here = set()
+        finished = message[5] if len(message) > 5 else None
+        if finished:
+            for rid in finished:
+                if rid in open_ids:  # abort_immediately (no output), or a duplicate's answer
+                    if rid not in answered_here:
+                        self._end(rid, "abort")
+                elif rid not in self._ended:
+                    found.append(f"finished_requests names {rid}, which never started")
+        if not found:
+            return None
+        self.counts["violations"] += len(found)
+        self.violations.extend(found[: max(0, self._violation_log_limit - len(self.violations))])
+        return found
+
+    def _stray(self, rid: str) -> str:
+        if rid in self._ended:
+            return f"output for {rid} after its terminal output"
+        return f"output for {rid}, which the engine never started (or ended long ago)"
+
+    def _end(self, rid: str, reason: str) -> None:
+        del self.open[rid]
+        self.counts["finished_" + reason] += 1
+        ended = self._ended
+        ended[rid] = None
+        if len(ended) > self._memory:
+            ended.popitem(last=False)
+
+    # -- reports --------------------------------------------------------------------
+
+    def summary(self) -> Dict[str, int]:
+        """Counters, with the requests still open as `active`."""
+        out = dict(self.counts)
+        out["active"] = len(self.open)
+        out.setdefault("violations", 0)
+        return out

@@ -1,0 +1,91 @@
+"""The request ledger: exactly one terminal output, nothing after it."""
+
+import pytest
+
+from gmock_engine.engine import EngineCore, EngineSettings, LedgerViolation
+from gmock_engine.ledger import Ledger
+from gmock_engine.protocol import AbortRequests, EngineCoreRequest, UtilityCall
+
+
+def msg(outputs, finished=None):
+    m = [0, outputs, None, 1.0]
+    if finished:
+        m += [None, finished]
+    return m
+
+
+def test_a_normal_request_balances():
+    ledger = Ledger()
+    ledger.started("a")
+    assert ledger.sent(msg([["a", [1]]])) is None
+    assert ledger.sent(msg([["a", [2], None, None, None, 1]], ["a"])) is None
+    assert ledger.summary() == {"started": 1, "finished_length": 1, "active": 0, "violations": 0}
+
+
+@pytest.mark.parametrize(
+    "messages,expected",
+    [
+        ([msg([["a", [], None, None, None, 1]], ["a"]), msg([["a", [5]]])], "after its terminal output"),
+        ([msg([["zzz", [5]]])], "never started"),
+        ([msg([], ["ghost"])], "finished_requests names ghost"),
+        ([msg([["a", [], None, None, None, 2]], ["a"]), msg([["a", [], None, None, None, 2]], ["a"])], "after its terminal"),
+    ],
+)
+def test_violations_are_found(messages, expected):
+    ledger = Ledger()
+    ledger.started("a")
+    found = [v for m in messages for v in (ledger.sent(m) or [])]
+    assert found and expected in found[0]
+    assert ledger.summary()["violations"] == len(found)
+
+
+def test_abort_immediately_and_duplicates_are_not_violations():
+    ledger = Ledger()
+    ledger.started("x")
+    assert ledger.sent(msg([], ["x"])) is None  # abort_immediately: only finished_requests
+    ledger.started("d")
+    ledger.started("d")  # duplicate: answered with its own ERROR, the original goes on
+    assert ledger.sent(msg([["d", [], None, None, None, 3]], ["d"])) is None
+    assert ledger.sent(msg([["d", [7]]])) is None
+    assert ledger.sent(msg([["d", [8], None, None, None, 1]], ["d"])) is None
+    summary = ledger.summary()
+    assert summary["active"] == 0 and summary["duplicates"] == 1 and summary["violations"] == 0
+
+
+def test_memory_of_ended_ids_is_bounded():
+    ledger = Ledger(memory=3)
+    for i in range(10):
+        ledger.started(f"r{i}")
+        ledger.sent(msg([[f"r{i}", [], None, None, None, 1]], [f"r{i}"]))
+    assert len(ledger._ended) == 3
+    assert "after its terminal" in ledger.sent(msg([["r9", [1]]]))[0]
+    assert "never started" in ledger.sent(msg([["r0", [1]]]))[0]
+
+
+def test_the_engine_keeps_its_books_through_every_path():
+    engine = EngineCore(EngineSettings(rank=0, num_clients=1, max_num_seqs=2))
+    for i in range(5):
+        engine.apply(EngineCoreRequest(f"r{i}", 3, 4, True))
+    engine.apply(EngineCoreRequest("r0", 3, 4, True))  # duplicate
+    engine.apply(EngineCoreRequest("none", 3, None, False))  # pooling: ERROR
+    engine.apply(EngineCoreRequest("imm", 3, 4, True, abort_immediately=True))
+    engine.step()
+    engine.apply(AbortRequests(["r1", "r4", "unknown"]))
+    engine.apply(UtilityCall(0, 1, "pause_generation", ["abort", True]))
+    engine.apply(UtilityCall(0, 2, "resume_scheduler", []))
+    engine.apply(EngineCoreRequest("late", 3, 2, True))
+    while engine.has_work:
+        engine.step()
+    summary = engine.ledger.summary()
+    assert summary["violations"] == 0 and summary["active"] == 0
+    assert summary["started"] == 8 and summary["duplicates"] == 1
+
+
+def test_strict_ledger_stops_on_a_violation():
+    engine = EngineCore(EngineSettings(rank=0, num_clients=1, strict_ledger=True))
+    engine.apply(EngineCoreRequest("a", 3, 2, True))
+    while engine.has_work:
+        engine.step()
+    # as if the engine had a bug and sent one more output for the finished request
+    with pytest.raises(LedgerViolation, match="after its terminal"):
+        engine._report(engine.ledger.sent(msg([["a", [1]]])))
