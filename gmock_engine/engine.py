@@ -58,6 +58,8 @@ COORDINATOR = -1
 #: SchedulerStats go out when running/waiting changed, at most this often
 #: (at once when the engine becomes idle, so gauges drop to 0 promptly).
 STATS_INTERVAL_S = 0.05
+#: Upper bound of vllm_xargs mock_ttft_ms (one hour): a timer needs a finite time.
+MAX_XARGS_TTFT_MS = 3_600_000
 
 
 class PauseState(enum.Enum):
@@ -338,9 +340,10 @@ class EngineCore:
         entry.pending_events = [protocol.engine_core_event(EngineCoreEventType.QUEUED, entry.queued_at)]
         try:
             self._plan_end(entry, request)
-        except (TypeError, ValueError) as exc:
-            self.log.warning("ADD {}: bad vllm_xargs ({}); answered with ERROR", rid, exc)
-            self._finish_now(batches, client, rid, FinishReason.ERROR, protocol.request_error("validation_error", f"bad vllm_xargs: {exc}"))
+        except (TypeError, ValueError, OverflowError) as exc:
+            reason = f"{str(exc):.200}"
+            self.log.warning("ADD {}: bad vllm_xargs ({}); answered with ERROR", rid, reason)
+            self._finish_now(batches, client, rid, FinishReason.ERROR, protocol.request_error("validation_error", f"bad vllm_xargs: {reason}"))
             return self._flush(batches)
         self.counters["started"] += 1
         if self.settings.log_requests:
@@ -405,14 +408,14 @@ class EngineCore:
         if mode is not None:
             modes = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "error": FinishReason.ERROR}
             if mode not in modes:
-                raise ValueError(f"mock_finish must be stop, length or error, not {mode!r}")
+                raise ValueError(f"mock_finish must be stop, length or error, not {mode!r:.60}")
             finish = modes[mode]
         entry.max_tokens, entry.finish = limit, finish
         ttft = xargs.get("mock_ttft_ms")
         if ttft is not None:
             entry.ttft_ms = float(ttft)
-            if not entry.ttft_ms >= 0:
-                raise ValueError(f"mock_ttft_ms must be >= 0, not {ttft!r}")
+            if not 0 <= entry.ttft_ms <= MAX_XARGS_TTFT_MS:  # also rejects nan and inf
+                raise ValueError(f"mock_ttft_ms must be in 0..{MAX_XARGS_TTFT_MS}, not {ttft!r:.60}")
         stop_ids = set(request.all_stop_token_ids) | set(request.stop_token_ids)
         if request.eos_token_id is not None:
             stop_ids.add(request.eos_token_id)

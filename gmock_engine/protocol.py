@@ -286,10 +286,10 @@ def decode_add(payload: Any, layout: WireLayout) -> EngineCoreRequest:
     prompt = payload[ix["prompt_token_ids"]]
     if prompt is None:
         prompt_len = 0  # prompt given as embeddings only
-    elif isinstance(prompt, list):
+    elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
         prompt_len = len(prompt)
     else:
-        raise ProtocolError(f"ADD {request_id}: prompt_token_ids is {type(prompt).__name__}, not a list or nil")
+        raise ProtocolError(f"ADD {request_id}: prompt_token_ids is not a list of ints or nil")
     sampling = payload[ix["sampling_params"]]
     if sampling is not None and not isinstance(sampling, dict):
         raise ProtocolError(f"ADD {request_id}: sampling_params is {type(sampling).__name__}, not a map or nil")

@@ -51,6 +51,10 @@ OUTPUT_QUEUE_SIZE = 1024
 KILL_TIMEOUT_S = 0.2
 SENDER_FLUSH_TIMEOUT_S = 0.3
 
+#: At most this many "bad frame" warnings per window, then one summary line.
+BAD_FRAME_LOGS = 20
+BAD_FRAME_WINDOW_S = 10.0
+
 _STOP = object()
 
 
@@ -106,6 +110,8 @@ class EngineRunner:
         self.sender: Optional[gevent.Greenlet] = None
         self.joined = gevent.event.Event()
         self.bad_frames = 0
+        self._bad_window_start = float("-inf")
+        self._bad_logged = self._bad_suppressed = 0
         self.step_lateness = Samples()
         #: Set by the readers after queueing input and by the step timer.
         self.wake = gevent.event.Event()
@@ -220,8 +226,19 @@ class EngineRunner:
     # -- the three stages --------------------------------------------------------
 
     def _drop(self, where: str, error: ProtocolError) -> None:
+        """Log a dropped frame; a flood (fuzzing, a broken peer) is summarised
+        rather than written line by line: BAD_FRAME_LOGS per window, then a count."""
         self.bad_frames += 1
-        self.log.warning("bad frame on {} dropped: {}", where, error)
+        now = time.monotonic()
+        if now - self._bad_window_start >= BAD_FRAME_WINDOW_S:
+            if self._bad_suppressed:
+                self.log.warning("{} more bad frames dropped in the last {:.0f} s", self._bad_suppressed, now - self._bad_window_start)
+            self._bad_window_start, self._bad_logged, self._bad_suppressed = now, 0, 0
+        if self._bad_logged < BAD_FRAME_LOGS:
+            self._bad_logged += 1
+            self.log.warning("bad frame on {} dropped: {:.300}", where, str(error))
+        else:
+            self._bad_suppressed += 1
 
     def _reader(self, sock: Any, index: int) -> None:
         """Input DEALER -> decoded messages -> input queue."""

@@ -121,6 +121,10 @@ class FakeFrontend:
     def _bind(self, kind: int):
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        # As vLLM's frontend (§1): unbounded queues. A ROUTER at its high-water
+        # mark drops messages silently, which would lose test traffic.
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
         if self.transport == "ipc":
             address = f"ipc://{self.ipc_dir}/fe-{os.getpid()}-{next(self._names)}.sock"
             sock.bind(address)

@@ -1,0 +1,177 @@
+"""Fuzzing: 100 000+ generated frames against the decoder and the engine, and
+a flood of them against a running engine that must serve normally afterwards.
+
+Frames: random bytes, mutations of the real frames in tests/data (bit flips,
+cuts, splices, repeated bytes), well-formed messages with wrong types and
+lengths in every field, and huge size headers. The only acceptable reaction
+to a bad frame is ProtocolError (logged and dropped by the runtime); nothing
+is ever unpickled. Deterministic (seeded), so a failure can be replayed.
+"""
+
+import json
+import os
+import random
+import sys
+
+import gevent
+import msgpack
+import pytest
+
+from gmock_engine import protocol
+from gmock_engine.engine import EngineCore, EngineSettings
+from gmock_engine.protocol import AbortRequests, EngineCoreRequest, ProtocolError, UtilityCall
+
+LAYOUT = protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION]
+DATA = os.path.join(os.path.dirname(__file__), "..", "data", "frames.json")
+with open(DATA) as _f:
+    REAL = [
+        [bytes.fromhex(h) for h in r["frames_hex"]]
+        for r in json.load(_f)["records"]
+        if r["socket"].startswith("input") and r["dir"] == "recv"
+    ]
+
+WEIRD_VALUES = [
+    None, True, -1, 0, 2**63, -(2**63), 2**64 - 1, 1.5, float("nan"), float("inf"), "", "x" * 1000, b"\x00\x01",
+    [], [1, "a"], {}, {"k": [None]}, {1: 2}, msgpack.ExtType(3, b"raw"), [[[[]]]],
+]  # fmt: skip
+XARGS_KEYS = ["mock_output_len", "mock_fail_after", "mock_finish", "mock_ttft_ms", "mock_stop_token_id"]
+SAMPLING_KEYS = ["max_tokens", "min_tokens", "stop_token_ids", "_eos_token_id", "_all_stop_token_ids", "ignore_eos", "extra_args"]
+
+
+def random_value(rng, depth=0):
+    if depth > 2 or rng.random() < 0.6:
+        return rng.choice(WEIRD_VALUES)
+    if rng.random() < 0.5:
+        return [random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return {rng.choice(SAMPLING_KEYS + XARGS_KEYS + ["x"]): random_value(rng, depth + 1) for _ in range(rng.randrange(4))}
+
+
+def mutate(rng, data: bytes) -> bytes:
+    data = bytearray(data)
+    for _ in range(rng.randrange(1, 6)):
+        kind = rng.randrange(5)
+        if kind == 0 and data:
+            i = rng.randrange(len(data))
+            data[i] ^= 1 << rng.randrange(8)
+        elif kind == 1 and data:
+            del data[rng.randrange(len(data)) :]
+        elif kind == 2:
+            i = rng.randrange(len(data) + 1)
+            data[i:i] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 8)))
+        elif kind == 3 and data:
+            i = rng.randrange(len(data))
+            data[i : i + 1] = data[i : i + 1] * rng.randrange(2, 50)
+        elif kind == 4:
+            data[rng.randrange(len(data) + 1) :] = rng.choice([b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff", b"\xc7\xff\x01"])
+    return bytes(data)
+
+
+def structured(rng):
+    """Well-formed msgpack of the right shape with wrong values in places."""
+    kind = rng.randrange(4)
+    if kind == 0:
+        request = [f"fz-{rng.randrange(10**6)}", [rng.randrange(32000) for _ in range(rng.randrange(5))], None,
+                   {"max_tokens": rng.randrange(1, 8)}, None] + [None] * 6 + [0, 0, 0, None, False, None, None, None, False]  # fmt: skip
+        for _ in range(rng.randrange(1, 4)):
+            target = rng.randrange(len(request) + 2)
+            if target < len(request):
+                request[target] = random_value(rng)
+            elif isinstance(request[3], dict):
+                key = rng.choice(SAMPLING_KEYS)
+                request[3][key] = {k: random_value(rng) for k in rng.sample(XARGS_KEYS, 2)} if key == "extra_args" else random_value(rng)
+        return [b"\x00", msgpack.packb(request[: rng.randrange(4, len(request) + 1)])]
+    if kind == 1:
+        return [b"\x01", msgpack.packb(random_value(rng) if rng.random() < 0.5 else [f"fz-{rng.randrange(10)}"])]
+    if kind == 2:
+        call = [random_value(rng), rng.randrange(2**64), rng.choice(["is_sleeping", "sleep", "wake_up", "pause_generation", "x"]), random_value(rng)]
+        return [b"\x03", msgpack.packb(call)]
+    return [bytes([rng.randrange(8)]), msgpack.packb(random_value(rng))]
+
+
+def frames_for(rng):
+    choice = rng.random()
+    if choice < 0.25:
+        return [bytes(rng.randrange(256) for _ in range(rng.randrange(3))), bytes(rng.randrange(256) for _ in range(rng.randrange(64)))]
+    if choice < 0.6:
+        original = rng.choice(REAL)
+        return [original[0], mutate(rng, original[1])] + original[2:]
+    if choice < 0.95:
+        return structured(rng)
+    return rng.choice([[b"\x00"], [], [b"\x00", msgpack.packb(msgpack.ExtType(1, b"cos\nsystem\n(S'echo'\ntR."))], [b"\x00", b"\x00" * 1_000_000]])
+
+
+def test_decoder_and_engine_survive_100k_fuzzed_frames():
+    rng = random.Random(20261129)
+    engine = EngineCore(EngineSettings(rank=0, num_clients=1, max_model_len=4096))
+    outcomes = {"decoded": 0, "rejected": 0}
+    for i in range(100_000):
+        frames = frames_for(rng)
+        try:
+            message = protocol.decode_input(frames, LAYOUT)
+        except ProtocolError:
+            outcomes["rejected"] += 1
+            continue
+        outcomes["decoded"] += 1
+        engine.apply(message)  # must not raise, whatever the values
+        if i % 100 == 0:
+            engine.step()
+        if len(engine.active) + len(engine.waiting) > 200:
+            engine.apply(AbortRequests(list(engine.active) + list(engine.waiting)))
+    engine.apply(AbortRequests(list(engine.active) + list(engine.waiting)))
+    print(f"fuzz: {outcomes}")
+    assert outcomes["decoded"] > 10_000 and outcomes["rejected"] > 30_000
+    assert engine.ledger.summary()["violations"] == 0
+    # and the engine still serves a normal request (fuzzed utility calls may
+    # have paused it or put it to sleep, as a frontend could: wake it first)
+    engine.apply(UtilityCall(0, 1, "wake_up", [None]))
+    engine.apply(EngineCoreRequest("after-fuzz", 3, 5, True))
+    tokens = []
+    while engine.has_work:
+        tokens += [t for _, m in engine.step() for o in m[1] if o[0] == "after-fuzz" for t in o[1]]
+    assert len(tokens) == 5
+
+
+def test_nothing_is_ever_unpickled(monkeypatch):
+    import pickle
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("pickle.loads was called")
+
+    monkeypatch.setattr(pickle, "loads", forbidden)
+    payload = msgpack.packb(["r", [1], None, {"max_tokens": msgpack.ExtType(1, pickle.dumps(object))}, None])
+    with pytest.raises(ProtocolError, match="pickle"):
+        protocol.decode_input([b"\x00", payload], LAYOUT)
+
+
+def test_a_running_engine_survives_a_flood_of_fuzzed_frames():
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from fake_frontend import FakeFrontend
+    from gmock_engine.config import parse_config
+    from gmock_engine.runtime import App
+
+    frontend = FakeFrontend(num_clients=1, dp=1)
+    app = App(parse_config(["--handshake-address", frontend.handshake_address, "--log-level", "ERROR"], env={}))
+    app.start()
+    waiter = gevent.spawn(app.run_until_stopped)
+    try:
+        frontend.accept_engines()
+        rng = random.Random(7)
+        for i in range(20_000):
+            frontend.send_raw(0, 0, frames_for(rng))
+            if i % 500 == 0:
+                gevent.sleep(0)
+        call_id = frontend.utility(0, "wake_up", [None])  # fuzzed calls may have paused it
+        frontend.add(0, "after-flood", max_tokens=4)
+        with gevent.Timeout(60):
+            while True:
+                message = frontend.recv(0, timeout=60)
+                done = [o for o in message[1] if o[0] == "after-flood" and len(o) > 5 and o[5] is not None]
+                if done:
+                    break
+        counts = app.counters()[0]
+        assert counts["bad_frames"] > 5_000 and counts["violations"] == 0
+        assert app.supervisor.failure is None
+    finally:
+        app.stop()
+        assert waiter.get(timeout=10) == 0
+        frontend.close()
