@@ -371,6 +371,25 @@ def build_parser() -> configargparse.ArgumentParser:
         default=False,
         help="log start, finish and abort of every request (as the Rust mock does)",
     )
+    stopping = parser.add_argument_group("stopping")
+    stopping.add_argument(
+        "--on-stop",
+        type=_choice(("exit", "abort", "finish")),
+        default="exit",
+        help="on SIGTERM/SIGINT: exit at once; abort every in-flight request (ABORT outputs, so the "
+        "frontend's streams end), then exit; or finish them first (up to --drain-timeout). New requests "
+        "are answered with ABORT meanwhile. A second signal exits at once",
+    )
+    stopping.add_argument(
+        "--drain-timeout", type=_float_at_least(0.0), default=30.0, help="seconds --on-stop finish waits before aborting the rest"
+    )
+    stopping.add_argument(
+        "--send-dead-on-exit",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="push ENGINE_CORE_DEAD on every output socket when stopping: the frontends then report the "
+        "engine dead instead of waiting for it",
+    )
     logs.add_argument(
         "--strict-ledger",
         action=argparse.BooleanOptionalAction,

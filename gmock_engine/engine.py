@@ -179,6 +179,16 @@ class _Batch:
         self.finished: List[str] = []
 
 
+@dataclass
+class Drain:
+    """Not a wire message: the process is stopping (--on-stop). With
+    `finish`, running and waiting requests go on to their end; without it,
+    every one ends now with an ABORT output. Either way new ADDs are answered
+    with ABORT from now on, as vLLM's engine does in shutdown."""
+
+    finish: bool
+
+
 class EngineCore:
     """One mock engine: its active requests, pause/sleep state and counters."""
 
@@ -212,6 +222,7 @@ class EngineCore:
         #: pause_generation in modes abort/wait rejects new ADDs (0.33, §5).
         self.reject_new_requests = False
         self.sleep_level = 0
+        self.shutting_down = False
         self.weight_version: Optional[str] = None
         #: Utility calls answered when the engine has drained (pause mode "wait").
         self._replies_when_drained: List[Tuple[int, int]] = []
@@ -286,6 +297,9 @@ class EngineCore:
             return self.abort_requests(message.request_ids)
         if isinstance(message, UtilityCall):
             return self.call_utility(message)
+        if isinstance(message, Drain):
+            self.shutting_down = True
+            return [] if message.finish else self.abort_all()
         if isinstance(message, StartDPWave):
             # §3.6 / §6.3: waves are not emulated; no frontend blocks on them.
             self.log.debug("START_DP_WAVE wave={} exclude={!r} ignored", message.wave, message.exclude_engine_index)
@@ -320,6 +334,10 @@ class EngineCore:
         if rid in self.active or rid in self.waiting:
             self.log.warning("ADD {}: duplicate of an active request id; answered with ERROR", rid)
             self._finish_now(batches, client, rid, FinishReason.ERROR, protocol.request_error("duplicate_request_id", f"request id {rid} is already active"))
+            return self._flush(batches)
+        if self.shutting_down:
+            # vLLM's _reject_add_in_shutdown: an ABORT output for the newcomer
+            self._finish_now(batches, client, rid, FinishReason.ABORT)
             return self._flush(batches)
         if not request.has_sampling_params:
             self.log.warning("ADD {}: sampling_params is nil (pooling request); answered with ERROR", rid)

@@ -38,7 +38,7 @@ import zmq.green as zmq
 from loguru import logger
 
 from . import lengths, protocol, tokens, transport
-from .engine import EngineCore, EngineSettings, Outbound
+from .engine import Drain, EngineCore, EngineSettings, Outbound
 from .latency import LatencyModel
 from .protocol import InitMessage, ProtocolError, WireLayout
 from .stats import Samples
@@ -50,12 +50,15 @@ OUTPUT_QUEUE_SIZE = 1024
 #: Budget of each shutdown stage, seconds; the sum stays well under 1 s.
 KILL_TIMEOUT_S = 0.2
 SENDER_FLUSH_TIMEOUT_S = 0.3
+#: How long an abort drain may take to get its outputs out.
+DRAIN_ABORT_TIMEOUT_S = 2.0
 
 #: At most this many "bad frame" warnings per window, then one summary line.
 BAD_FRAME_LOGS = 20
 BAD_FRAME_WINDOW_S = 10.0
 
 _STOP = object()
+_DEAD = object()
 
 
 class Supervisor:
@@ -344,6 +347,11 @@ class EngineRunner:
             item = get()
             if item is _STOP:
                 return
+            if item is _DEAD:
+                # §4.1: the dead-engine sentinel, raw, on every client's socket
+                for sock in self.sockets.outputs:
+                    sock.send(protocol.ENGINE_CORE_DEAD)
+                continue
             client, message = item
             outputs[client].send(pack(message))
 
@@ -354,11 +362,25 @@ class EngineRunner:
         the readers and the stepper."""
         return [g for g in [self.handshake, *self.readers, self.stepper] if g is not None]
 
-    def flush_output(self) -> None:
-        """Stage 2: let the sender send what is queued, then end it."""
+    def request_drain(self, finish: bool) -> None:
+        """Ask the stepper to end (or finish) everything (--on-stop)."""
+        if self.engine is not None:
+            self.in_queue.put(Drain(finish))
+            self.wake.set()
+
+    @property
+    def drained(self) -> bool:
+        """Nothing running or waiting, and nothing left to send."""
+        return self.engine is None or (self.engine.num_active == 0 and self.out_queue.empty() and self.in_queue.empty())
+
+    def flush_output(self, send_dead: bool = False) -> None:
+        """Stage 2: let the sender send what is queued (then the dead-engine
+        sentinel if asked), then end it."""
         if self.sender is None or self.sender.dead:
             return
         try:
+            if send_dead:
+                self.out_queue.put(_DEAD, timeout=SENDER_FLUSH_TIMEOUT_S)
             self.out_queue.put(_STOP, timeout=SENDER_FLUSH_TIMEOUT_S)
         except gevent.queue.Full:
             pass
@@ -394,10 +416,39 @@ class App:
         return all(r.joined.wait(timeout) for r in self.runners)
 
     def run_until_stopped(self) -> int:
-        """Block until stop() or a failure; shut down in order; exit status."""
+        """Block until stop() or a failure; drain if configured; shut down in
+        order; exit status."""
         self.supervisor.stop_event.wait()
+        if self.supervisor.failure is None and self.config.on_stop != "exit":
+            self.drain()
         self.shutdown()
         return 1 if self.supervisor.failure else 0
+
+    def drain(self) -> None:
+        """--on-stop abort | finish: end what is in flight before stopping.
+
+        finish waits up to --drain-timeout for every request to end, then
+        aborts the rest; abort ends them all at once. The frontends get an
+        output for every request either way, so no stream is left hanging.
+        """
+        finish = self.config.on_stop == "finish"
+        logger.info("draining: {} in-flight requests", "finishing" if finish else "aborting")
+        for runner in self.runners:
+            runner.request_drain(finish)
+        if finish and not self._wait_drained(self.config.drain_timeout):
+            logger.warning("drain timeout ({} s) reached; aborting what is left", self.config.drain_timeout)
+            for runner in self.runners:
+                runner.request_drain(False)
+        if not self._wait_drained(DRAIN_ABORT_TIMEOUT_S):
+            logger.warning("engines not drained after aborting; stopping anyway")
+
+    def _wait_drained(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not all(r.drained for r in self.runners):
+            if time.monotonic() > deadline or self.supervisor.failure is not None:
+                return False
+            gevent.sleep(0.01)
+        return True
 
     def stop(self) -> None:
         self.supervisor.stop()
@@ -406,7 +457,7 @@ class App:
         """Ordered and bounded: readers+steppers, senders flush, sockets, context."""
         inputs = [g for r in self.runners for g in r.input_greenlets()]
         gevent.killall(inputs, block=True, timeout=KILL_TIMEOUT_S)
-        senders = [gevent.spawn(r.flush_output) for r in self.runners]
+        senders = [gevent.spawn(r.flush_output, self.config.send_dead_on_exit) for r in self.runners]
         gevent.joinall(senders, timeout=SENDER_FLUSH_TIMEOUT_S + KILL_TIMEOUT_S)
         for runner in self.runners:
             runner.close()

@@ -257,9 +257,12 @@ class FakeFrontend:
                 if len(message) > 4 and message[4] is not None and message[4][0] == call_id:
                     return message[4]
 
-    def collect(self, request_ids: Sequence[str], client: int = 0, timeout: float = DEFAULT_TIMEOUT) -> "Collected":
-        """Read this client's outputs until every id has a terminal output."""
-        collected = Collected()
+    def collect(
+        self, request_ids: Sequence[str], client: int = 0, timeout: float = DEFAULT_TIMEOUT, into: Optional["Collected"] = None
+    ) -> "Collected":
+        """Read this client's outputs until every id has a terminal output
+        (adding to `into` when given)."""
+        collected = Collected() if into is None else into
         pending = set(request_ids)
         with gevent.Timeout(timeout):
             while pending:

@@ -191,3 +191,34 @@ def test_a_dead_worker_stops_the_run_with_status_1(tmp_path):
     log.seek(0)
     text = log.read()
     assert f"worker pid {worker} (engines 1..1) exited with status -9; stopping all workers" in text
+
+
+def test_sigterm_with_thousands_in_flight_exits_promptly(tmp_path):
+    frontend = FakeFrontend(num_clients=1, dp=1)
+    log = open(tmp_path / "engine.log", "w+")
+    proc = subprocess.Popen(
+        [RUN_SH, "--handshake-address", frontend.handshake_address, "--itl-ms", "10"],
+        cwd=REPO_DIR,
+        env=clean_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        frontend.accept_engines(timeout=60)
+        for i in range(5000):
+            frontend.add(0, f"many-{i}", max_tokens=10**9)
+        with gevent.Timeout(60):
+            while True:
+                call_id = frontend.utility(0, "gmock_stats")
+                stats = frontend.utility_result(call_id, timeout=30)[2][1]
+                if stats["active"] == 5000:
+                    break
+                gevent.sleep(0.1)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert wait_exit(proc, 10) == 0
+        print(f"SIGTERM with 5000 requests in flight -> exit 0 in {time.monotonic() - started:.3f} s")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        frontend.close()

@@ -8,7 +8,7 @@ import gevent
 import msgpack
 import pytest
 
-from fake_frontend import FakeFrontend
+from fake_frontend import Collected, FakeFrontend
 from gmock_engine.config import parse_config
 from gmock_engine.protocol import FinishReason
 from gmock_engine.runtime import App
@@ -247,4 +247,44 @@ def test_itl_paces_steps_on_the_engine_clock():
     finally:
         app.stop()
         assert waiter.get(timeout=5) == 0
+        frontend.close()
+
+
+@pytest.mark.parametrize("mode", ["abort", "finish"])
+def test_on_stop_drains_every_stream_then_exits(mode):
+    frontend = FakeFrontend(num_clients=2, dp=1)
+    extra = ["--on-stop", mode, "--send-dead-on-exit", "--itl-ms", "5"]
+    app, waiter = start_app(frontend, *extra)
+    try:
+        frontend.accept_engines()
+        long = 10**9 if mode == "abort" else 40
+        for i in range(50):
+            frontend.add(0, f"d{i}", max_tokens=long, client=i % 2)
+        first = frontend.recv(0)
+        app.stop()
+        late = mode == "finish"  # finishing takes 40 steps of 5 ms: time for a newcomer
+        if late:
+            gevent.sleep(0.05)
+            frontend.add(0, "too-late", max_tokens=5)  # arrives while draining
+        for client in range(2):
+            mine = [f"d{i}" for i in range(50) if i % 2 == client] + (["too-late"] if client == 0 and late else [])
+            collected = Collected()
+            if client == 0:
+                collected.add(first)
+            collected = frontend.collect(mine, client=client, timeout=30, into=collected)
+            expected = 2 if mode == "abort" else 1  # ABORT, or LENGTH after all 40 tokens
+            assert all(collected.terminal[r] == expected for r in mine if r != "too-late"), collected.terminal
+            if mode == "finish":
+                assert all(len(collected.tokens(r)) == 40 for r in mine if r != "too-late")
+            if client == 0 and late:
+                assert collected.terminal["too-late"] == 2  # rejected in shutdown with ABORT
+            # then the dead-engine sentinel (§4.1), raw, once per client
+            with gevent.Timeout(10):
+                while True:
+                    frame = frontend.outputs[client].recv()
+                    if frame == b"ENGINE_CORE_DEAD":
+                        break
+        assert waiter.get(timeout=10) == 0
+        assert all(c["violations"] == 0 and c["active"] == 0 for c in app.counters().values())
+    finally:
         frontend.close()
