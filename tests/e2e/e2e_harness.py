@@ -359,11 +359,16 @@ def wait_until(pred: Callable[[], bool], timeout: float, what: str, interval: fl
         time.sleep(interval)
 
 
-def http_ok(url: str, timeout: float = 2.0) -> bool:
+def http_status(url: str, timeout: float = 2.0) -> Optional[int]:
+    """The HTTP status of a GET, or None when there is no answer."""
     try:
-        return requests.get(url, timeout=timeout).status_code == 200
+        return requests.get(url, timeout=timeout).status_code
     except requests.RequestException:
-        return False
+        return None
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    return http_status(url, timeout) == 200
 
 
 # --------------------------------------------------------------------------- stacks
