@@ -84,22 +84,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logger.info("{} received; shutting down", signal.Signals(signum).name)
         app.stop()
 
-    def log_summary() -> None:
-        for rank, counts in app.counters().items():
-            logger.bind(engine=rank).info(
-                "engine {} summary: {}", rank, " ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "no requests"
-            )
-
     handlers = [gevent.signal_handler(s, on_signal, s) for s in (signal.SIGINT, signal.SIGTERM)]
     # On demand during a long run: kill -USR1 <pid> logs every engine's books.
-    handlers.append(gevent.signal_handler(signal.SIGUSR1, log_summary))
+    handlers.append(gevent.signal_handler(signal.SIGUSR1, app.log_summary))
     try:
-        app.start()
+        try:
+            app.start()
+        except OSError as exc:  # only the metrics endpoint binds anything
+            print(
+                f"gmock-engine: error: argument --metrics-port: cannot listen on "
+                f"{config.metrics_host}:{config.metrics_port}: {exc}",
+                file=sys.stderr,
+            )
+            return 2
         status = app.run_until_stopped()
     finally:
         for handler in handlers:
             handler.cancel()
-    log_summary()
+    app.log_summary()
     if status:
         logger.error("gmock_engine stopped after a failure: {}", app.supervisor.failure)
     return status

@@ -391,6 +391,20 @@ def build_parser() -> configargparse.ArgumentParser:
         "engine dead instead of waiting for it",
     )
     logs.add_argument(
+        "--metrics-port",
+        type=_int_at_least(0),
+        default=None,
+        help="serve the mock's own Prometheus metrics on this port (off unless given; 0 = any free port); "
+        "with --processes N, worker i uses port + i",
+    )
+    logs.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds to")
+    logs.add_argument(
+        "--summary-interval",
+        type=_float_at_least(0.0),
+        default=60.0,
+        help="log one line of every engine's books this often, seconds (0: only at shutdown and on SIGUSR1)",
+    )
+    logs.add_argument(
         "--strict-ledger",
         action=argparse.BooleanOptionalAction,
         default=False,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import signal
 import sys
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import gevent
 import gevent.event
@@ -43,9 +43,12 @@ def _worker_preexec() -> None:
         pass  # not Linux: the parent's signal handling still stops the workers
 
 
-def worker_command(argv: Sequence[str], start: int, count: int, dp_size: int) -> List[str]:
+def worker_command(
+    argv: Sequence[str], start: int, count: int, dp_size: int, metrics_port: Optional[int] = None
+) -> List[str]:
     """This program's own argv with the worker's slice; the command line wins
     over environment and file, so the appended flags decide."""
+    extra = ["--metrics-port", str(metrics_port)] if metrics_port is not None else []
     return [
         sys.executable,
         "-m",
@@ -59,6 +62,7 @@ def worker_command(argv: Sequence[str], start: int, count: int, dp_size: int) ->
         str(count),
         "--data-parallel-size",
         str(dp_size),
+        *extra,
     ]
 
 
@@ -68,8 +72,11 @@ def run_workers(config: Any, argv: Sequence[str]) -> int:
     stop = gevent.event.Event()
     failures: List[str] = []
     workers: List[Any] = []
-    for start, count in slices:
-        command = worker_command(argv, start, count, config.data_parallel_size)
+    for index, (start, count) in enumerate(slices):
+        port = None
+        if config.metrics_port:  # each worker its own port: port + worker index
+            port = config.metrics_port + index
+        command = worker_command(argv, start, count, config.data_parallel_size, port)
         # Own session: a terminal's Ctrl-C reaches only the parent, which
         # passes one SIGTERM on (a worker's second signal would mean "exit now").
         workers.append(subprocess.Popen(command, start_new_session=True, preexec_fn=_worker_preexec))

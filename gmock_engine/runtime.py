@@ -401,6 +401,7 @@ class App:
         self.layout = protocol.WIRE_LAYOUTS[config.protocol_version]
         self.ctx = zmq.Context()
         self.supervisor = Supervisor()
+        self.metrics_server: Optional[Any] = None
         first = config.data_parallel_start_rank
         self.runners = [
             EngineRunner(self.ctx, self.supervisor, rank, config, self.layout)
@@ -408,8 +409,26 @@ class App:
         ]
 
     def start(self) -> None:
+        """Bind the metrics endpoint (OSError if it cannot), then start every engine."""
+        c = self.config
+        if c.metrics_port is not None:
+            from . import metrics  # prometheus_client only when asked for
+
+            self.metrics_server = metrics.server(c.metrics_host, c.metrics_port, self.runners)
+            self.supervisor.spawn("metrics-server", self.metrics_server.serve_forever)
         for runner in self.runners:
             runner.start()
+        if c.summary_interval:
+            from .metrics import summary_loop
+
+            self.supervisor.spawn("summary", summary_loop, self, c.summary_interval)
+
+    def log_summary(self) -> None:
+        """One line per engine: its ledger and counters (shutdown, SIGUSR1, --summary-interval)."""
+        for rank, counts in self.counters().items():
+            logger.bind(engine=rank).info(
+                "engine {} summary: {}", rank, " ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "no requests"
+            )
 
     def wait_joined(self, timeout: Optional[float] = None) -> bool:
         """True once every engine finished its handshake."""
@@ -455,6 +474,8 @@ class App:
 
     def shutdown(self) -> None:
         """Ordered and bounded: readers+steppers, senders flush, sockets, context."""
+        if self.metrics_server is not None:
+            self.metrics_server.stop(timeout=KILL_TIMEOUT_S)
         inputs = [g for r in self.runners for g in r.input_greenlets()]
         gevent.killall(inputs, block=True, timeout=KILL_TIMEOUT_S)
         senders = [gevent.spawn(r.flush_output, self.config.send_dead_on_exit) for r in self.runners]

@@ -222,3 +222,64 @@ def test_sigterm_with_thousands_in_flight_exits_promptly(tmp_path):
         if proc.poll() is None:
             proc.kill()
         frontend.close()
+
+
+def free_port():
+    import socket as _socket
+
+    with _socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_metrics_endpoint_shows_the_books(tmp_path):
+    import urllib.request
+
+    frontend = FakeFrontend(num_clients=1, dp=2)
+    port = free_port()
+    log = open(tmp_path / "engine.log", "w+")
+    proc = subprocess.Popen(
+        [RUN_SH, "--handshake-address", frontend.handshake_address, "--engine-count", "2", "--metrics-port", str(port)],
+        cwd=REPO_DIR,
+        env=clean_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        frontend.accept_engines(timeout=60)
+        for i in range(6):
+            frontend.add(i % 2, f"m{i}", max_tokens=5)
+        frontend.collect([f"m{i}" for i in range(6)])
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        for rank in ("0", "1"):
+            assert samples[f'gmock_requests_finished_total{{engine="{rank}",reason="length"}}'] == 3
+            assert samples[f'gmock_output_tokens_total{{engine="{rank}"}}'] == 15
+            assert samples[f'gmock_requests_running{{engine="{rank}"}}'] == 0
+            assert samples[f'gmock_ledger_violations_total{{engine="{rank}"}}'] == 0
+        assert samples["process_resident_memory_bytes"] > 10e6 and samples["process_open_fds"] > 5
+        proc.send_signal(signal.SIGTERM)
+        assert wait_exit(proc, 10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        frontend.close()
+
+
+def test_a_metrics_port_in_use_stops_at_start(tmp_path):
+    import socket as _socket
+
+    with _socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [RUN_SH, "--metrics-port", str(port), "--handshake-address", "tcp://127.0.0.1:9"],
+            cwd=REPO_DIR, env=clean_env(), capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert result.returncode == 2
+    assert f"argument --metrics-port: cannot listen on 127.0.0.1:{port}" in result.stderr and "in use" in result.stderr

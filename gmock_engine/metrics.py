@@ -1,0 +1,98 @@
+"""The mock's own observability: a Prometheus endpoint and a periodic summary.
+
+Off unless `--metrics-port` is given; bound to 127.0.0.1 unless
+`--metrics-host` says otherwise. Nothing is counted on the hot path: a
+collector reads the engines' ledgers, counters and queues when Prometheus
+scrapes (prometheus_client's default collectors add the process's RSS,
+open file descriptors and CPU time). The HTTP server is gevent's WSGI
+server, a supervised greenlet like every other.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, List
+
+import gevent
+from gevent.pywsgi import WSGIServer
+from loguru import logger
+from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+#: Finish reasons as the ledger counts them (finished_<reason>).
+REASONS = ("length", "stop", "abort", "error", "repetition")
+
+
+class EngineCollector(Collector):
+    """gmock_* metrics of every engine of this process, labelled by rank."""
+
+    def __init__(self, runners: List[Any]) -> None:
+        self.runners = runners
+
+    def collect(self) -> Iterable[Any]:
+        running = GaugeMetricFamily("gmock_requests_running", "requests in the running batch", labels=["engine"])
+        waiting = GaugeMetricFamily("gmock_requests_waiting", "requests waiting to be scheduled", labels=["engine"])
+        started = CounterMetricFamily("gmock_requests_started", "requests the engine accepted", labels=["engine"])
+        finished = CounterMetricFamily(
+            "gmock_requests_finished", "requests ended, by finish reason", labels=["engine", "reason"]
+        )
+        tokens = CounterMetricFamily("gmock_output_tokens", "output tokens emitted", labels=["engine"])
+        steps = CounterMetricFamily("gmock_steps", "decode steps run", labels=["engine"])
+        preemptions = CounterMetricFamily("gmock_preemptions", "requests preempted for KV blocks", labels=["engine"])
+        violations = CounterMetricFamily("gmock_ledger_violations", "request-ledger violations", labels=["engine"])
+        bad_frames = CounterMetricFamily("gmock_bad_frames", "malformed frames dropped", labels=["engine"])
+        utility = CounterMetricFamily("gmock_utility_calls", "utility calls answered", labels=["engine"])
+        kv = GaugeMetricFamily("gmock_kv_cache_usage", "KV cache usage as reported to the frontend (0..1)", labels=["engine"])
+        queues = GaugeMetricFamily("gmock_queue_depth", "messages queued between greenlets", labels=["engine", "queue"])
+        lateness = GaugeMetricFamily(
+            "gmock_step_lateness_seconds", "step lateness against the latency model, recent steps", labels=["engine", "quantile"]
+        )
+        for runner in self.runners:
+            engine = runner.engine
+            if engine is None:
+                continue
+            rank = str(runner.rank)
+            ledger = engine.ledger.summary()
+            running.add_metric([rank], len(engine.active))
+            waiting.add_metric([rank], len(engine.waiting))
+            started.add_metric([rank], ledger.get("started", 0))
+            for reason in REASONS:
+                finished.add_metric([rank, reason], ledger.get("finished_" + reason, 0))
+            tokens.add_metric([rank], engine.counters["tokens"])
+            steps.add_metric([rank], engine.counters["steps"])
+            preemptions.add_metric([rank], engine.counters["preemptions"])
+            violations.add_metric([rank], ledger.get("violations", 0))
+            bad_frames.add_metric([rank], runner.bad_frames)
+            utility.add_metric([rank], engine.counters["utility_calls"])
+            kv.add_metric([rank], engine.scheduler_stats()["kv_cache_usage"])
+            queues.add_metric([rank, "input"], runner.in_queue.qsize())
+            queues.add_metric([rank, "output"], runner.out_queue.qsize())
+            summary = runner.step_lateness.summary()
+            lateness.add_metric([rank, "0.5"], summary["p50"])
+            lateness.add_metric([rank, "0.99"], summary["p99"])
+        yield from (running, waiting, started, finished, tokens, steps, preemptions, violations, bad_frames, utility, kv, queues, lateness)
+
+
+def registry(runners: List[Any]) -> CollectorRegistry:
+    """gmock_* metrics plus the process (RSS, open fds, CPU), GC and platform ones."""
+    reg = CollectorRegistry(auto_describe=True)
+    reg.register(EngineCollector(runners))
+    for collector in (PROCESS_COLLECTOR, GC_COLLECTOR, PLATFORM_COLLECTOR):
+        reg.register(collector)
+    return reg
+
+
+def server(host: str, port: int, runners: List[Any]) -> WSGIServer:
+    """The /metrics endpoint (any path answers); bound now, so a port in use
+    fails at start; the caller runs `serve_forever` in a supervised greenlet."""
+    wsgi = WSGIServer((host, port), make_wsgi_app(registry(runners)), log=None, error_log=None)
+    wsgi.init_socket()
+    logger.info("metrics at http://{}:{}/metrics", host, wsgi.server_port)
+    return wsgi
+
+
+def summary_loop(app: Any, interval: float) -> None:
+    """Log one line of every engine's books every `interval` seconds (long runs)."""
+    while True:
+        gevent.sleep(interval)
+        app.log_summary()
