@@ -4,6 +4,7 @@
 #   ./run.sh [engine options]     run the mock engine (e.g. ./run.sh --config conf/dp4.ini)
 #   ./run.sh test [pytest args]   run the whole test suite
 #   ./run.sh bench [options]      the load driver (gmock-engine bench --help)
+#   ./run.sh soak [options]       a real frontend + the engine under steady load, with a verdict
 #
 # The first use creates a virtualenv in .venv inside the checkout and installs
 # the package into it (plus the `test` extra for `./run.sh test`); later uses
@@ -16,12 +17,13 @@ VENV="${GMOCK_VENV:-$HERE/.venv}"
 PYTHON="${PYTHON:-python3}"
 
 MODE=run
-if [[ "${1:-}" == "test" ]]; then
-  MODE=test
+if [[ "${1:-}" == "test" || "${1:-}" == "soak" ]]; then
+  MODE="$1"
   shift
 fi
 EXTRA=""
-[[ "$MODE" == test ]] && EXTRA="[test]"
+# the soak runner drives real frontends with the e2e harness: it needs the test extra
+if [[ "$MODE" != run ]]; then EXTRA="[test]"; fi
 
 bootstrap() {
   if [[ ! -x "$VENV/bin/python" ]]; then
@@ -46,6 +48,9 @@ bootstrap
 cd "$HERE"
 if [[ "$MODE" == test ]]; then
   exec "$VENV/bin/python" -m pytest "$@"
+fi
+if [[ "$MODE" == soak ]]; then
+  exec "$VENV/bin/python" benchmarks/soak.py "$@"
 fi
 # exec, so that SIGTERM/SIGINT reach the engine itself. `bench` is passed
 # through as the first argument: `./run.sh bench` = `gmock-engine bench`.

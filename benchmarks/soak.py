@@ -1,0 +1,225 @@
+"""Soak runner: a real frontend + gmock_engine under steady load for a long time.
+
+    ./run.sh soak --duration 1h [--frontend python|rust] [--dp 1] [--rate 20]
+                  [--abort-share 0.1] [--sample-interval 10] [--engine-arg=--itl-ms=10]
+
+Starts the frontend and the engine with the e2e harness (tests/e2e, which
+installs the frontends on first use), drives a bounded steady load of
+streaming completions (random lengths; a share of them closed by the client
+mid-stream, which must reach the engine as ABORTs), and every
+`--sample-interval` seconds prints the engine's RSS and open file
+descriptors, its request ledger (from its own metrics endpoint) and the
+request outcomes. The verdict at the end:
+
+* ledger violations: 0, no request left active once the load stopped, and
+  the clients' disconnects seen by the engine as aborts;
+* failed requests (wrong token count, HTTP error, broken stream): 0;
+* RSS growth after warm-up (the first fifth of the run): <= 1 %
+  (--rss-growth-limit).
+
+Exit status 0 when all hold, 1 otherwise. Traffic stays on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Dict, List
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+
+import e2e_harness as h  # noqa: E402
+import requests  # noqa: E402
+
+from gmock_engine.bench import process_tree, tree_rss_bytes  # noqa: E402
+
+
+def duration(text: str) -> float:
+    """90, 90s, 15m, 1h, 1h30m -> seconds."""
+    match = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s?)?", text.strip())
+    if not match or not any(match.groups()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 15m or 1h")
+    hours, minutes, seconds = (int(g or 0) for g in match.groups())
+    return hours * 3600 + minutes * 60 + seconds
+
+
+class Load:
+    """Bounded steady load: `rate` requests/s from a pool of worker threads."""
+
+    def __init__(self, stack: h.Stack, rate: float, abort_share: float, workers: int, seed: int) -> None:
+        self.stack = stack
+        self.rate = rate
+        self.abort_share = abort_share
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.outcomes: Dict[str, int] = {"ok": 0, "aborted_by_client": 0, "failed": 0}
+        self.failures: List[str] = []
+        self.stop = threading.Event()
+        self.tickets = threading.Semaphore(0)
+        self.threads = [threading.Thread(target=self._worker, daemon=True) for _ in range(workers)]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+        threading.Thread(target=self._pacer, daemon=True).start()
+
+    def _pacer(self) -> None:
+        interval, due = 1.0 / self.rate, time.monotonic()
+        while not self.stop.is_set():
+            due += interval
+            self.tickets.release()
+            time.sleep(max(0.0, due - time.monotonic()))
+
+    def _worker(self) -> None:
+        while not self.stop.is_set():
+            if not self.tickets.acquire(timeout=0.5):
+                continue
+            with self.lock:
+                max_tokens = self.rng.randint(8, 128)
+                abort_after = self.rng.randint(1, 4) if self.rng.random() < self.abort_share else None
+            self._one(max_tokens, abort_after)
+
+    def _one(self, max_tokens: int, abort_after) -> None:
+        body = {"model": h.MODEL_NAME, "prompt": "soak", "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        try:
+            with requests.post(self.stack.url("/v1/completions"), json=body, timeout=(5, 60), stream=True) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+                if abort_after is not None:
+                    for i, _ in enumerate(h.sse_data(r)):
+                        if i + 1 >= abort_after:
+                            break
+                    outcome = "aborted_by_client"  # closing the response aborts the request
+                else:
+                    chunks, done = h.read_stream(r)
+                    usage = chunks[-1].get("usage") if chunks else None
+                    if not done or not usage or usage["completion_tokens"] != max_tokens:
+                        raise RuntimeError(f"stream ended badly: done={done} usage={usage}")
+                    outcome = "ok"
+        except Exception as exc:  # noqa: BLE001 - every failure is counted and shown
+            outcome = "failed"
+            with self.lock:
+                if len(self.failures) < 20:
+                    self.failures.append(str(exc)[:300])
+        with self.lock:
+            self.outcomes[outcome] += 1
+
+    def finish(self, timeout: float = 90) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=timeout)
+
+
+def engine_books(metrics_port: int) -> Dict[str, float]:
+    """Ledger totals over all ranks from gmock's own /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    books: Dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r"^(gmock_[a-z_]+?)(?:_total)?(?:\{([^}]*)\})? (\S+)$", line)
+        if not match:
+            continue
+        name, labels, value = match.groups()
+        if "reason=" in (labels or ""):
+            name += "_" + re.search(r'reason="(\w+)"', labels).group(1)
+        books[name] = books.get(name, 0.0) + float(value)
+    return books
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="run.sh soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=duration, default=duration("5m"), help="how long the load runs (90s, 15m, 1h)")
+    parser.add_argument("--frontend", choices=("python", "rust"), default="python")
+    parser.add_argument("--dp", type=int, default=1, help="engines (DP size)")
+    parser.add_argument("--api-servers", type=int, default=1, help="Python frontend API servers")
+    parser.add_argument("--rate", type=float, default=20.0, help="requests per second")
+    parser.add_argument("--workers", type=int, default=32, help="concurrent client threads (bounds the load)")
+    parser.add_argument("--abort-share", type=float, default=0.1, help="share of requests the client closes mid-stream")
+    parser.add_argument("--sample-interval", type=float, default=10.0, help="seconds between samples")
+    parser.add_argument("--rss-growth-limit", type=float, default=1.0, help="max RSS growth after warm-up, %%")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine-arg", action="append", default=[], help="extra gmock_engine flag (repeatable)")
+    parser.add_argument("--json", help="write the samples and the verdict to this file")
+    options = parser.parse_args()
+
+    frontends = h.install_frontends()
+    work = Path(tempfile.mkdtemp(prefix="gmock-soak-"))
+    model_dir = h.make_model_dir(frontends.python, work / "model")
+    metrics_port = h.free_ports(1)[0]
+    engine_args = ["--itl-ms", "5", "--metrics-port", str(metrics_port), "--no-log-requests", "--summary-interval", "0"]
+    stack = h.Stack(h.Topology(options.frontend, options.dp, options.api_servers), frontends, model_dir, work,
+                    engine_args=engine_args + options.engine_arg)  # fmt: skip
+    stack.start()
+    print(f"soak: {options.frontend} frontend, DP {options.dp}, {options.rate:g} req/s, {options.abort_share:.0%} aborted, "
+          f"{options.duration:.0f} s; logs in {work}", flush=True)  # fmt: skip
+    load = Load(stack, options.rate, options.abort_share, options.workers, options.seed)
+    samples: List[Dict[str, float]] = []
+    verdict: Dict[str, object] = {}
+    try:
+        pids = process_tree(stack.engine.popen.pid)
+        started = time.monotonic()
+        load.start()
+        while time.monotonic() - started < options.duration:
+            time.sleep(min(options.sample_interval, max(0.0, options.duration - (time.monotonic() - started))))
+            books = engine_books(metrics_port)
+            sample = {
+                "t": round(time.monotonic() - started, 1),
+                "rss_mb": round(tree_rss_bytes(pids) / 2**20, 2),
+                "fds": sum(len(os.listdir(f"/proc/{p}/fd")) for p in pids if os.path.exists(f"/proc/{p}/fd")),
+                "started": books.get("gmock_requests_started", 0),
+                "running": books.get("gmock_requests_running", 0),
+                "violations": books.get("gmock_ledger_violations", 0),
+                **{k: v for k, v in load.outcomes.items()},
+            }
+            samples.append(sample)
+            print("soak: " + " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in sample.items()), flush=True)
+        load.finish()
+        h.wait_until(lambda: engine_books(metrics_port).get("gmock_requests_running", 1) == 0
+                     and engine_books(metrics_port).get("gmock_requests_waiting", 1) == 0, 60, "the engine to go idle")  # fmt: skip
+        books = engine_books(metrics_port)
+        warm = samples[max(0, len(samples) // 5 - 1)]["rss_mb"] if samples else 0
+        last = samples[-1]["rss_mb"] if samples else 0
+        growth = 100.0 * (last - warm) / warm if warm else 0.0
+        verdict = {
+            "requests": dict(load.outcomes),
+            "ledger_started": books.get("gmock_requests_started", 0),
+            "ledger_violations": books.get("gmock_ledger_violations", 0),
+            "ledger_aborted": books.get("gmock_requests_finished_abort", 0),
+            "rss_warm_mb": warm,
+            "rss_end_mb": last,
+            "rss_growth_pct": round(growth, 2),
+            "failures": load.failures,
+        }
+        ok = (
+            verdict["ledger_violations"] == 0
+            and load.outcomes["failed"] == 0
+            and growth <= options.rss_growth_limit
+            and load.outcomes["ok"] > 0
+            # the clients' disconnects reached the engine as ABORTs
+            and (options.abort_share == 0 or verdict["ledger_aborted"] > 0)
+        )
+        verdict["verdict"] = "PASS" if ok else "FAIL"
+    finally:
+        load.stop.set()
+        problems = stack.stop()
+        if problems:
+            print(f"soak: teardown: {problems}", file=sys.stderr)
+    print("soak verdict: " + json.dumps(verdict), flush=True)
+    if options.json:
+        Path(options.json).write_text(json.dumps({"samples": samples, "verdict": verdict}, indent=1))
+    return 0 if verdict.get("verdict") == "PASS" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
