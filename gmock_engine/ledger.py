@@ -23,8 +23,10 @@ from typing import Any, Dict, List, Optional
 
 from .protocol import FinishReason
 
-#: Ended request ids kept to recognise late outputs.
-DEFAULT_MEMORY = 100_000
+#: Ended request ids kept to recognise late outputs: a small window, so a
+#: soak's RSS settles at once (~0.2 MB); an output for an id that ended more
+#: than this many requests ago is still a violation, reported as "unknown id".
+DEFAULT_MEMORY = 1024
 
 
 class Ledger:

@@ -1,5 +1,6 @@
 """The real program through run.sh, in its own process, against the fake frontend."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -32,6 +33,29 @@ def wait_exit(proc, timeout):
     return proc.returncode
 
 
+@contextlib.contextmanager
+def engine_process(tmp_path, args, frontend=None, env=None):
+    """run.sh with `args` in its own process, output to tmp_path/engine.log;
+    always killed (if still running) and the frontend closed at the end."""
+    log = open(tmp_path / "engine.log", "w+")
+    proc = subprocess.Popen([RUN_SH, *args], cwd=REPO_DIR, env=env or clean_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield proc, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+        if frontend is not None:
+            frontend.close()
+
+
+def log_text(log):
+    log.flush()
+    log.seek(0)
+    return log.read()
+
+
 @pytest.fixture
 def frontend():
     fe = FakeFrontend(num_clients=2, dp=4, coordinator=True)
@@ -40,16 +64,9 @@ def frontend():
 
 
 def test_run_sh_with_dp4_config_serves_and_exits_0_on_sigterm(frontend, tmp_path):
-    log = open(tmp_path / "engine.log", "w+")
     # conf/dp4.ini says tcp://127.0.0.1:29550; the environment overrides the file.
-    proc = subprocess.Popen(
-        [RUN_SH, "--config", "conf/dp4.ini", "--log-requests"],
-        cwd=REPO_DIR,
-        env=clean_env(GMOCK_HANDSHAKE_ADDRESS=frontend.handshake_address),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
+    env = clean_env(GMOCK_HANDSHAKE_ADDRESS=frontend.handshake_address)
+    with engine_process(tmp_path, ["--config", "conf/dp4.ini", "--log-requests"], env=env) as (proc, log):
         frontend.accept_engines(timeout=60)
         for rank in range(4):
             frontend.add(rank, f"sub-{rank}", max_tokens=7, client=rank % 2)
@@ -63,12 +80,7 @@ def test_run_sh_with_dp4_config_serves_and_exits_0_on_sigterm(frontend, tmp_path
         proc.send_signal(signal.SIGTERM)
         assert wait_exit(proc, 10) == 0
         elapsed = time.monotonic() - started
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    log.seek(0)
-    text = log.read()
+        text = log_text(log)
     print(f"SIGTERM -> exit 0 in {elapsed:.3f} s")
     for rank in range(4):
         assert f"mock request started engine={rank} request_id=sub-{rank}" in text
@@ -137,15 +149,8 @@ def test_print_config(tmp_path):
 
 def test_processes_spread_ranks_and_stop_together(tmp_path):
     frontend = FakeFrontend(num_clients=1, dp=4)
-    log = open(tmp_path / "engine.log", "w+")
-    proc = subprocess.Popen(
-        [RUN_SH, "--handshake-address", frontend.handshake_address, "--engine-count", "4", "--processes", "2"],
-        cwd=REPO_DIR,
-        env=clean_env(),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
+    args = ["--handshake-address", frontend.handshake_address, "--engine-count", "4", "--processes", "2"]
+    with engine_process(tmp_path, args, frontend) as (proc, log):
         frontend.accept_engines(timeout=60)
         for rank in range(4):
             frontend.add(rank, f"p-{rank}", max_tokens=3)
@@ -162,48 +167,25 @@ def test_processes_spread_ranks_and_stop_together(tmp_path):
         os.kill(pids[0], signal.SIGTERM)
         proc.send_signal(signal.SIGTERM)
         assert wait_exit(proc, 15) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        frontend.close()
 
 
 def test_a_dead_worker_stops_the_run_with_status_1(tmp_path):
     frontend = FakeFrontend(num_clients=1, dp=2)
-    log = open(tmp_path / "engine.log", "w+")
-    proc = subprocess.Popen(
-        [RUN_SH, "--handshake-address", frontend.handshake_address, "--engine-count", "2", "--processes", "2"],
-        cwd=REPO_DIR,
-        env=clean_env(),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
+    args = ["--handshake-address", frontend.handshake_address, "--engine-count", "2", "--processes", "2"]
+    with engine_process(tmp_path, args, frontend) as (proc, log):
         frontend.accept_engines(timeout=60)
         call_id = frontend.utility(1, "gmock_stats")
         worker = frontend.utility_result(call_id)[2][1]["pid"]
         os.kill(worker, signal.SIGKILL)
         assert wait_exit(proc, 15) == 1
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        frontend.close()
-    log.seek(0)
-    text = log.read()
+        text = log_text(log)
     assert f"worker pid {worker} (engines 1..1) exited with status -9; stopping all workers" in text
 
 
 def test_sigterm_with_thousands_in_flight_exits_promptly(tmp_path):
     frontend = FakeFrontend(num_clients=1, dp=1)
-    log = open(tmp_path / "engine.log", "w+")
-    proc = subprocess.Popen(
-        [RUN_SH, "--handshake-address", frontend.handshake_address, "--itl-ms", "10"],
-        cwd=REPO_DIR,
-        env=clean_env(),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
+    args = ["--handshake-address", frontend.handshake_address, "--itl-ms", "10"]
+    with engine_process(tmp_path, args, frontend) as (proc, log):
         frontend.accept_engines(timeout=60)
         for i in range(5000):
             frontend.add(0, f"many-{i}", max_tokens=10**9)
@@ -218,10 +200,6 @@ def test_sigterm_with_thousands_in_flight_exits_promptly(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert wait_exit(proc, 10) == 0
         print(f"SIGTERM with 5000 requests in flight -> exit 0 in {time.monotonic() - started:.3f} s")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        frontend.close()
 
 
 def free_port():
@@ -237,15 +215,8 @@ def test_metrics_endpoint_shows_the_books(tmp_path):
 
     frontend = FakeFrontend(num_clients=1, dp=2)
     port = free_port()
-    log = open(tmp_path / "engine.log", "w+")
-    proc = subprocess.Popen(
-        [RUN_SH, "--handshake-address", frontend.handshake_address, "--engine-count", "2", "--metrics-port", str(port)],
-        cwd=REPO_DIR,
-        env=clean_env(),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
+    args = ["--handshake-address", frontend.handshake_address, "--engine-count", "2", "--metrics-port", str(port)]
+    with engine_process(tmp_path, args, frontend) as (proc, log):
         frontend.accept_engines(timeout=60)
         for i in range(6):
             frontend.add(i % 2, f"m{i}", max_tokens=5)
@@ -264,10 +235,6 @@ def test_metrics_endpoint_shows_the_books(tmp_path):
         assert samples["process_resident_memory_bytes"] > 10e6 and samples["process_open_fds"] > 5
         proc.send_signal(signal.SIGTERM)
         assert wait_exit(proc, 10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        frontend.close()
 
 
 def test_a_metrics_port_in_use_stops_at_start(tmp_path):
