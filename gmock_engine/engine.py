@@ -326,14 +326,15 @@ class EngineCore:
         batches: Dict[int, _Batch] = {}
         client = request.client_index
         self.ledger.started(rid)
+        # A duplicate first: even an abort_immediately ADD must not end the original.
+        if rid in self.active or rid in self.waiting:
+            self.log.warning("ADD {}: duplicate of an active request id; answered with ERROR", rid)
+            self._finish_now(batches, client, rid, FinishReason.ERROR, protocol.request_error("duplicate_request_id", f"request id {rid} is already active"))
+            return self._flush(batches)
         if request.abort_immediately:
             # §3.2 idx 19: no output, only the id in finished_requests.
             self.counters["aborted"] += 1
             self._batch(batches, client).finished.append(rid)
-            return self._flush(batches)
-        if rid in self.active or rid in self.waiting:
-            self.log.warning("ADD {}: duplicate of an active request id; answered with ERROR", rid)
-            self._finish_now(batches, client, rid, FinishReason.ERROR, protocol.request_error("duplicate_request_id", f"request id {rid} is already active"))
             return self._flush(batches)
         if self.shutting_down:
             # vLLM's _reject_add_in_shutdown: an ABORT output for the newcomer

@@ -107,6 +107,7 @@ class Ledger:
         self.counts["finished_" + reason] += 1
         ended = self._ended
         ended[rid] = None
+        ended.move_to_end(rid)  # a reused id is the newest again, not the next to go
         if len(ended) > self._memory:
             ended.popitem(last=False)
 

@@ -89,3 +89,26 @@ def test_strict_ledger_stops_on_a_violation():
     # as if the engine had a bug and sent one more output for the finished request
     with pytest.raises(LedgerViolation, match="after its terminal"):
         engine._report(engine.ledger.sent(msg([["a", [1]]])))
+
+
+def test_an_abort_immediately_duplicate_does_not_end_the_original():
+    """Found by the fuzzer: the duplicate is answered with ERROR, the original goes on."""
+    engine = EngineCore(EngineSettings(rank=0, num_clients=1))
+    engine.apply(EngineCoreRequest("x", 3, 4, True))
+    engine.step()
+    [(_, message)] = engine.apply(EngineCoreRequest("x", 3, 4, True, abort_immediately=True))
+    assert message[1][0][5] == 3  # ERROR for the duplicate
+    while engine.has_work:
+        engine.step()
+    assert engine.ledger.summary()["violations"] == 0 and engine.counters["finished_length"] == 1
+
+
+def test_a_reused_id_is_remembered_as_newly_ended():
+    """Found by the fuzzer: ids come back (clients retry with the same id)."""
+    ledger = Ledger(memory=2)
+    for rid in ("a", "b", "a"):  # "a" ends twice, then "b" must be the oldest
+        ledger.started(rid)
+        ledger.sent(msg([[rid, [], None, None, None, 1]], [rid]))
+    ledger.started("c")
+    ledger.sent(msg([["c", [], None, None, None, 1]], ["c"]))
+    assert ledger.sent(msg([], ["a"])) is None  # still remembered: a repeat listing is harmless
