@@ -591,6 +591,15 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
     return args
 
 
+def _ini_text(value: Any) -> str:
+    """A value as written in the config file: true/false, a,b,c, empty for none."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (tuple, list)):
+        return ",".join(str(v) for v in value)
+    return "" if value is None else str(value)
+
+
 def format_config(args: argparse.Namespace) -> str:
     """Every option as an INI line with its source (`--print-config`)."""
     parser = build_parser()
@@ -598,15 +607,7 @@ def format_config(args: argparse.Namespace) -> str:
     for action in parser._actions:
         if not action.option_strings or action.dest in ("help", "version", "print_config"):
             continue
-        value = getattr(args, action.dest)
-        if isinstance(value, (tuple, list)):
-            text = ",".join(str(v) for v in value)
-        elif isinstance(value, bool):
-            text = "true" if value else "false"
-        elif value is None:
-            text = ""
-        else:
-            text = str(value)
+        text = _ini_text(getattr(args, action.dest))
         source = args.sources.get(action.dest, Source("default"))
         if action.dest == "data_parallel_size" and source.kind == "default":
             source = Source("default", "(start rank + engine count)")
@@ -640,13 +641,7 @@ def options_template() -> str:
         title = "other" if group.title in ("options", "optional arguments") else group.title
         lines += ["", f"; ---- {title} ----"]
         for action in actions:
-            default = action.default
-            if isinstance(default, bool):
-                default = "true" if default else "false"
-            elif isinstance(default, tuple):
-                default = ",".join(default)
-            elif default is None:
-                default = ""
+            default = _ini_text(action.default)
             lines += ["; " + line for line in textwrap.wrap(f"{action.help} (env {env_name(action)})", 96)]
             lines.append(f";{_long_flag(action)[2:]} = {default}".rstrip())
     return "\n".join(lines) + "\n"

@@ -219,9 +219,13 @@ class EngineRunner:
         self.engine.stats_provider = self.runtime_stats
         spawn = self.supervisor.spawn
         for index, sock in enumerate(self.sockets.inputs):
-            self.readers.append(spawn(f"engine-{self.rank}-reader-{index}", self._reader, sock, index))
+            name = f"engine-{self.rank}-reader-{index}"
+            self.readers.append(spawn(name, self._reader, sock, f"input[{index}]", protocol.decode_input))
         if self.sockets.coordinator_input is not None:
-            self.readers.append(spawn(f"engine-{self.rank}-coordinator-reader", self._coordinator_reader))
+            name = f"engine-{self.rank}-coordinator-reader"
+            self.readers.append(
+                spawn(name, self._reader, self.sockets.coordinator_input, "coordinator_input", protocol.decode_coordinator)
+            )
         self.stepper = spawn(f"engine-{self.rank}-stepper", self._stepper)
         self.sender = spawn(f"engine-{self.rank}-sender", self._sender)
         self.joined.set()
@@ -243,33 +247,21 @@ class EngineRunner:
         else:
             self._bad_suppressed += 1
 
-    def _reader(self, sock: Any, index: int) -> None:
-        """Input DEALER -> decoded messages -> input queue."""
+    def _reader(self, sock: Any, where: str, decode: Callable[[Any, WireLayout], Any]) -> None:
+        """One socket -> decoded messages -> input queue. `decode` is
+        protocol.decode_input for an input DEALER, protocol.decode_coordinator
+        for the coordinator XSUB (which answers None for a late READY, §2.6)."""
         layout, put, wake = self.layout, self.in_queue.put, self.wake
-        where = f"input[{index}]"
         while True:
             frames = sock.recv_multipart()
             try:
-                message = protocol.decode_input(frames, layout)
+                message = decode(frames, layout)
             except ProtocolError as exc:
                 self._drop(where, exc)
                 continue
-            put(message)
-            wake.set()
-
-    def _coordinator_reader(self) -> None:
-        """Coordinator XSUB: START_DP_WAVE, and later READY frames to ignore (§2.6)."""
-        sock = self.sockets.coordinator_input
-        while True:
-            frames = sock.recv_multipart()
-            try:
-                message = protocol.decode_coordinator(frames, self.layout)
-            except ProtocolError as exc:
-                self._drop("coordinator_input", exc)
-                continue
             if message is not None:
-                self.in_queue.put(message)
-                self.wake.set()
+                put(message)
+                wake.set()
 
     def _stepper(self) -> None:
         """Owns the EngineCore: apply input, step, hand outputs to the sender.
