@@ -149,6 +149,19 @@ def _task_list(text: str) -> Tuple[str, ...]:
     return tasks
 
 
+def _fault(kind: str):
+    from .faults import parse_spec
+
+    def parse(text: str) -> Any:
+        try:
+            return parse_spec(kind, text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = "fault spec"
+    return parse
+
+
 def _choice(choices: Sequence[str], fold=str.lower):
     def parse(text: str) -> str:
         value = fold(text.strip())
@@ -411,6 +424,14 @@ def build_parser() -> configargparse.ArgumentParser:
         help="a request-ledger violation (an output after a request's end, for an unknown id, ...) stops the "
         "process with status 1 instead of only being logged",
     )
+    from .faults import KINDS
+
+    faults = parser.add_argument_group(
+        "fault injection (off by default; value: one trigger of rate=P, every=N or at=T, "
+        "optional ranks=0,2-3 and limit=N, and the kind's own keys; see README, Fault injection)"
+    )
+    for kind, spec in KINDS.items():
+        faults.add_argument(f"--fault-{kind}", type=_fault(kind), default=None, metavar="SPEC", help=spec.help)
     parser.add_argument(
         "--print-config",
         action=argparse.BooleanOptionalAction,
@@ -584,6 +605,10 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
         )
     if last_rank > 0xFFFF:
         raise ConfigError(f"argument --engine-count: ranks up to {last_rank - 1} do not fit a 2-byte engine identity")
+    from .faults import KINDS
+
+    #: Every configured fault, in KINDS order (runtime.py hands them to each engine).
+    args.faults = [spec for spec in (getattr(args, "fault_" + k.replace("-", "_")) for k in KINDS) if spec is not None]
     args.sources = {a.dest: sources.of(a) for a in sources.options()}
     if sources.config_path is not None:
         args.config = sources.config_path

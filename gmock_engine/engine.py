@@ -58,6 +58,8 @@ COORDINATOR = -1
 #: SchedulerStats go out when running/waiting changed, at most this often
 #: (at once when the engine becomes idle, so gauges drop to 0 promptly).
 STATS_INTERVAL_S = 0.05
+#: The error of a request ended by mock_fail_after (vllm_xargs, or --fault-error-mid-stream).
+MOCK_FAILURE_MESSAGE = "mock failure on request (vllm_xargs mock_fail_after or --fault-error-mid-stream)"
 #: Upper bound of vllm_xargs mock_ttft_ms (one hour): a timer needs a finite time.
 MAX_XARGS_TTFT_MS = 3_600_000
 
@@ -664,7 +666,7 @@ class EngineCore:
                     entry.request_id,
                     tokens,
                     finish,
-                    error=protocol.request_error("mock_failure", "failed on request (vllm_xargs)") if finish is FinishReason.ERROR else None,
+                    error=protocol.request_error("mock_failure", MOCK_FAILURE_MESSAGE) if finish is FinishReason.ERROR else None,
                     stop_reason=entry.stop_reason if finish is FinishReason.STOP else None,
                     layout=self.layout,
                     events=events,
@@ -712,6 +714,14 @@ class EngineCore:
         except _UtilityFailure as exc:
             self.log.warning("UTILITY {}: {}", call.method, exc)
             return [self._reply(call, failure=str(exc))]
+
+    def fail_utility(self, call: UtilityCall, failure: str) -> List[Outbound]:
+        """Answer a utility call with `failure_message` without running it
+        (--fault-fail-utility)."""
+        if not self._valid_client(call.client_index, f"UTILITY {call.method} (call id {call.call_id})"):
+            return []
+        self.counters["utility_calls"] += 1
+        return [self._reply(call, failure=failure)]
 
     def _reply(self, call: UtilityCall, result: Any = None, failure: Optional[str] = None) -> Outbound:
         return (call.client_index, protocol.utility_reply(self.rank, call.call_id, self.clock(), result, failure))

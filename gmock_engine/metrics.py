@@ -47,7 +47,10 @@ class EngineCollector(Collector):
         lateness = GaugeMetricFamily(
             "gmock_step_lateness_seconds", "step lateness against the latency model, recent steps", labels=["engine", "quantile"]
         )
+        faults = CounterMetricFamily("gmock_faults_injected", "faults injected (--fault-*), by kind", labels=["engine", "kind"])
         for runner in self.runners:
+            for kind, count in runner.faults.injected.items():
+                faults.add_metric([str(runner.rank), kind], count)
             engine = runner.engine
             if engine is None:
                 continue
@@ -70,7 +73,7 @@ class EngineCollector(Collector):
             summary = runner.step_lateness.summary()
             lateness.add_metric([rank, "0.5"], summary["p50"])
             lateness.add_metric([rank, "0.99"], summary["p99"])
-        yield from (running, waiting, started, finished, tokens, steps, preemptions, violations, bad_frames, utility, kv, queues, lateness)
+        yield from (running, waiting, started, finished, tokens, steps, preemptions, violations, bad_frames, utility, kv, queues, lateness, faults)
 
 
 def registry(runners: List[Any]) -> CollectorRegistry:

@@ -3,8 +3,10 @@
 gevent runs on one core. To use more, the parent starts N copies of this
 program, each with its slice of ranks (`--data-parallel-start-rank`,
 `--engine-count`) and its own hub, and supervises them: a worker that exits
-on its own stops the whole run with a clear message and status 1; SIGINT or
-SIGTERM is passed on to every worker, which then have a bounded time to exit.
+on its own stops the whole run with a clear message and status 1 (except
+a crash injected by --fault-crash: the other workers go on, as the other
+engines of a real deployment would); SIGINT or SIGTERM is passed on to every
+worker, which then have a bounded time to exit.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import gevent
 import gevent.event
 from gevent import subprocess
 from loguru import logger
+
+from .faults import CRASH_EXIT_STATUS
 
 #: How long workers get to exit after SIGTERM before they are killed.
 WORKER_EXIT_TIMEOUT_S = 3.0
@@ -71,6 +75,7 @@ def run_workers(config: Any, argv: Sequence[str]) -> int:
     slices = split_ranks(config.data_parallel_start_rank, config.engine_count, config.processes)
     stop = gevent.event.Event()
     failures: List[str] = []
+    crashed: List[Any] = []
     workers: List[Any] = []
     for index, (start, count) in enumerate(slices):
         port = None
@@ -87,7 +92,13 @@ def run_workers(config: Any, argv: Sequence[str]) -> int:
         if stop.is_set():
             return
         what = f"worker pid {worker.pid} (engines {start}..{start + count - 1}) exited with status {status}"
-        if status == 0:
+        if status == CRASH_EXIT_STATUS:
+            crashed.append(worker)
+            if len(crashed) < len(workers):
+                logger.warning("{}: a crash injected by --fault-crash; the other workers go on", what)
+                return
+            logger.warning("{}: every worker crashed (--fault-crash)", what)
+        elif status == 0:
             # An orderly stop of a worker (someone signalled it directly):
             # stop the others the same way.
             logger.info("{}; stopping the other workers", what)
@@ -131,6 +142,8 @@ def run_workers(config: Any, argv: Sequence[str]) -> int:
             handler.cancel()
     if len(signals_seen) > 1:
         return 128 + signals_seen[-1]
+    if len(crashed) == len(workers):
+        return CRASH_EXIT_STATUS
     # After a requested stop, how a worker ended does not matter (it may have
     # had a signal of its own too, e.g. from a process-group kill), only that
     # it did, in time. Before it, any exit is a failure (see watch()).

@@ -21,10 +21,18 @@ the output queue fills, the stepper waits).
 Every greenlet runs in the `Supervisor`'s group: an exception anywhere is
 logged with its traceback and stops the whole process with a non-zero
 status, never a half-alive engine.
+
+Fault injection (--fault-*, faults.py decides) acts here, between the
+stages: the stepper checks each input against the engine's `Faults`
+(crash, hang, stall, slow steps; ERROR mid-stream; marks for the wire
+faults; failed utility calls), `_emit` rewrites the marked requests'
+terminal outputs, and the `flowing` / `outputs_flowing` events stop the
+stages for a hang or a stall. With no fault configured none of it runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -37,10 +45,11 @@ import gevent.queue
 import zmq.green as zmq
 from loguru import logger
 
-from . import lengths, protocol, tokens, transport
-from .engine import Drain, EngineCore, EngineSettings, Outbound
+from . import faults, lengths, protocol, tokens, transport
+from .engine import COORDINATOR, Drain, EngineCore, EngineSettings, Outbound
+from .faults import FaultSpec, Faults
 from .latency import LatencyModel
-from .protocol import InitMessage, ProtocolError, WireLayout
+from .protocol import EngineCoreRequest, InitMessage, ProtocolError, UtilityCall, WireLayout
 from .stats import Samples
 from .steptimer import StepTimer
 
@@ -96,6 +105,7 @@ class EngineRunner:
         rank: int,
         config: Any,
         layout: WireLayout,
+        on_crash: Callable[["EngineRunner"], None] = lambda runner: None,
     ) -> None:
         self.ctx = ctx
         self.supervisor = supervisor
@@ -118,6 +128,20 @@ class EngineRunner:
         self.step_lateness = Samples()
         #: Set by the readers after queueing input and by the step timer.
         self.wake = gevent.event.Event()
+        # -- fault injection (faults.py) --
+        self.faults = Faults(getattr(config, "faults", ()), rank, config.seed)
+        self._on_crash = on_crash
+        self.crashed = False
+        #: Cleared by a hang: readers, stepper and sender wait on it.
+        self.flowing = gevent.event.Event()
+        self.flowing.set()
+        #: Cleared by a stall (and a hang): the sender waits on it.
+        self.outputs_flowing = gevent.event.Event()
+        self.outputs_flowing.set()
+        #: Requests whose terminal output a wire fault will rewrite.
+        self.marked: Dict[str, FaultSpec] = {}
+        self.slow_factor = 1.0
+        self.slow_until = float("inf")
 
     # -- startup ---------------------------------------------------------------
 
@@ -228,6 +252,9 @@ class EngineRunner:
             )
         self.stepper = spawn(f"engine-{self.rank}-stepper", self._stepper)
         self.sender = spawn(f"engine-{self.rank}-sender", self._sender)
+        self.faults.joined(time.monotonic())
+        if self.faults.timed():
+            self.readers.append(spawn(f"engine-{self.rank}-fault-timer", self._fault_timer))
         self.joined.set()
 
     # -- the three stages --------------------------------------------------------
@@ -251,8 +278,10 @@ class EngineRunner:
         """One socket -> decoded messages -> input queue. `decode` is
         protocol.decode_input for an input DEALER, protocol.decode_coordinator
         for the coordinator XSUB (which answers None for a late READY, §2.6)."""
-        layout, put, wake = self.layout, self.in_queue.put, self.wake
+        layout, put, wake, flowing = self.layout, self.in_queue.put, self.wake, self.flowing
         while True:
+            if not flowing.is_set():
+                flowing.wait()  # hung (--fault-hang): the socket is not read
             frames = sock.recv_multipart()
             try:
                 message = decode(frames, layout)
@@ -276,16 +305,20 @@ class EngineRunner:
         is recorded as step lateness. A late step does not make the next one
         come sooner: the engine counts from the actual start.
         """
-        engine, wake = self.engine, self.wake
+        engine, wake, flowing = self.engine, self.wake, self.flowing
         paced = engine.latency.paced
         clock = time.monotonic
         timer = StepTimer(wake.set)
         next_step_at: Optional[float] = None
         try:
             while True:
+                if not flowing.is_set():
+                    flowing.wait()  # hung (--fault-hang)
                 # Apply everything queued before the next step, so an ABORT
                 # or a new request takes effect at once.
                 self._drain_input()
+                if not flowing.is_set():
+                    continue  # an input hung the engine: no step
                 if not engine.has_work:
                     next_step_at = None  # idle: the next work starts a step at once
                     wake.wait()
@@ -303,6 +336,8 @@ class EngineRunner:
                 # Unpaced this is `now` (steps back to back) unless every
                 # running request waits for its prefill (e.g. mock_ttft_ms).
                 next_step_at = engine.next_step_time(now)
+                if self.slow_factor != 1.0 and next_step_at is not None:
+                    next_step_at = self._slowed(now, next_step_at)
                 # Yield to the hub between rounds: readers and the sender run.
                 gevent.sleep(0)
         finally:
@@ -310,8 +345,103 @@ class EngineRunner:
 
     def _drain_input(self) -> None:
         in_queue, apply, emit = self.in_queue, self.engine.apply, self._emit
+        if self.faults:
+            while not in_queue.empty() and self.flowing.is_set():
+                message = self._inject(in_queue.get_nowait())
+                if message is not None:
+                    emit(apply(message))
+            return
         while not in_queue.empty():
             emit(apply(in_queue.get_nowait()))
+
+    # -- fault injection ---------------------------------------------------------
+
+    def _inject(self, message: Any) -> Any:
+        """Check one input against the faults; return it (maybe changed) to
+        apply, or None when a fault answered it."""
+        now = time.monotonic()
+        if isinstance(message, EngineCoreRequest):
+            for spec in self.faults.on_request(now):
+                if spec.scope == faults.ENGINE:
+                    self._engine_fault(spec, f"request {message.request_id}")
+                elif spec.kind == "error-mid-stream":
+                    after = faults.fail_after(message.max_tokens)
+                    previous = message.extra_args.get("mock_fail_after")
+                    if isinstance(previous, int) and previous < after:
+                        after = previous
+                    message = dataclasses.replace(message, extra_args={**message.extra_args, "mock_fail_after": after})
+                    self.log.warning("injected fault error-mid-stream: request {} ends with ERROR after {} tokens", message.request_id, after)
+                elif message.request_id not in self.marked:
+                    self.marked[message.request_id] = spec
+                    self.log.warning("injected fault {}: request {}", spec.kind, message.request_id)
+        elif isinstance(message, UtilityCall):
+            spec = self.faults.on_utility(message.method, now)
+            if spec is not None:
+                self.log.warning("injected fault fail-utility: {} (call id {}) answered with a failure", message.method, message.call_id)
+                self._emit(self.engine.fail_utility(message, faults.UTILITY_FAILURE_MESSAGE))
+                return None
+        return message
+
+    def _fault_timer(self) -> None:
+        """Fires the engine faults with at=T, each when due."""
+        for due, spec in self.faults.timed():
+            gevent.sleep(max(0.0, due - time.monotonic()))
+            if self.faults.fire_timed(spec):
+                self._engine_fault(spec, f"at={spec.at:g}s")
+
+    def _engine_fault(self, spec: FaultSpec, why: str) -> None:
+        """crash | hang | stall-outputs | slow-steps, now."""
+        kind = spec.kind
+        if kind == "crash":
+            self._crash(why)
+        elif kind == "hang":
+            self.log.warning("injected fault hang ({}): not reading, stepping or sending{}", why, _for(spec.duration))
+            self.flowing.clear()
+            self.outputs_flowing.clear()
+            if spec.duration is not None:
+                self.supervisor.spawn(f"engine-{self.rank}-hang-end", self._resume_after, spec.duration, True)
+        elif kind == "stall-outputs":
+            self.log.warning("injected fault stall-outputs ({}): no output leaves{}", why, _for(spec.duration))
+            self.outputs_flowing.clear()
+            if spec.duration is not None:
+                self.supervisor.spawn(f"engine-{self.rank}-stall-end", self._resume_after, spec.duration, False)
+        elif kind == "slow-steps":
+            self.log.warning("injected fault slow-steps ({}): steps take {:g}x as long{}", why, spec.factor, _for(spec.duration))
+            self.slow_factor = spec.factor or 1.0
+            self.slow_until = time.monotonic() + spec.duration if spec.duration is not None else float("inf")
+
+    def _resume_after(self, seconds: float, hang: bool) -> None:
+        gevent.sleep(seconds)
+        if hang:
+            self.log.warning("hang over: the engine goes on")
+            self.flowing.set()
+        elif self.flowing.is_set():
+            self.log.warning("output stall over")
+        if self.flowing.is_set():
+            self.outputs_flowing.set()
+
+    def _slowed(self, started: float, due: float) -> float:
+        """slow-steps: the step period (what the latency model asked, or
+        what the step took, whichever is longer) times the factor."""
+        now = time.monotonic()
+        if now >= self.slow_until:
+            self.log.warning("slow steps over")
+            self.slow_factor = 1.0
+            return due
+        return started + max(due - started, now - started) * self.slow_factor
+
+    def _crash(self, why: str) -> None:
+        """The engine vanishes: no goodbye, queued outputs dropped, sockets
+        closed. The App ends the process when no engine is left."""
+        self.log.critical("injected fault crash ({}): engine {} vanishes without ENGINE_CORE_DEAD", why, self.rank)
+        self.crashed = True
+        self._on_crash(self)  # does not return if this was the process's last engine
+        current = gevent.getcurrent()
+        greenlets = [g for g in [*self.readers, self.stepper, self.sender] if g is not None and g is not current]
+        gevent.killall(greenlets, block=True, timeout=KILL_TIMEOUT_S)
+        if self.sockets is not None:
+            self.sockets.close(output_linger_ms=0)
+        raise gevent.GreenletExit  # the calling stage ends here, quietly
 
     def runtime_stats(self) -> Dict[str, Any]:
         """Figures only the runtime knows, for the gmock_stats utility."""
@@ -321,12 +451,28 @@ class EngineRunner:
             "step_lateness_us": self.step_lateness.summary(scale=1e6),
             "input_queue": self.in_queue.qsize(),
             "output_queue": self.out_queue.qsize(),
+            "faults": self.faults.summary(),
         }
 
     def _emit(self, messages: List[Outbound]) -> None:
         put = self.out_queue.put
+        if self.marked:  # a wire fault waits for one of these requests' end
+            for client, message in messages:
+                if client == COORDINATOR:
+                    put((client, message))
+                    continue
+                now, later = faults.rewrite(message, self.marked)
+                for each in now:
+                    put((client, each))
+                for delay, each in later:
+                    self.supervisor.spawn(f"engine-{self.rank}-late-finish", self._put_later, delay, (client, each))
+            return
         for item in messages:
             put(item)
+
+    def _put_later(self, delay: float, item: Outbound) -> None:
+        gevent.sleep(delay)
+        self.out_queue.put(item)
 
     def _sender(self) -> None:
         """The one place a message leaves: pack and PUSH to outputs[client_index]
@@ -335,8 +481,11 @@ class EngineRunner:
         outputs.append(self.sockets.coordinator_output)  # index -1
         pack = protocol.Packer().pack
         get = self.out_queue.get
+        flowing = self.outputs_flowing
         while True:
             item = get()
+            if not flowing.is_set():
+                flowing.wait()  # stalled or hung (--fault-stall-outputs, --fault-hang)
             if item is _STOP:
                 return
             if item is _DEAD:
@@ -381,7 +530,7 @@ class EngineRunner:
 
     def close(self) -> None:
         """Stage 3: close the sockets (outputs linger, bounded)."""
-        if self.sockets is not None:
+        if self.sockets is not None and not self.crashed:
             self.sockets.close()
 
 
@@ -396,9 +545,16 @@ class App:
         self.metrics_server: Optional[Any] = None
         first = config.data_parallel_start_rank
         self.runners = [
-            EngineRunner(self.ctx, self.supervisor, rank, config, self.layout)
+            EngineRunner(self.ctx, self.supervisor, rank, config, self.layout, self._on_crash)
             for rank in range(first, first + config.engine_count)
         ]
+
+    def _on_crash(self, runner: EngineRunner) -> None:
+        """--fault-crash: when no engine of this process is left, the process
+        exits at once, as a crashed engine process would: no goodbye, no flush."""
+        if all(r.crashed for r in self.runners):
+            logger.critical("every engine of this process crashed (injected); exiting with status {}", faults.CRASH_EXIT_STATUS)
+            os._exit(faults.CRASH_EXIT_STATUS)
 
     def start(self) -> None:
         """Bind the metrics endpoint (OSError if it cannot), then start every engine."""
@@ -489,5 +645,10 @@ class App:
                 counts.update(engine.ledger.summary())
                 for key in ("steps", "tokens", "utility_calls", "preemptions", "rejected"):
                     counts[key] = engine.counters[key]
+            counts.update(runner.faults.summary())
             out[runner.rank] = counts
         return out
+
+
+def _for(duration: Optional[float]) -> str:
+    return f" for {duration:g} s" if duration is not None else " until the process stops"

@@ -40,13 +40,14 @@ class EngineSockets:
     coordinator_input: Optional[Any] = None
     coordinator_output: Optional[Any] = None
 
-    def close(self) -> None:
-        """Close everything; only the output PUSHes linger (bounded)."""
+    def close(self, output_linger_ms: int = OUTPUT_LINGER_MS) -> None:
+        """Close everything; only the output PUSHes linger (bounded; 0: drop
+        what is queued, as a crash does)."""
         for sock in [self.handshake, *self.inputs, self.coordinator_input, self.coordinator_output]:
             if sock is not None:
                 sock.close(linger=0)
         for sock in self.outputs:
-            sock.close(linger=OUTPUT_LINGER_MS)
+            sock.close(linger=output_linger_ms)
 
 
 def recv_waiting(sock: Any, what: str, log: Any) -> List[bytes]:

@@ -250,3 +250,37 @@ def test_a_metrics_port_in_use_stops_at_start(tmp_path):
         )  # fmt: skip
     assert result.returncode == 2
     assert f"argument --metrics-port: cannot listen on 127.0.0.1:{port}" in result.stderr and "in use" in result.stderr
+
+
+def test_injected_crash_exits_70_with_no_goodbye(tmp_path):
+    frontend = FakeFrontend(num_clients=1, dp=1)
+    args = ["--handshake-address", frontend.handshake_address, "--fault-crash", "every=2", "--send-dead-on-exit"]
+    with engine_process(tmp_path, args, frontend) as (proc, log):
+        frontend.accept_engines(timeout=60)
+        frontend.add(0, "before", max_tokens=3)
+        assert len(frontend.collect(["before"]).tokens("before")) == 3
+        frontend.add(0, "crashes", max_tokens=3)
+        assert wait_exit(proc, 15) == 70
+        # no ENGINE_CORE_DEAD, nothing at all: --send-dead-on-exit is the clean path, not this
+        assert frontend.poll_nothing(wait=0.3)
+        text = log_text(log)
+    assert "injected fault crash (request crashes)" in text and "exiting with status 70" in text
+    assert "summary" not in text.split("injected fault crash")[1]  # no orderly shutdown after it
+
+
+def test_injected_crash_of_one_worker_leaves_the_others_serving(tmp_path):
+    frontend = FakeFrontend(num_clients=1, dp=2)
+    args = ["--handshake-address", frontend.handshake_address, "--engine-count", "2", "--processes", "2",
+            "--fault-crash", "at=1s ranks=1"]  # fmt: skip
+    with engine_process(tmp_path, args, frontend) as (proc, log):
+        frontend.accept_engines(timeout=60)
+        with gevent.Timeout(15):
+            while "the other workers go on" not in log_text(log):
+                gevent.sleep(0.1)
+        frontend.add(0, "still-served", max_tokens=4)
+        assert len(frontend.collect(["still-served"]).tokens("still-served")) == 4
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert wait_exit(proc, 15) == 0
+        text = log_text(log)
+    assert "(engines 1..1) exited with status 70: a crash injected by --fault-crash" in text
