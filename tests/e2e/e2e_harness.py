@@ -425,13 +425,16 @@ class Stack:
     """A running frontend + gmock_engine pair for one topology."""
 
     def __init__(self, topology: Topology, frontends: Frontends, model_dir: Path, log_dir: Path,
-                 with_engine: bool = True, engine_args: Optional[list[str]] = None):
+                 with_engine: bool = True, engine_args: Optional[list[str]] = None,
+                 frontend_env_extra: Optional[dict] = None):
         self.topology = topology
         self.frontends = frontends
         self.model_dir = model_dir
         self.log_dir = Path(log_dir)
         self.with_engine = with_engine
         self.engine_args = list(engine_args or []) + engine_extra_args()
+        #: Extra frontend environment, e.g. VLLM_SERVER_DEV_MODE=1 for its dev endpoints.
+        self.frontend_env_extra = dict(frontend_env_extra or {})
         self.hs_port, self.http_port = free_ports(2)
         self.base_url = f"http://127.0.0.1:{self.http_port}"
         self.frontend: Optional[ProcessGroup] = None
@@ -466,7 +469,8 @@ class Stack:
     def start_frontend(self) -> None:
         t0 = time.monotonic()
         self.frontend = ProcessGroup(f"{self.topology.frontend}-frontend", self.frontend_argv(),
-                                     self.log_dir / "frontend.log", env=frontend_env())
+                                     self.log_dir / "frontend.log",
+                                     env={**frontend_env(), **self.frontend_env_extra})
         waited = wait_until(lambda: is_listening(self.hs_port), self.topology.handshake_timeout,
                             f"the frontend's handshake port {self.hs_port} to listen",
                             check=self._check_alive)
