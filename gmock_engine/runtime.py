@@ -62,6 +62,9 @@ SENDER_FLUSH_TIMEOUT_S = 0.3
 #: How long an abort drain may take to get its outputs out.
 DRAIN_ABORT_TIMEOUT_S = 2.0
 
+#: How often freed heap memory is handed back to the OS (glibc malloc_trim).
+HEAP_TRIM_INTERVAL_S = 60.0
+
 #: At most this many "bad frame" warnings per window, then one summary line.
 BAD_FRAME_LOGS = 20
 BAD_FRAME_WINDOW_S = 10.0
@@ -570,6 +573,9 @@ class App:
             from .metrics import summary_loop
 
             self.supervisor.spawn("summary", summary_loop, self, c.summary_interval)
+        trim = _malloc_trim()
+        if trim is not None:
+            self.supervisor.spawn("heap-trim", _trim_heap, trim, HEAP_TRIM_INTERVAL_S)
 
     def log_summary(self) -> None:
         """One line per engine: its ledger and counters (shutdown, SIGUSR1, --summary-interval)."""
@@ -652,3 +658,27 @@ class App:
 
 def _for(duration: Optional[float]) -> str:
     return f" for {duration:g} s" if duration is not None else " until the process stops"
+
+
+def _malloc_trim() -> Optional[Callable[[int], int]]:
+    """glibc's malloc_trim, or None (another libc)."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def _trim_heap(trim: Callable[[int], int], interval: float) -> None:
+    """Hand freed heap pages back to the OS every `interval` seconds.
+
+    glibc keeps memory that was freed (message buffers, finished requests)
+    mapped, so a long run's RSS rises in steps to its high-water mark and
+    stays there; a soak reading RSS for leaks then sees growth that is not
+    held by anything. A 1 h soak showed +1 MB of such free heap, returned by
+    one malloc_trim(0). The call takes ~2 ms even for a 200 MB heap.
+    """
+    while True:
+        gevent.sleep(interval)
+        trim(0)

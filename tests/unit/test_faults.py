@@ -154,3 +154,19 @@ def test_rewrite_duplicate_and_late_finish():
     ]
     assert later == [(1.5, _message([_terminal("c")], ["c"]))]
     assert marked == {}
+
+
+def test_readme_shows_the_checked_reaction_table_and_every_fault_flag():
+    """The README's table is the one test_faults_e2e.py checks against the real frontends."""
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(root, "tests", "e2e"))
+    import fault_reactions
+
+    with open(os.path.join(root, "README.md")) as f:
+        readme = f.read()
+    assert fault_reactions.markdown_table() in readme
+    for kind in KINDS:
+        assert f"| `--fault-{kind}` |" in readme and f"| `{kind}` |" in readme
