@@ -508,14 +508,17 @@ class EngineRunner:
 
     def request_drain(self, finish: bool) -> None:
         """Ask the stepper to end (or finish) everything (--on-stop)."""
-        if self.engine is not None:
+        if self.engine is not None and not self.crashed:
             self.in_queue.put(Drain(finish))
             self.wake.set()
 
     @property
     def drained(self) -> bool:
-        """Nothing running or waiting, and nothing left to send."""
-        return self.engine is None or (self.engine.num_active == 0 and self.out_queue.empty() and self.in_queue.empty())
+        """Nothing running or waiting, and nothing left to send; or nothing
+        that can be waited for (crashed, or hung: --fault-*)."""
+        if self.engine is None or self.crashed or not self.flowing.is_set():
+            return True
+        return self.engine.num_active == 0 and self.out_queue.empty() and self.in_queue.empty()
 
     def flush_output(self, send_dead: bool = False) -> None:
         """Stage 2: let the sender send what is queued (then the dead-engine

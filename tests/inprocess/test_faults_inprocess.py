@@ -194,3 +194,23 @@ def test_crash_of_one_engine_leaves_the_other_serving(stack):
     crashed = app.runners[1]
     assert crashed.crashed and all(g.dead for g in [*crashed.readers, crashed.stepper, crashed.sender])
     assert app.counters()[1]["fault_crash"] == 1
+
+
+@pytest.mark.parametrize("fault", [["--fault-crash", "every=1 ranks=1"], ["--fault-hang", "every=1 ranks=1"]])
+def test_drain_does_not_wait_for_a_crashed_or_hung_engine(fault):
+    frontend = FakeFrontend(dp=2)
+    app, waiter = start_app(frontend, "--engine-count", "2", "--on-stop", "finish", "--drain-timeout", "30", *fault)
+    frontend.accept_engines()
+    assert app.wait_joined(5)
+    frontend.add(1, "stuck", max_tokens=10**6)  # crashes / hangs engine 1 with a request in it
+    frontend.add(0, "served", max_tokens=10**6)
+    frontend.recv(0)
+    gevent.sleep(0.2)
+    app.stop()
+    # --on-stop finish waits for engine 0's stream (ended here by the client);
+    # engine 1 cannot drain and is not waited for (else: --drain-timeout, 30 s)
+    frontend.abort(0, ["served"])
+    started = time.monotonic()
+    assert waiter.get(timeout=10) == 0
+    assert time.monotonic() - started < 5
+    frontend.close()
