@@ -123,13 +123,24 @@ def test_print_config_names_every_option_and_its_source(tmp_path):
     assert flags <= keys
 
 
-@pytest.mark.parametrize("name", ["dp1.ini", "dp4.ini", "all-options.ini", "small-gpu.ini", "large-gpu.ini"])
+SHIPPED = {"dp1.ini": 1, "dp4.ini": 4, "all-options.ini": 1, "small-gpu.ini": 4, "large-gpu.ini": 8, "chaos.ini": 4}
+
+
+def test_every_shipped_config_file_is_tested():
+    assert sorted(SHIPPED) == sorted(n for n in os.listdir(os.path.join(REPO, "conf")) if n.endswith(".ini"))
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
 def test_shipped_config_files_parse(name):
     args = parse_config(["--config", os.path.join(REPO, "conf", name)], env={})
-    expected = {"dp1.ini": 1, "dp4.ini": 4, "all-options.ini": 1, "small-gpu.ini": 4, "large-gpu.ini": 8}
-    assert args.engine_count == expected[name]
+    assert args.engine_count == SHIPPED[name]
     if name.endswith("gpu.ini"):  # profiles enforce their batch limit
         assert args.sources["max_num_seqs"].kind == "config file" and args.itl_ms > 0
+    if name == "chaos.ini":  # every request fault, two timed engine faults, no start-up utility failures
+        kinds = {spec.kind for spec in args.faults}
+        assert {"error-mid-stream", "drop-finish", "duplicate-finish", "late-finish"} <= kinds
+        assert [s.at for s in args.faults if s.kind in ("hang", "stall-outputs")] == [7200.0, 3600.0]
+        assert [s.method for s in args.faults if s.kind == "fail-utility"] == ["reset_prefix_cache"]
 
 
 def test_all_options_file_lists_every_option():
