@@ -136,7 +136,7 @@ def _number(key: str, value: str, convert: Any, low: float, high: float) -> Any:
     try:
         parsed = convert(value)
     except ValueError:
-        raise ValueError(f"{key}={value} is not a number") from None
+        raise ValueError(f"{key}={value} is not {'an integer' if convert is int else 'a number'}") from None
     if not parsed >= low:  # also rejects nan
         raise ValueError(f"{key}={value} is less than {low}")
     if parsed > high:
