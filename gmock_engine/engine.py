@@ -648,7 +648,7 @@ class EngineCore:
             remaining = entry.max_tokens - entry.num_output_tokens
             n = chunk if chunk < remaining else remaining
             tokens, entry.rng_state = draw(entry.rng_state, n)
-            if entry.stop_ids is not None:
+            if entry.stop_ids is not None and not entry.stop_ids.isdisjoint(tokens):
                 tokens = self._avoid_stop_ids(tokens, entry.stop_ids)
             first = entry.num_output_tokens == 0
             events = entry.pending_events
