@@ -174,6 +174,20 @@ def engine_gone(stack: h.Stack, seen: Observed) -> None:
     seen.phrases["vllm:num_requests_running"] = metric(stack, "vllm:num_requests_running")
 
 
+def one_of_two_gone(stack: h.Stack, seen: Observed) -> None:
+    """DP 2, engine 1 crashes 2 s after joining: what new requests see."""
+    time.sleep(3.0)
+    waits = [in_background(lambda: plain(stack, 5)) for _ in range(8)]
+    answered = sum(w().startswith("HTTP 200") for w in waits)
+    seen.notes["8 new requests"] = f"{answered} answered"
+    seen.phrases["8 new requests"] = (
+        "all answered" if answered == 8 else "none answered" if answered == 0
+        else f"some answered, the others: no answer within {CLIENT_WAIT_S:g} s"
+    )
+    seen.phrases["health"] = health(stack)
+    seen.phrases["process"] = alive(stack)
+
+
 def engine_pauses(stack: h.Stack, seen: Observed) -> None:
     """stall-outputs / slow-steps: a stream open while it happens."""
     open_stream = in_background(lambda: stream(stack, 300, notes=seen.notes, key="stream"))
@@ -247,10 +261,14 @@ class Scenario:
     frontends: tuple = ("python", "rust")
     #: The probe starts the stack (its start-up is what is observed).
     starts_itself: bool = False
+    #: Engines (DP size) of the stack.
+    dp: int = 1
 
 
 SCENARIOS: Dict[str, Scenario] = {
     "crash": Scenario("--fault-crash 'every=2'", ["--fault-crash", "every=2"], engine_gone),
+    "crash-one-of-two": Scenario("--fault-crash 'at=2s ranks=1' (DP 2)", ["--fault-crash", "at=2s ranks=1"],
+                                 one_of_two_gone, dp=2),
     "hang": Scenario("--fault-hang 'every=2'", ["--fault-hang", "every=2"], engine_gone),
     "stall-outputs": Scenario("--fault-stall-outputs 'every=2 duration=4s'",
                               ["--fault-stall-outputs", "every=2 duration=4s"], engine_pauses),
@@ -274,10 +292,10 @@ SCENARIOS: Dict[str, Scenario] = {
 }
 
 
-def observe(name: str, topology: h.Topology, frontends: h.Frontends, model_dir: Path, log_dir: Path) -> Observed:
-    """Start the stack with the scenario's fault, probe it, stop it."""
+def observe(name: str, frontend: str, frontends: h.Frontends, model_dir: Path, log_dir: Path) -> Observed:
+    """Start the stack (frontend "python" or "rust") with the scenario's fault, probe it, stop it."""
     scenario = SCENARIOS[name]
-    stack = h.Stack(topology, frontends, model_dir, log_dir, engine_args=[*PACED, *scenario.engine_args],
+    stack = h.Stack(h.Topology(frontend, dp=scenario.dp), frontends, model_dir, log_dir, engine_args=[*PACED, *scenario.engine_args],
                     frontend_env_extra=scenario.frontend_env)
     if not scenario.starts_itself:
         stack.start()
@@ -304,11 +322,10 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="gmock-faults-"))
     model_dir = h.make_model_dir(frontends.python, work / "model")
     for frontend in args.frontend or ["python", "rust"]:
-        topology = h.Topology(frontend, dp=1)
         for name in args.scenarios:
             if frontend not in SCENARIOS[name].frontends:
                 continue
-            seen = observe(name, topology, frontends, model_dir, work / f"{frontend}-{name}")
+            seen = observe(name, frontend, frontends, model_dir, work / f"{frontend}-{name}")
             print(f"\n## {frontend}: {SCENARIOS[name].fault}")
             for key, phrase in seen.phrases.items():
                 print(f"   {key}: {phrase}")
@@ -381,6 +398,11 @@ REACTIONS: Dict[str, Dict[str, Dict[str, object]]] = {
                 'Destination client not found by identity"',
             ),
         },
+    },
+    # both spread new requests evenly over the engines, the dead one too (4 of 8 answered)
+    "crash-one-of-two": {
+        "python": {"8 new requests": f"some answered, the others: {_NO_ANSWER}", **_RUNNING},
+        "rust": {"8 new requests": f"some answered, the others: {_NO_ANSWER}", **_RUNNING},
     },
     "hang": {"python": {**_GONE, "gmock_engine": "running"}, "rust": {**_GONE, "gmock_engine": "running"}},
     "stall-outputs": {"python": _PAUSED, "rust": _PAUSED},

@@ -1,6 +1,7 @@
 """Each injected fault against the real frontends: what a client sees.
 
-One stack (frontend + gmock_engine, DP 1) per fault and frontend; the probe
+One stack (frontend + gmock_engine, DP 1, or 2 for crash-one-of-two) per
+fault and frontend; the probe
 and the expected phrases are in fault_reactions.py, and the README's table
 ("Fault injection") is rendered from the same phrases. ~6 min in all.
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 
-import e2e_harness as h
 from fault_reactions import REACTIONS, SCENARIOS, observe
 
 CASES = [(name, frontend) for name, scenario in SCENARIOS.items() for frontend in scenario.frontends]
@@ -17,7 +17,7 @@ CASES = [(name, frontend) for name, scenario in SCENARIOS.items() for frontend i
 
 @pytest.mark.parametrize("name,frontend", CASES, ids=[f"{f}-{n}" for n, f in CASES])
 def test_frontend_reaction(name, frontend, frontends, model_dir, tmp_path):
-    seen = observe(name, h.Topology(frontend, dp=1), frontends, model_dir, tmp_path)
+    seen = observe(name, frontend, frontends, model_dir, tmp_path)
     print(f"{frontend} {name}: {seen.phrases} {seen.notes}")
     expected = REACTIONS[name][frontend]
     assert set(seen.phrases) == set(expected), "the probe watched other things than the table lists"
