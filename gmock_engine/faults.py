@@ -215,10 +215,6 @@ class Faults:
         """Engine faults with `at=`: (engine clock when due, spec), in order."""
         return sorted(((self._joined_at + s.at, s) for s in self.specs if s.scope == ENGINE and s.at is not None), key=lambda t: t[0])
 
-    def fire_timed(self, spec: FaultSpec) -> bool:
-        """A timed fault is due: fire it unless its limit is used up."""
-        return self._fire(spec)
-
     def on_request(self, now: float) -> List[FaultSpec]:
         """A request arrived: the faults that fire for it (engine faults
         triggered by requests, and at most one of each request fault)."""
@@ -233,9 +229,6 @@ class Faults:
         return None
 
     def _fires(self, spec: FaultSpec, now: float) -> bool:
-        limit = spec.max_fires
-        if limit is not None and self.injected[spec.kind] >= limit:
-            return False
         if spec.at is not None:
             fires = now - self._joined_at >= spec.at
         elif spec.every is not None:
@@ -243,9 +236,11 @@ class Faults:
             fires = self._occasions[spec.kind] % spec.every == 0
         else:
             fires = self._rngs[spec.kind].random() < spec.rate
-        return fires and self._fire(spec)
+        return fires and self.fire(spec)
 
-    def _fire(self, spec: FaultSpec) -> bool:
+    def fire(self, spec: FaultSpec) -> bool:
+        """Count one firing of `spec` (e.g. a timed fault that is due); False
+        when its limit is used up."""
         limit = spec.max_fires
         if limit is not None and self.injected[spec.kind] >= limit:
             return False

@@ -94,7 +94,7 @@ def test_timed_engine_faults_are_not_fired_by_requests():
     faults.joined(50.0)
     assert [(due, s.kind) for due, s in faults.timed()] == [(55.0, "hang")]
     assert [s.kind for _ in range(2) for s in faults.on_request(60.0)] == ["crash"]
-    assert faults.fire_timed(faults.timed()[0][1]) and not faults.fire_timed(faults.timed()[0][1])
+    assert faults.fire(faults.timed()[0][1]) and not faults.fire(faults.timed()[0][1])
 
 
 def test_ranks_select_engines():
