@@ -252,10 +252,10 @@ def fails_at_start_up(stack: h.Stack, seen: Observed) -> None:
 
 @dataclass(frozen=True)
 class Scenario:
-    """One fault, the engine flags that inject it and the probe that watches."""
+    """One fault (`--fault-<kind> '<spec>'`) and the probe that watches."""
 
-    fault: str
-    engine_args: List[str]
+    kind: str
+    spec: str
     probe: Callable[[h.Stack, Observed], None]
     frontend_env: Dict[str, str] = field(default_factory=dict)
     frontends: tuple = ("python", "rust")
@@ -264,31 +264,30 @@ class Scenario:
     #: Engines (DP size) of the stack.
     dp: int = 1
 
+    @property
+    def engine_args(self) -> List[str]:
+        return [f"--fault-{self.kind}", self.spec]
+
+    @property
+    def fault(self) -> str:
+        return f"--fault-{self.kind} '{self.spec}'" + (f" (DP {self.dp})" if self.dp > 1 else "")
+
 
 SCENARIOS: Dict[str, Scenario] = {
-    "crash": Scenario("--fault-crash 'every=2'", ["--fault-crash", "every=2"], engine_gone),
-    "crash-one-of-two": Scenario("--fault-crash 'at=2s ranks=1' (DP 2)", ["--fault-crash", "at=2s ranks=1"],
-                                 one_of_two_gone, dp=2),
-    "hang": Scenario("--fault-hang 'every=2'", ["--fault-hang", "every=2"], engine_gone),
-    "stall-outputs": Scenario("--fault-stall-outputs 'every=2 duration=4s'",
-                              ["--fault-stall-outputs", "every=2 duration=4s"], engine_pauses),
-    "slow-steps": Scenario("--fault-slow-steps 'every=2 factor=10'",
-                           ["--fault-slow-steps", "every=2 factor=10"], engine_pauses),
-    "error-mid-stream": Scenario("--fault-error-mid-stream 'every=1 limit=2'",
-                                 ["--fault-error-mid-stream", "every=1 limit=2"], request_fault),
-    "drop-finish": Scenario("--fault-drop-finish 'every=1 limit=2'",
-                            ["--fault-drop-finish", "every=1 limit=2"], request_fault),
-    "duplicate-finish": Scenario("--fault-duplicate-finish 'every=1 limit=2'",
-                                 ["--fault-duplicate-finish", "every=1 limit=2"], request_fault),
-    "late-finish": Scenario("--fault-late-finish 'every=1 limit=2 delay=3s'",
-                            ["--fault-late-finish", "every=1 limit=2 delay=3s"], late_after_abort),
-    "fail-utility": Scenario("--fault-fail-utility 'every=1 method=reset_prefix_cache'",
-                             ["--fault-fail-utility", "every=1 method=reset_prefix_cache"], utility_at_runtime,
+    "crash": Scenario("crash", "every=2", engine_gone),
+    "crash-one-of-two": Scenario("crash", "at=2s ranks=1", one_of_two_gone, dp=2),
+    "hang": Scenario("hang", "every=2", engine_gone),
+    "stall-outputs": Scenario("stall-outputs", "every=2 duration=4s", engine_pauses),
+    "slow-steps": Scenario("slow-steps", "every=2 factor=10", engine_pauses),
+    "error-mid-stream": Scenario("error-mid-stream", "every=1 limit=2", request_fault),
+    "drop-finish": Scenario("drop-finish", "every=1 limit=2", request_fault),
+    "duplicate-finish": Scenario("duplicate-finish", "every=1 limit=2", request_fault),
+    "late-finish": Scenario("late-finish", "every=1 limit=2 delay=3s", late_after_abort),
+    "fail-utility": Scenario("fail-utility", "every=1 method=reset_prefix_cache", utility_at_runtime,
                              frontend_env={"VLLM_SERVER_DEV_MODE": "1"}),
     # vllm-rs makes no utility call at start-up (PROTOCOL.md §5)
-    "fail-utility-at-start-up": Scenario("--fault-fail-utility 'every=1 method=get_supported_tasks'",
-                                         ["--fault-fail-utility", "every=1 method=get_supported_tasks"],
-                                         fails_at_start_up, frontends=("python",), starts_itself=True),
+    "fail-utility-at-start-up": Scenario("fail-utility", "every=1 method=get_supported_tasks", fails_at_start_up,
+                                         frontends=("python",), starts_itself=True),
 }
 
 

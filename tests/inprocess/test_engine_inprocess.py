@@ -4,6 +4,8 @@ Real sockets (tcp and ipc), real greenlets; the fake frontend plays the
 frontend's side of the handshake and traffic (tests/fake_frontend.py).
 """
 
+import contextlib
+
 import gevent
 import msgpack
 import pytest
@@ -22,20 +24,28 @@ def start_app(frontend, *extra):
     return app, waiter
 
 
+@contextlib.contextmanager
+def serving(frontend, *flags, **accept):
+    """gmock_engine's App with `flags`, joined to `frontend`. Afterwards it must
+    stop with status 0 and, whatever the test did, its books balance (ledger.py)."""
+    app, waiter = start_app(frontend, *flags)
+    frontend.accept_engines(**accept)
+    assert app.wait_joined(5)
+    yield app
+    app.stop()
+    assert waiter.get(timeout=5) == 0
+    frontend.close()
+    assert all(counts["violations"] == 0 for counts in app.counters().values()), app.counters()
+
+
 @pytest.fixture
 def dp4():
     """4 engines, 2 clients, with a coordinator: the `vllm serve --data-parallel-size 4
     --api-server-count 2` topology."""
     frontend = FakeFrontend(num_clients=2, dp=4, coordinator=True, stats_address="ipc:///tmp/fake-stats")
-    app, waiter = start_app(frontend, "--engine-count", "4", "--num-gpu-blocks", "1234", "--output-token-chunk-size", "2")
-    frontend.accept_engines(gate_check=0.3)
-    assert app.wait_joined(5)
-    yield frontend, app
-    app.stop()
-    assert waiter.get(timeout=5) == 0
-    frontend.close()
-    # whatever the test did, the books balance (ledger.py)
-    assert all(counts["violations"] == 0 for counts in app.counters().values()), app.counters()
+    flags = ("--engine-count", "4", "--num-gpu-blocks", "1234", "--output-token-chunk-size", "2")
+    with serving(frontend, *flags, gate_check=0.3) as app:
+        yield frontend, app
 
 
 def test_handshake_dp4_two_clients_with_coordinator(dp4):

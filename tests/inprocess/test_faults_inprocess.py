@@ -15,7 +15,7 @@ from gmock_engine.engine import MOCK_FAILURE_MESSAGE
 from gmock_engine.faults import UTILITY_FAILURE_MESSAGE
 from gmock_engine.protocol import FinishReason
 
-from test_engine_inprocess import start_app
+from test_engine_inprocess import serving, start_app
 
 
 @pytest.fixture
@@ -23,15 +23,9 @@ def stack(request):
     """A frontend with two engines and a gmock_engine App with the test's
     flags (`@pytest.mark.parametrize("stack", [[flags]], indirect=True)`)."""
     frontend = FakeFrontend(dp=2)
-    app, waiter = start_app(frontend, "--engine-count", "2", *request.param)
-    frontend.accept_engines()
-    assert app.wait_joined(5)
-    yield frontend, app
-    app.stop()
-    assert waiter.get(timeout=5) == 0
-    frontend.close()
     # injected faults are counted beside the ledger, never as violations
-    assert all(counts["violations"] == 0 for counts in app.counters().values()), app.counters()
+    with serving(frontend, "--engine-count", "2", *request.param) as app:
+        yield frontend, app
 
 
 def read_for(frontend, seconds, client=0):
