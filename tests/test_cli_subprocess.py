@@ -284,3 +284,19 @@ def test_injected_crash_of_one_worker_leaves_the_others_serving(tmp_path):
         assert wait_exit(proc, 15) == 0
         text = log_text(log)
     assert "(engines 1..1) exited with status 70: a crash injected by --fault-crash" in text
+
+
+def test_every_worker_crashed_exits_70(tmp_path):
+    frontend = FakeFrontend(num_clients=1, dp=2)
+    args = ["--handshake-address", frontend.handshake_address, "--engine-count", "2", "--processes", "2",
+            "--fault-crash", "every=1"]  # fmt: skip
+    with engine_process(tmp_path, args, frontend) as (proc, log):
+        frontend.accept_engines(timeout=60)
+        frontend.add(0, "one", max_tokens=3)
+        gevent.sleep(0.5)
+        assert proc.poll() is None  # one worker left: the run goes on
+        frontend.add(1, "two", max_tokens=3)
+        assert wait_exit(proc, 15) == 70
+        text = log_text(log)
+    assert "a crash injected by --fault-crash; the other workers go on" in text
+    assert "every worker crashed (--fault-crash)" in text
