@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import configargparse
 
 from . import __version__, protocol
+from .faults import KINDS, parse_spec
 
 ENV_PREFIX = "GMOCK_"
 CONFIG_SECTION = "gmock_engine"
@@ -150,8 +151,6 @@ def _task_list(text: str) -> Tuple[str, ...]:
 
 
 def _fault(kind: str):
-    from .faults import parse_spec
-
     def parse(text: str) -> Any:
         try:
             return parse_spec(kind, text)
@@ -424,8 +423,6 @@ def build_parser() -> configargparse.ArgumentParser:
         help="a request-ledger violation (an output after a request's end, for an unknown id, ...) stops the "
         "process with status 1 instead of only being logged",
     )
-    from .faults import KINDS
-
     faults = parser.add_argument_group(
         "fault injection (off by default; value: one trigger of rate=P, every=N or at=T, "
         "optional ranks=0,2-3 and limit=N, and the kind's own keys; see README, Fault injection)"
@@ -605,8 +602,6 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
         )
     if last_rank > 0xFFFF:
         raise ConfigError(f"argument --engine-count: ranks up to {last_rank - 1} do not fit a 2-byte engine identity")
-    from .faults import KINDS
-
     #: Every configured fault, in KINDS order (runtime.py hands them to each engine).
     args.faults = [spec for spec in (getattr(args, "fault_" + k.replace("-", "_")) for k in KINDS) if spec is not None]
     args.sources = {a.dest: sources.of(a) for a in sources.options()}
