@@ -97,6 +97,8 @@ def _ranks(text: str) -> FrozenSet[int]:
         first, last = int(low), int(high) if sep else int(low)
         if last < first:
             raise ValueError(f"ranks={text!r}: {part.strip()} is an empty range")
+        if last > 0xFFFF:  # a 2-byte engine identity (PROTOCOL.md §1)
+            raise ValueError(f"ranks={text!r}: {last} is not an engine rank (at most 65535)")
         ranks.update(range(first, last + 1))
     return frozenset(ranks)
 

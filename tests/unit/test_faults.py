@@ -47,6 +47,7 @@ def test_spec_defaults_and_keys():
         ("slow-steps", "every=1 factor=x", "factor=x is not a number"),
         ("hang", "at=soon", "is not a duration"),
         ("hang", "every=1 ranks=a", "ranks like 0,2,4-7"),
+        ("hang", "every=1 ranks=0-99999999", "99999999 is not an engine rank"),
         ("hang", "every", "'every' is not key=value"),
         ("hang", "every=1 every=2", "given twice"),
     ],
