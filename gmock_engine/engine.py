@@ -33,12 +33,16 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from loguru import logger
 
 from . import protocol
+from .logs import Throttle, short
 from .protocol import (
+    TOKEN_ID_LIMIT,
     AbortRequests,
+    BadValue,
     EngineCoreEventType,
     EngineCoreRequest,
     FinishReason,
     InputMessage,
+    InvalidRequest,
     StartDPWave,
     UtilityCall,
     WireLayout,
@@ -62,6 +66,10 @@ STATS_INTERVAL_S = 0.05
 MOCK_FAILURE_MESSAGE = "mock failure on request (vllm_xargs mock_fail_after or --fault-error-mid-stream)"
 #: Upper bound of vllm_xargs mock_ttft_ms (one hour): a timer needs a finite time.
 MAX_XARGS_TTFT_MS = 3_600_000
+#: The vllm_xargs keys the engine reads (README, "Per-request scenarios"); any
+#: other `mock_` key is refused, so a typo is an error and not a silent no-op.
+MOCK_XARGS = ("mock_output_len", "mock_stop_token_id", "mock_finish", "mock_fail_after", "mock_ttft_ms")
+_INT64_MAX = (1 << 63) - 1
 
 
 class PauseState(enum.Enum):
@@ -235,10 +243,14 @@ class EngineCore:
         self.kv_tokens = 0
         self._kv_capacity = max(1, settings.num_gpu_blocks * settings.block_size)
         self._stats_counts: Tuple[int, int] = (0, 0)
+        self._stats_kv_usage = 0.0
         self._stats_at = float("-inf")
         #: Extra figures for the `gmock_stats` utility (set by the runtime).
         self.stats_provider: Callable[[], Dict[str, Any]] = dict
         self.log = logger.bind(engine=self.rank)
+        #: Warnings a client can cause (bad values, duplicates, unknown
+        #: utilities) are rate-limited per kind.
+        self.throttle = Throttle(self.log)
 
     # -- queries ---------------------------------------------------------
 
@@ -286,8 +298,23 @@ class EngineCore:
         kv_blocks = self.settings.kv_blocks
         if kv_blocks is None:
             return True
-        head = self._peek_waiting()
-        return self.used_blocks + -(-(head.prompt_len + head.num_output_tokens) // self.settings.block_size) <= kv_blocks
+        return self.used_blocks + self._blocks_to_admit(self._peek_waiting()) <= kv_blocks
+
+    def _blocks_for(self, tokens: int) -> int:
+        """KV blocks that hold `tokens` tokens."""
+        return -(-tokens // self.settings.block_size)
+
+    def _next_tokens(self, entry: ActiveRequest) -> int:
+        """Tokens the request emits in its next decode step."""
+        remaining = entry.max_tokens - entry.num_output_tokens
+        return self.chunk if self.chunk < remaining else remaining
+
+    def _blocks_to_admit(self, entry: ActiveRequest) -> int:
+        """Blocks a waiting request needs to join the batch: its prompt and
+        what it already generated (recomputed after a preemption), plus its
+        next token's slot, so that it is never preempted by its own first
+        decode step (vLLM allocates the new tokens' slots at admission)."""
+        return self._blocks_for(entry.prompt_len + entry.num_output_tokens + self._next_tokens(entry))
 
     # -- input -----------------------------------------------------------
 
@@ -295,6 +322,8 @@ class EngineCore:
         """Apply one decoded input message; return what to send at once."""
         if isinstance(message, EngineCoreRequest):
             return self.add_request(message)
+        if isinstance(message, InvalidRequest):
+            return self.reject_request(message.request_id, message.client_index, message.reason)
         if isinstance(message, AbortRequests):
             return self.abort_requests(message.request_ids)
         if isinstance(message, UtilityCall):
@@ -312,13 +341,67 @@ class EngineCore:
         if client_index < self.settings.num_clients:
             return True
         self.counters["rejected"] += 1
-        self.log.warning(
+        self.throttle.warning(
+            "bad client_index",
             "{} names client_index {} but the frontend has {} output socket(s); dropped",
             what,
             client_index,
             self.settings.num_clients,
         )
         return False
+
+    def reject_request(self, rid: str, client: int, reason: str, code: str = "validation_error") -> List[Outbound]:
+        """An ADD the engine cannot serve (a bad value, §3.2/§3.3): one ERROR
+        output for that request, naming what was wrong; nothing else changes."""
+        if not self._valid_client(client, f"ADD {short(rid)}"):
+            return []
+        self.ledger.started(rid)
+        self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
+        batches: Dict[int, _Batch] = {}
+        self._finish_now(batches, client, rid, FinishReason.ERROR, protocol.request_error(code, reason))
+        return self._flush(batches)
+
+    def answer_failure(self, message: InputMessage, exc: BaseException) -> List[Outbound]:
+        """Applying `message` raised (a bug its content found): answer what
+        it asked for with an error so its client is not left waiting, and
+        keep the engine's state and books consistent. The runtime calls this;
+        an exception from here is a failure of the engine itself."""
+        reason = f"gmock_engine failed on this input ({type(exc).__name__}: {str(exc):.200})"
+        if isinstance(message, (EngineCoreRequest, InvalidRequest)):
+            rid, client = message.request_id, message.client_index
+            if not self._valid_client(client, f"ADD {short(rid)}"):
+                return []
+            entry = self.active.pop(rid, None)
+            if entry is not None:
+                self._release(entry)
+            elif self.waiting.pop(rid, None) is None and rid not in self.ledger.open:
+                self.ledger.started(rid)
+            batches: Dict[int, _Batch] = {}
+            self._finish_now(batches, client, rid, FinishReason.ERROR, protocol.request_error("internal_error", reason))
+            return self._flush(batches)
+        if isinstance(message, UtilityCall) and self._valid_client(message.client_index, f"UTILITY {short(message.method)}"):
+            return [self._reply(message, failure=reason)]
+        return []
+
+    def fail_all(self, reason: str) -> List[Outbound]:
+        """End every running and waiting request with ERROR (a step failed:
+        no request is left waiting for tokens that will not come)."""
+        batches: Dict[int, _Batch] = {}
+        error = protocol.request_error("internal_error", reason)
+        for entry in [*self.active.values(), *self.waiting.values()]:
+            batch = self._batch(batches, entry.client_index)
+            batch.outputs.append(protocol.engine_core_output(entry.request_id, [], FinishReason.ERROR, error, self.layout))
+            batch.finished.append(entry.request_id)
+            self._count_finish(entry, FinishReason.ERROR)
+        self.active.clear()
+        self.waiting.clear()
+        self._priority_queue.clear()
+        self.prefilling.clear()
+        self.chunking.clear()
+        self.used_blocks = self.kv_tokens = 0
+        out = self._flush(batches)
+        self._check_drained(out)
+        return out
 
     def add_request(self, request: EngineCoreRequest) -> List[Outbound]:
         """ADD (§3.2, §9.3)."""
@@ -330,8 +413,10 @@ class EngineCore:
         self.ledger.started(rid)
         # A duplicate first: even an abort_immediately ADD must not end the original.
         if rid in self.active or rid in self.waiting:
-            self.log.warning("ADD {}: duplicate of an active request id; answered with ERROR", rid)
-            self._finish_now(batches, client, rid, FinishReason.ERROR, protocol.request_error("duplicate_request_id", f"request id {rid} is already active"))
+            self.throttle.warning("duplicate request id", "ADD {}: duplicate of an active request id; answered with ERROR", short(rid))
+            self._finish_now(
+                batches, client, rid, FinishReason.ERROR, protocol.request_error("duplicate_request_id", f"request id {short(rid)} is already active")
+            )
             return self._flush(batches)
         if request.abort_immediately:
             # §3.2 idx 19: no output, only the id in finished_requests.
@@ -343,7 +428,7 @@ class EngineCore:
             self._finish_now(batches, client, rid, FinishReason.ABORT)
             return self._flush(batches)
         if not request.has_sampling_params:
-            self.log.warning("ADD {}: sampling_params is nil (pooling request); answered with ERROR", rid)
+            self.throttle.warning("pooling request", "ADD {}: sampling_params is nil (pooling request); answered with ERROR", short(rid))
             self._finish_now(batches, client, rid, FinishReason.ERROR, protocol.request_error("unsupported", "the mock engine only generates"))
             return self._flush(batches)
         if self.reject_new_requests:
@@ -359,11 +444,16 @@ class EngineCore:
         state = self.tokens.initial_state(rid, request.prompt_token_ids)
         entry = ActiveRequest(rid, client, max_tokens, state, request.prompt_len, self.clock())
         entry.pending_events = [protocol.engine_core_event(EngineCoreEventType.QUEUED, entry.queued_at)]
+        if request.prompt_len > self.settings.max_model_len:
+            reason = f"the prompt has {request.prompt_len} tokens, more than max_model_len {self.settings.max_model_len}"
+            self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
+            self._finish_now(batches, client, rid, FinishReason.ERROR, protocol.request_error("validation_error", reason))
+            return self._flush(batches)
         try:
             self._plan_end(entry, request)
-        except (TypeError, ValueError, OverflowError) as exc:
+        except BadValue as exc:
             reason = f"{str(exc):.200}"
-            self.log.warning("ADD {}: bad vllm_xargs ({}); answered with ERROR", rid, reason)
+            self.throttle.warning("invalid request", "ADD {}: bad vllm_xargs ({}); answered with ERROR", short(rid), reason)
             self._finish_now(batches, client, rid, FinishReason.ERROR, protocol.request_error("validation_error", f"bad vllm_xargs: {reason}"))
             return self._flush(batches)
         self.counters["started"] += 1
@@ -371,7 +461,7 @@ class EngineCore:
             self.log.info(
                 "mock request started engine={} request_id={} prompt_len={} max_tokens={} chunk={}",
                 self.rank,
-                rid,
+                short(rid),
                 request.prompt_len,
                 max_tokens,
                 self.chunk,
@@ -387,18 +477,6 @@ class EngineCore:
             heapq.heappush(self._priority_queue, (request.priority, next(self._arrivals), rid))
         return []
 
-    def _avoid_stop_ids(self, tokens: List[int], stop_ids: frozenset) -> List[int]:
-        """Shift a random token off the stop ids: only the plan ends a request."""
-        vocab = self.settings.vocab_size
-        out = []
-        for token in tokens:
-            for _ in range(len(stop_ids)):
-                if token not in stop_ids:
-                    break
-                token = (token + 1) % vocab
-            out.append(token)
-        return out
-
     def _plan_end(self, entry: ActiveRequest, request: EngineCoreRequest) -> None:
         """Decide how many tokens the request gets and how it ends (§3.3).
 
@@ -408,45 +486,69 @@ class EngineCore:
         `ignore_eos`; never before `min_tokens`) ends with STOP and the EOS id
         as last token. `mock_finish` = stop | error | length changes how the
         request ends at its length; `mock_stop_token_id` makes a STOP end on
-        that id, reported as stop_reason. Random tokens never hit a stop id.
+        that id, reported as stop_reason. Random tokens never hit a stop id;
+        when the stop ids cover every id the engine could emit, the request
+        stops on its first token (after min_tokens), as vLLM's would.
+
+        A vllm_xargs value of the wrong type or out of range raises BadValue
+        naming the key and the value: nothing is coerced.
         """
         xargs = request.extra_args
+        for key in xargs:
+            if isinstance(key, str) and key.startswith("mock_") and key not in MOCK_XARGS:
+                raise BadValue(f"unknown key {short(key, 40)} (known: {', '.join(MOCK_XARGS)})")
+        fail_after = _xarg_int(xargs, "mock_fail_after", 0, _INT64_MAX)
+        natural = _xarg_int(xargs, "mock_output_len", 1, _INT64_MAX)
+        stop_token = _xarg_int(xargs, "mock_stop_token_id", 0, TOKEN_ID_LIMIT - 1)
+        mode = xargs.get("mock_finish")
+        if mode is not None and (not isinstance(mode, str) or mode not in _MOCK_FINISH):
+            raise BadValue(f"mock_finish must be stop, length or error, not {_cut(mode)}")
+        ttft = xargs.get("mock_ttft_ms")
+        if ttft is not None:
+            if isinstance(ttft, bool) or not isinstance(ttft, (int, float)) or not 0 <= ttft <= MAX_XARGS_TTFT_MS:
+                raise BadValue(f"mock_ttft_ms must be a number in 0..{MAX_XARGS_TTFT_MS}, not {_cut(ttft)}")  # also nan, inf
+            entry.ttft_ms = float(ttft)
         limit = min(entry.max_tokens, max(0, self.settings.max_model_len - request.prompt_len))
         finish = FinishReason.LENGTH
-        fail_after = xargs.get("mock_fail_after")
-        natural = xargs.get("mock_output_len")
         # EOS ends a request only if the frontend named an EOS id: vllm-rs
         # implements ignore_eos by sending none (Python sends ignore_eos).
         eos_possible = request.eos_token_id is not None and not request.ignore_eos
-        if natural is None and self.settings.output_lengths is not None and eos_possible:
-            seed = request_seed(self.settings.seed, self.rank, entry.request_id) ^ 0x9E3779B97F4A7C15
-            natural = self.settings.output_lengths.draw(random.Random(seed))
-        if fail_after is not None and int(fail_after) < limit:
-            limit, finish = max(0, int(fail_after)), FinishReason.ERROR
-        elif natural is not None and max(int(natural), request.min_tokens, 1) < limit:
-            limit, finish = max(int(natural), request.min_tokens, 1), FinishReason.STOP
-        mode = xargs.get("mock_finish")
-        if mode is not None:
-            modes = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "error": FinishReason.ERROR}
-            if mode not in modes:
-                raise ValueError(f"mock_finish must be stop, length or error, not {mode!r:.60}")
-            finish = modes[mode]
-        entry.max_tokens, entry.finish = limit, finish
-        ttft = xargs.get("mock_ttft_ms")
-        if ttft is not None:
-            entry.ttft_ms = float(ttft)
-            if not 0 <= entry.ttft_ms <= MAX_XARGS_TTFT_MS:  # also rejects nan and inf
-                raise ValueError(f"mock_ttft_ms must be in 0..{MAX_XARGS_TTFT_MS}, not {ttft!r:.60}")
         stop_ids = set(request.all_stop_token_ids) | set(request.stop_token_ids)
         if request.eos_token_id is not None:
             stop_ids.add(request.eos_token_id)
+        stoppers = set(request.stop_token_ids)
+        if eos_possible:
+            stoppers.update(request.all_stop_token_ids)
+            stoppers.add(request.eos_token_id)
+        # Stop ids covering every id the source can emit: a real engine stops
+        # on its first token that may stop (vLLM's check_stop, after min_tokens).
+        first_stop: Optional[int] = None
+        if stoppers and self.tokens.only_emits(entry.rng_state, stoppers):
+            first_stop = self.tokens.draw(entry.rng_state, 1)[0][0]
+            at = max(request.min_tokens, 1)
+            natural = at if natural is None else min(natural, at)
+        if natural is None and self.settings.output_lengths is not None and eos_possible:
+            seed = request_seed(self.settings.seed, self.rank, entry.request_id) ^ 0x9E3779B97F4A7C15
+            natural = self.settings.output_lengths.draw(random.Random(seed))
+        if fail_after is not None and fail_after < limit:
+            limit, finish = fail_after, FinishReason.ERROR
+        elif natural is not None and max(natural, request.min_tokens, 1) < limit + (first_stop is not None):
+            # (a covering stop set stops even on the max_tokens-th token, as vLLM checks stops before length)
+            limit, finish = max(natural, request.min_tokens, 1), FinishReason.STOP
+        if mode is not None:
+            finish = _MOCK_FINISH[mode]
+        entry.max_tokens, entry.finish = limit, finish
         if finish is FinishReason.STOP:
-            stop_token = xargs.get("mock_stop_token_id")
             if stop_token is not None:
-                entry.last_token = entry.stop_reason = int(stop_token)
+                entry.last_token = entry.stop_reason = stop_token
+            elif first_stop is not None:
+                entry.last_token = first_stop
+                # vLLM reports a stop_token_ids hit as stop_reason, EOS as none
+                entry.stop_reason = first_stop if first_stop in request.stop_token_ids and first_stop != request.eos_token_id else None
             else:
                 entry.last_token = request.eos_token_id
-        entry.stop_ids = frozenset(stop_ids) if stop_ids else None
+        # nothing is left to avoid when every id stops
+        entry.stop_ids = frozenset(stop_ids) if stop_ids and first_stop is None else None
 
     def _peek_waiting(self) -> ActiveRequest:
         """The waiting request to admit next (FCFS, or by priority)."""
@@ -469,12 +571,12 @@ class EngineCore:
         allow; return the prompt tokens they prefill in this step."""
         prefill_tokens = 0
         latency = self.latency
-        kv_blocks, block = self.settings.kv_blocks, self.settings.block_size
+        kv_blocks = self.settings.kv_blocks
         while self.waiting and self.can_admit and (budget is None or budget > 0):
             entry = self._peek_waiting()
             target = entry.prompt_len + entry.num_output_tokens  # recompute after a preemption
             if kv_blocks is not None:
-                need = -(-target // block)
+                need = self._blocks_to_admit(entry)
                 if self.used_blocks + need > kv_blocks:
                     if not self.active and need > kv_blocks:
                         self._reject_too_long(entry, batches)
@@ -540,28 +642,33 @@ class EngineCore:
                     del self.prefilling[entry.request_id]
         return prefilled, budget
 
-    def _reserve_decode_blocks(self, now: float) -> None:
-        """KV for this step's tokens: a request crossing a block boundary
-        needs a new block; when they run out, the newest running request is
-        preempted (vLLM's recompute preemption) until the rest fit."""
-        kv_blocks, block, chunk = self.settings.kv_blocks, self.settings.block_size, self.chunk
+    def _reserve_decode_blocks(self, now: float) -> bool:
+        """KV for the running requests' tokens of this step, before anything
+        is admitted (vLLM schedules running requests first): a request
+        crossing a block boundary needs a new block; when they run out, the
+        newest running request is preempted (vLLM's recompute preemption)
+        until the rest fit. True when something was preempted: then nothing
+        is admitted in this step, as in vLLM."""
+        kv_blocks, prefilling = self.settings.kv_blocks, self.prefilling
+        preempted = False
         while True:
             needs = []
             total = 0
             for entry in self.active.values():
-                if entry.request_id in self.prefilling:
-                    continue
-                n = min(chunk, entry.max_tokens - entry.num_output_tokens)
-                need = -(-(entry.prompt_len + entry.num_output_tokens + n) // block) - entry.blocks
+                if entry.request_id in prefilling:
+                    continue  # its next token's block came with its admission
+                need = self._blocks_for(entry.prompt_len + entry.num_output_tokens + self._next_tokens(entry)) - entry.blocks
                 if need > 0:
                     needs.append((entry, need))
                     total += need
             if self.used_blocks + total <= kv_blocks or not self.active:
                 break
             self._preempt(next(reversed(self.active.values())), now)
+            preempted = True
         for entry, need in needs:
             entry.blocks += need
             self.used_blocks += need
+        return preempted
 
     def _preempt(self, entry: ActiveRequest, now: float) -> None:
         """Back to the front of the queue; its KV is freed and recomputed later."""
@@ -575,7 +682,7 @@ class EngineCore:
             heapq.heappush(self._priority_queue, (entry.priority, -next(self._arrivals), entry.request_id))
         self.counters["preemptions"] += 1
         if self.settings.log_requests:
-            self.log.info("mock request preempted engine={} request_id={}", self.rank, entry.request_id)
+            self.log.info("mock request preempted engine={} request_id={}", self.rank, short(entry.request_id))
 
     def _release(self, entry: ActiveRequest) -> None:
         """Account for a running request that left `active` (its KV is freed)."""
@@ -620,15 +727,17 @@ class EngineCore:
         now = self.clock()
         budget = self.settings.max_num_batched_tokens
         prefill_tokens = 0
+        # Running requests first (vLLM's scheduler): their KV for this step,
+        # then their token budget, then chunked prefills go on; admission
+        # last, and not at all in a step that had to preempt.
+        preempted = self.settings.kv_blocks is not None and bool(self.active) and self._reserve_decode_blocks(now)
         if budget is not None:
-            # decodes take their tokens first, then prefills continue, then admissions
             budget -= (len(self.active) - len(self.prefilling)) * self.chunk
             if self.chunking:
                 prefill_tokens, budget = self._continue_prefills(now, budget)
         batches: Dict[int, _Batch] = {}
-        prefill_tokens += self._admit(now, budget, batches)
-        if self.settings.kv_blocks is not None:
-            self._reserve_decode_blocks(now)
+        if not preempted:
+            prefill_tokens += self._admit(now, budget, batches)
         chunk = self.chunk
         draw = self.tokens.draw
         make_output = protocol.engine_core_output
@@ -649,7 +758,7 @@ class EngineCore:
             n = chunk if chunk < remaining else remaining
             tokens, entry.rng_state = draw(entry.rng_state, n)
             if entry.stop_ids is not None and not entry.stop_ids.isdisjoint(tokens):
-                tokens = self._avoid_stop_ids(tokens, entry.stop_ids)
+                tokens = self.tokens.avoid(tokens, entry.stop_ids)
             first = entry.num_output_tokens == 0
             events = entry.pending_events
             entry.num_output_tokens += n
@@ -706,14 +815,18 @@ class EngineCore:
         self.counters["utility_calls"] += 1
         handler = _UTILITIES.get(call.method)
         if handler is None:
-            self.log.warning("UTILITY {}: unsupported method; answered with a failure", call.method)
-            return [self._reply(call, failure=f"unsupported method {call.method!r} (gmock_engine)")]
-        self.log.debug("UTILITY {} args={!r} call_id={}", call.method, call.args, call.call_id)
+            self.throttle.warning("unknown utility", "UTILITY {}: unsupported method; answered with a failure", short(call.method, 60))
+            return [self._reply(call, failure=f"unsupported method {_cut(call.method)} (gmock_engine)")]
+        self.log.opt(lazy=True).debug("UTILITY {} args={} call_id={}", lambda: call.method, lambda: _cut(call.args, 200), lambda: call.call_id)
         try:
             return handler(self, call)
         except _UtilityFailure as exc:
-            self.log.warning("UTILITY {}: {}", call.method, exc)
+            self.throttle.warning("utility failure", "UTILITY {}: {}", call.method, exc)
             return [self._reply(call, failure=str(exc))]
+        except (TypeError, ValueError, AttributeError, IndexError, KeyError, OverflowError) as exc:
+            # arguments of a shape the handler did not expect: that call fails, nothing else
+            self.throttle.warning("utility failure", "UTILITY {}: bad arguments {} ({})", call.method, _cut(call.args), exc)
+            return [self._reply(call, failure=f"{call.method}: bad arguments {_cut(call.args)}: {type(exc).__name__}: {str(exc):.200}")]
 
     def fail_utility(self, call: UtilityCall, failure: str) -> List[Outbound]:
         """Answer a utility call with `failure_message` without running it
@@ -730,7 +843,7 @@ class EngineCore:
         """vLLM's pause_scheduler (0.32/0.33 core.py): abort ends every
         request; wait keeps stepping and answers when drained; keep freezes."""
         if mode not in PAUSE_MODES:
-            raise _UtilityFailure(f"Invalid pause mode: {mode!r}")
+            raise _UtilityFailure(f"Invalid pause mode: {_cut(mode)}")
         out = self.abort_all() if mode == "abort" else []
         self.pause_state = PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW
         if reject_new is not None:
@@ -775,7 +888,9 @@ class EngineCore:
         batch.finished.append(rid)
         self.counters["finished_" + reason.name.lower()] += 1
         if self.settings.log_requests:
-            self.log.info("mock request finished engine={} request_id={} output_tokens=0 finish_reason={}", self.rank, rid, reason.name.lower())
+            self.log.info(
+                "mock request finished engine={} request_id={} output_tokens=0 finish_reason={}", self.rank, short(rid), reason.name.lower()
+            )
 
     def _end(self, batches: Dict[int, _Batch], entry: ActiveRequest, reason: FinishReason) -> None:
         """A terminal output for a request that was active (already removed)."""
@@ -789,7 +904,7 @@ class EngineCore:
             self.counters["aborted"] += 1
             if self.settings.log_requests:
                 self.log.info(
-                    "mock request aborted engine={} request_id={} output_tokens={}", self.rank, entry.request_id, entry.num_output_tokens
+                    "mock request aborted engine={} request_id={} output_tokens={}", self.rank, short(entry.request_id), entry.num_output_tokens
                 )
             return
         self.counters["finished_" + reason.name.lower()] += 1
@@ -797,7 +912,7 @@ class EngineCore:
             self.log.info(
                 "mock request finished engine={} request_id={} output_tokens={} finish_reason={}",
                 self.rank,
-                entry.request_id,
+                short(entry.request_id),
                 entry.num_output_tokens,
                 reason.name.lower(),
             )
@@ -827,12 +942,31 @@ class EngineCore:
             raise LedgerViolation(violations[0])
 
     def _stats_if_due(self, now: float) -> Optional[Dict[str, Any]]:
+        """SchedulerStats when something the frontend shows has moved: the
+        running/waiting counts, the KV usage (it grows with every token of a
+        long request) or the prefix-cache counters; while requests run, at
+        most every STATS_INTERVAL_S."""
         counts = (len(self.active), len(self.waiting))
-        changed = counts != self._stats_counts or (self.prefix_cache is not None and self.prefix_cache.pending)
-        if not changed or (counts[0] and now - self._stats_at < STATS_INTERVAL_S):
+        if counts[0] and now - self._stats_at < STATS_INTERVAL_S:
             return None
-        self._stats_counts, self._stats_at = counts, now
+        usage = self.kv_cache_usage
+        changed = (
+            counts != self._stats_counts
+            or usage != self._stats_kv_usage
+            or (self.prefix_cache is not None and self.prefix_cache.pending)
+        )
+        if not changed:
+            return None
+        self._stats_counts, self._stats_kv_usage, self._stats_at = counts, usage, now
         return self.scheduler_stats(self.prefix_cache.take_stats() if self.prefix_cache is not None else None)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Blocks used / blocks when KV is enforced, else the running
+        requests' tokens / capacity."""
+        if self.settings.kv_blocks:
+            return self.used_blocks / self.settings.kv_blocks
+        return min(1.0, self.kv_tokens / self._kv_capacity)
 
     def scheduler_stats(self, prefix_cache_stats: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """The engine's SchedulerStats now. KV usage is blocks used / blocks
@@ -841,11 +975,28 @@ class EngineCore:
             prefix_cache_stats=prefix_cache_stats,
             num_running_reqs=len(self.active),
             num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=self.used_blocks / self.settings.kv_blocks
-            if self.settings.kv_blocks
-            else min(1.0, self.kv_tokens / self._kv_capacity),
+            kv_cache_usage=self.kv_cache_usage,
             step_counter=self.counters["steps"],
         )
+
+
+_MOCK_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "error": FinishReason.ERROR}
+
+
+def _cut(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _xarg_int(xargs: Dict[str, Any], key: str, low: int, high: int) -> Optional[int]:
+    """vllm_xargs[key] as an int in low..high (None when absent or null);
+    BadValue for anything else: a float, a string, a bool, a huge number."""
+    value = xargs.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise BadValue(f"{key} must be an int in {low}..{high}, not {_cut(value)}")
+    return value
 
 
 class LedgerViolation(RuntimeError):
@@ -881,7 +1032,7 @@ def _u_sleep(engine: EngineCore, call: UtilityCall) -> List[Outbound]:
     # [level, mode]; older frontends send only level (§5). Sleep pauses first.
     level = _arg(call, 0, 1)
     if not isinstance(level, int) or isinstance(level, bool) or level < 0:
-        raise _UtilityFailure(f"Invalid sleep level: {level!r}")
+        raise _UtilityFailure(f"Invalid sleep level: {_cut(level)}")
     out = engine._pause(call, _arg(call, 1, "abort"), reject_new=None)
     engine.sleep_level = level
     return out

@@ -13,7 +13,9 @@ checks the invariants a frontend relies on (PROTOCOL.md §3.4, §4.2):
 A violation is counted and logged as an error (the runtime can make it
 fatal with --strict-ledger). To stay bounded in a 12-hour soak, ended ids
 are remembered for the last `memory` requests only: a late output for an
-older one is reported as "for an unknown id" instead.
+older one is reported as "for an unknown id" instead. They are remembered
+by a 64-bit hash, not by the id itself: ids come from clients, and 1 024
+ids of 1 MB each would otherwise hold 1 GB.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from typing import Any, Dict, List, Optional
 
+from .logs import short as _short
 from .protocol import FinishReason
 
 #: Ended request ids kept to recognise late outputs: a small window, so a
@@ -34,7 +37,9 @@ class Ledger:
 
     def __init__(self, memory: int = DEFAULT_MEMORY) -> None:
         self.open: Dict[str, None] = {}
-        self._ended: "OrderedDict[str, None]" = OrderedDict()
+        #: hash(id) of recently ended requests, oldest first (bounded in bytes
+        #: whatever the ids' size; a collision only hides a violation).
+        self._ended: "OrderedDict[int, None]" = OrderedDict()
         self._memory = memory
         self.counts: Counter = Counter()
         #: Duplicate ADDs of an open id, each answered with its own ERROR output.
@@ -89,8 +94,10 @@ class Ledger:
                 if rid in open_ids:  # abort_immediately (no output), or a duplicate's answer
                     if rid not in answered_here:
                         self._end(rid, "abort")
-                elif rid not in self._ended:
-                    found.append(f"finished_requests names {rid}, which never started")
+                elif rid not in answered_here and hash(rid) not in self._ended:
+                    # (answered_here: ended by this very message, even if
+                    # more than `memory` ended in it and the window moved on)
+                    found.append(f"finished_requests names {_short(rid)}, which never started")
         if not found:
             return None
         self.counts["violations"] += len(found)
@@ -98,16 +105,17 @@ class Ledger:
         return found
 
     def _stray(self, rid: str) -> str:
-        if rid in self._ended:
-            return f"output for {rid} after its terminal output"
-        return f"output for {rid}, which the engine never started (or ended long ago)"
+        if hash(rid) in self._ended:
+            return f"output for {_short(rid)} after its terminal output"
+        return f"output for {_short(rid)}, which the engine never started (or ended long ago)"
 
     def _end(self, rid: str, reason: str) -> None:
         del self.open[rid]
         self.counts["finished_" + reason] += 1
         ended = self._ended
-        ended[rid] = None
-        ended.move_to_end(rid)  # a reused id is the newest again, not the next to go
+        key = hash(rid)
+        ended[key] = None
+        ended.move_to_end(key)  # a reused id is the newest again, not the next to go
         if len(ended) > self._memory:
             ended.popitem(last=False)
 

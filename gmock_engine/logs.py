@@ -31,3 +31,52 @@ def setup_logging(level: str = "INFO", json: bool = False, sink=None) -> None:
         backtrace=False,
         diagnose=False,
     )
+
+
+#: Characters of a client-chosen string (a request id) that a log line keeps.
+LOG_ID_CHARS = 120
+
+
+def short(text: object, limit: int = LOG_ID_CHARS) -> str:
+    """`text` for a log line, cut to `limit` characters with the length said:
+    request ids come from clients (X-Request-Id), and a 1 MB id must not
+    become a 1 MB log line."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}…({len(text)} chars)"
+
+
+class Throttle:
+    """Rate-limited warnings, per kind: at most `per_window` lines of one kind
+    in `window_s` seconds, then one line saying how many were left out.
+
+    Anything a client controls (a bad frame, a duplicate id, a bad
+    `vllm_xargs` value, an unknown utility) can come in floods; the log must
+    stay readable and cheap while the engine goes on serving."""
+
+    def __init__(self, log, per_window: int = 20, window_s: float = 10.0, clock=None) -> None:
+        import time
+
+        self.log = log
+        self.per_window = per_window
+        self.window_s = window_s
+        self.clock = clock or time.monotonic
+        #: kind -> [window start, lines written, lines left out]
+        self._kinds: dict = {}
+
+    def warning(self, kind: str, message: str, *args, exception: bool = False) -> bool:
+        """Log `message.format(*args)` unless this kind is over its budget;
+        True when the line was written."""
+        now = self.clock()
+        state = self._kinds.get(kind)
+        if state is None or now - state[0] >= self.window_s:
+            if state is not None and state[2]:
+                self.log.warning("{} more '{}' warnings left out in the last {:.0f} s", state[2], kind, now - state[0])
+            state = self._kinds[kind] = [now, 0, 0]
+        if state[1] >= self.per_window:
+            state[2] += 1
+            return False
+        state[1] += 1
+        self.log.opt(depth=1, exception=exception).warning(message, *args)
+        return True

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import msgpack
 
@@ -62,6 +62,13 @@ ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 PICKLE_EXT_TYPES = (1, 2)
 #: `max_tokens` when the key is absent from SamplingParams (§3.3).
 DEFAULT_MAX_TOKENS = 16
+
+
+#: Token ids (and an integer stop_reason) the frontends can decode: vllm-rs
+#: reads them as u32 (Appendix E; its protocol/output.rs), Python as int.
+TOKEN_ID_LIMIT = 1 << 32
+#: Output sockets an engine can have: client indexes beyond are nonsense.
+MAX_CLIENTS = 1 << 16
 
 
 def engine_identity(rank: int) -> bytes:
@@ -192,6 +199,11 @@ class ProtocolError(ValueError):
     """A frame that does not follow the protocol; the message says why."""
 
 
+class BadValue(ValueError):
+    """A value in a request that the engine cannot accept (wrong type, out
+    of range); the message names the key and the value (cut)."""
+
+
 @dataclass
 class EngineCoreRequest:
     """The fields of an ADD (§3.2) that the mock uses."""
@@ -244,7 +256,18 @@ class StartDPWave:
     exclude_engine_index: Any
 
 
-InputMessage = Union[EngineCoreRequest, AbortRequests, UtilityCall, StartDPWave]
+@dataclass
+class InvalidRequest:
+    """An ADD whose request id and client are known but which carries a
+    value the engine cannot accept (§3.2, §3.3): answered with an ERROR
+    output for this request only; `reason` names the key and the value."""
+
+    request_id: str
+    client_index: int
+    reason: str
+
+
+InputMessage = Union[EngineCoreRequest, InvalidRequest, AbortRequests, UtilityCall, StartDPWave]
 
 
 def _ext_hook(code: int, data: bytes) -> msgpack.ExtType:
@@ -271,11 +294,15 @@ def _field(array: Sequence[Any], index: int, default: Any = None) -> Any:
     return array[index] if index < len(array) else default
 
 
-def decode_add(payload: Any, layout: WireLayout) -> EngineCoreRequest:
+def decode_add(payload: Any, layout: WireLayout) -> Union[EngineCoreRequest, "InvalidRequest"]:
     """Decode an already-unpacked EngineCoreRequest array (§3.2, §8.2).
 
     Short arrays take defaults for missing trailing fields; longer ones
-    (future appended fields) are accepted.
+    (future appended fields) are accepted. What cannot be answered (no
+    readable request id, no output socket to answer on) raises
+    ProtocolError: the frame is dropped. A bad value in an ADD whose id and
+    client are known gives an `InvalidRequest`, which the engine answers with
+    an ERROR output for that request only, so its client is not left waiting.
     """
     ix = layout.request_index
     if not isinstance(payload, list) or len(payload) < 4:
@@ -283,32 +310,52 @@ def decode_add(payload: Any, layout: WireLayout) -> EngineCoreRequest:
     request_id = payload[ix["request_id"]]
     if not isinstance(request_id, str) or not request_id:
         raise ProtocolError("ADD request_id (index 0) is not a non-empty string")
+    client_index = _field(payload, ix["client_index"], 0)
+    if client_index is None:
+        client_index = 0
+    if not _is_int(client_index) or not 0 <= client_index < MAX_CLIENTS:
+        raise ProtocolError(f"ADD {_cut(request_id)}: client_index {_cut(client_index)} is not an output socket index")
+    try:
+        return _decode_add_fields(payload, ix, request_id, client_index)
+    except BadValue as exc:
+        return InvalidRequest(request_id, client_index, str(exc))
+
+
+def _decode_add_fields(payload: List[Any], ix: Dict[str, int], request_id: str, client_index: int) -> EngineCoreRequest:
     prompt = payload[ix["prompt_token_ids"]]
     if prompt is None:
         prompt_len = 0  # prompt given as embeddings only
-    elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
+    elif isinstance(prompt, list):
         prompt_len = len(prompt)
+        # One pass for the common case; the slow path only to say which id.
+        if not all(type(t) is int and 0 <= t < TOKEN_ID_LIMIT for t in prompt):
+            for position, token in enumerate(prompt):
+                if type(token) is not int or not 0 <= token < TOKEN_ID_LIMIT:
+                    raise BadValue(f"prompt_token_ids[{position}] = {_cut(token)} is not a token id (an int in 0..2**32-1)")
     else:
-        raise ProtocolError(f"ADD {request_id}: prompt_token_ids is not a list of ints or nil")
+        raise BadValue(f"prompt_token_ids is {type(prompt).__name__}, not a list of token ids or nil")
     sampling = payload[ix["sampling_params"]]
     if sampling is not None and not isinstance(sampling, dict):
-        raise ProtocolError(f"ADD {request_id}: sampling_params is {type(sampling).__name__}, not a map or nil")
+        raise BadValue(f"sampling_params is {type(sampling).__name__}, not a map or nil")
     max_tokens: Optional[int] = None
     stops: Dict[str, Any] = {}
     if sampling is not None:
-        stops = _decode_stops(request_id, sampling)
+        stops = _decode_stops(sampling)
         max_tokens = sampling.get("max_tokens", DEFAULT_MAX_TOKENS)
         if max_tokens is None:
             max_tokens = DEFAULT_MAX_TOKENS  # Py-FE never sends nil; be lenient
         if not _is_int(max_tokens) or max_tokens < 0:
-            raise ProtocolError(f"ADD {request_id}: max_tokens {max_tokens!r} is not a non-negative int")
-    client_index = _field(payload, ix["client_index"], 0)
-    if client_index is None:
-        client_index = 0
-    if not _is_int(client_index) or client_index < 0:
-        raise ProtocolError(f"ADD {request_id}: client_index {client_index!r} is not a non-negative int")
+            raise BadValue(f"max_tokens {_cut(max_tokens)} is not a non-negative int")
     current_wave = _field(payload, ix["current_wave"], 0)
+    if current_wave is None:
+        current_wave = 0
+    if not _is_int(current_wave) or current_wave < 0:
+        raise BadValue(f"current_wave {_cut(current_wave)} is not a non-negative int")
     priority = _field(payload, ix["priority"], 0)
+    if priority is None:
+        priority = 0
+    if not _is_int(priority):
+        raise BadValue(f"priority {_cut(priority)} is not an int")
     arrival = _field(payload, ix["arrival_time"])
     external = _field(payload, ix["external_req_id"])
     return EngineCoreRequest(
@@ -317,8 +364,9 @@ def decode_add(payload: Any, layout: WireLayout) -> EngineCoreRequest:
         max_tokens=max_tokens,
         has_sampling_params=sampling is not None,
         client_index=client_index,
-        current_wave=current_wave if _is_int(current_wave) else 0,
-        priority=priority if _is_int(priority) else 0,
+        current_wave=current_wave,
+        priority=priority,
+        # informational only (never sent back): tolerated when odd
         arrival_time=float(arrival) if isinstance(arrival, (int, float)) and not isinstance(arrival, bool) else None,
         external_req_id=external if isinstance(external, str) else None,
         abort_immediately=_field(payload, ix["abort_immediately"], False) is True,
@@ -327,30 +375,40 @@ def decode_add(payload: Any, layout: WireLayout) -> EngineCoreRequest:
     )
 
 
-def _int_list(request_id: str, sampling: Dict[str, Any], key: str) -> Tuple[int, ...]:
+def _cut(value: Any, limit: int = 60) -> str:
+    """repr() of a client's value for an error message, at most `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _int_list(sampling: Dict[str, Any], key: str) -> Tuple[int, ...]:
     value = sampling.get(key)
     if value is None:
         return ()
     if not isinstance(value, list) or not all(_is_int(v) for v in value):
-        raise ProtocolError(f"ADD {request_id}: {key} is not an array of ints")
+        raise BadValue(f"{key} is not an array of ints")
     return tuple(value)
 
 
-def _decode_stops(request_id: str, sampling: Dict[str, Any]) -> Dict[str, Any]:
-    """Stop-related SamplingParams keys (§3.3), defaults for absent ones."""
+def _decode_stops(sampling: Dict[str, Any]) -> Dict[str, Any]:
+    """Stop-related SamplingParams keys (§3.3), defaults for absent ones.
+
+    The EOS id may become a request's last token, so it must be a token id
+    the frontends can decode (u32 in vllm-rs); stop ids are only avoided and
+    never sent back, so any int is accepted, as vLLM does."""
     eos = sampling.get("_eos_token_id")
-    if eos is not None and not _is_int(eos):
-        raise ProtocolError(f"ADD {request_id}: _eos_token_id {eos!r} is not an int")
+    if eos is not None and (not _is_int(eos) or not 0 <= eos < TOKEN_ID_LIMIT):
+        raise BadValue(f"_eos_token_id {_cut(eos)} is not a token id (an int in 0..2**32-1)")
     min_tokens = sampling.get("min_tokens") or 0
     if not _is_int(min_tokens) or min_tokens < 0:
-        raise ProtocolError(f"ADD {request_id}: min_tokens {min_tokens!r} is not a non-negative int")
+        raise BadValue(f"min_tokens {_cut(min_tokens)} is not a non-negative int")
     extra = sampling.get("extra_args") or {}
     if not isinstance(extra, dict):
-        raise ProtocolError(f"ADD {request_id}: extra_args is {type(extra).__name__}, not a map")
+        raise BadValue(f"extra_args is {type(extra).__name__}, not a map")
     return {
-        "stop_token_ids": _int_list(request_id, sampling, "stop_token_ids"),
+        "stop_token_ids": _int_list(sampling, "stop_token_ids"),
         "eos_token_id": eos,
-        "all_stop_token_ids": _int_list(request_id, sampling, "_all_stop_token_ids"),
+        "all_stop_token_ids": _int_list(sampling, "_all_stop_token_ids"),
         "ignore_eos": sampling.get("ignore_eos") is True,
         "min_tokens": min_tokens,
         "extra_args": extra,
@@ -646,6 +704,80 @@ def utility_reply(
     else:
         utility_output = [call_id, None, [None, result]]
     return [engine_index, [], None, float(timestamp), utility_output]
+
+
+def without_requests(message: List[Any], ids: Set[str]) -> Optional[List[Any]]:
+    """`message` without the outputs and `finished_requests` entries of
+    `ids`: requests that the sender already answered with ERROR because an
+    output of theirs could not be encoded (`salvage`), so nothing follows
+    that answer. An id leaves `ids` when its own end passes here. None when
+    nothing is left to send."""
+    if len(message) > 4 and message[4] is not None:
+        return message  # a utility reply names no request
+    outputs = message[1]
+    finished = message[5] if len(message) > 5 else None
+    if not any(o[0] in ids for o in outputs) and not (finished and any(r in ids for r in finished)):
+        return message
+    kept, ended = [], set()
+    for output in outputs:
+        if output[0] in ids:
+            if len(output) > 5 and output[5] is not None:
+                ended.add(output[0])
+        else:
+            kept.append(output)
+    left = [r for r in finished if r not in ids] if finished else []
+    if finished:
+        ended.update(r for r in finished if r in ids)
+    ids -= ended
+    if not kept and not left and message[2] is None:
+        return None
+    return engine_core_outputs(message[0], kept, message[3], left or None, message[2])
+
+
+def salvage(message: List[Any], pack: Callable[[Any], bytes], layout: WireLayout, reason: str) -> Tuple[Optional[bytes], List[str]]:
+    """What to send instead of a `message` that could not be packed.
+
+    The second line of defence (the engine checks every value it takes in,
+    so this should not run): in a request batch, each output that packs
+    goes as it is and each one that does not becomes an ERROR end of its
+    request, whose id joins `finished_requests`, so every client still gets
+    an answer; stats that do not pack are left out. A utility reply becomes
+    a failure reply to the same call. Returns the packed replacement (None:
+    nothing left that packs) and the request ids answered with ERROR.
+    """
+    engine_index, timestamp = message[0], message[3]
+    if len(message) > 4 and message[4] is not None:
+        try:
+            call_id = message[4][0]
+            return pack(utility_reply(engine_index, call_id, timestamp, failure_message=f"gmock_engine could not encode the result: {reason}")), []
+        except Exception:  # noqa: BLE001 - nothing of it can be sent
+            return None, []
+    outputs: List[Any] = []
+    failed: List[str] = []
+    for output in message[1] or ():
+        try:
+            pack(output)
+            outputs.append(output)
+        except Exception:  # noqa: BLE001 - the packer's errors have several types
+            rid = output[0] if output and isinstance(output[0], str) else None
+            if rid is not None:
+                failed.append(rid)
+                error = request_error("internal_error", f"gmock_engine could not encode an output of this request: {reason}")
+                outputs.append(engine_core_output(rid, [], FinishReason.ERROR, error, layout))
+    finished = [r for r in (message[5] if len(message) > 5 and message[5] else ()) if isinstance(r, str)]
+    finished += [r for r in failed if r not in finished]
+    stats = message[2]
+    if stats is not None:
+        try:
+            pack(stats)
+        except Exception:  # noqa: BLE001
+            stats = None
+    if not outputs and not finished and stats is None:
+        return None, failed
+    try:
+        return pack(engine_core_outputs(engine_index, outputs, timestamp, finished or None, stats)), failed
+    except Exception:  # noqa: BLE001
+        return None, failed
 
 
 class Packer:

@@ -46,9 +46,10 @@ import zmq.green as zmq
 from loguru import logger
 
 from . import faults, lengths, protocol, tokens, transport
-from .engine import COORDINATOR, Drain, EngineCore, EngineSettings, Outbound
+from .engine import COORDINATOR, Drain, EngineCore, EngineSettings, LedgerViolation, Outbound
 from .faults import FaultSpec, Faults
 from .latency import LatencyModel
+from .logs import Throttle
 from .protocol import EngineCoreRequest, InitMessage, ProtocolError, UtilityCall, WireLayout
 from .stats import Samples
 from .steptimer import StepTimer
@@ -57,6 +58,9 @@ from .steptimer import StepTimer
 INPUT_QUEUE_SIZE = 4096
 OUTPUT_QUEUE_SIZE = 1024
 #: Budget of each shutdown stage, seconds; the sum stays well under 1 s.
+#: Stage 2 (flush_output) takes at most SENDER_FLUSH_TIMEOUT_S + KILL_TIMEOUT_S,
+#: and shutdown waits that long (plus a margin) before it closes any socket,
+#: so no sender is still in `send` when its socket closes.
 KILL_TIMEOUT_S = 0.2
 SENDER_FLUSH_TIMEOUT_S = 0.3
 #: How long an abort drain may take to get its outputs out.
@@ -68,9 +72,11 @@ HEAP_TRIM_INTERVAL_S = 60.0
 #: At most this many "bad frame" warnings per window, then one summary line.
 BAD_FRAME_LOGS = 20
 BAD_FRAME_WINDOW_S = 10.0
+#: Requests the sender answered with ERROR (an output would not encode) and
+#: whose later outputs it still holds back; bounded, as they end by themselves.
+MAX_CUT_REQUESTS = 4096
 
 _STOP = object()
-_DEAD = object()
 
 
 class Supervisor:
@@ -126,8 +132,13 @@ class EngineRunner:
         self.sender: Optional[gevent.Greenlet] = None
         self.joined = gevent.event.Event()
         self.bad_frames = 0
-        self._bad_window_start = float("-inf")
-        self._bad_logged = self._bad_suppressed = 0
+        #: Rate-limited warnings for what the frontend (or anyone) sends.
+        self.throttle = Throttle(self.log, BAD_FRAME_LOGS, BAD_FRAME_WINDOW_S)
+        #: Outputs that could not be encoded (second line of defence) and
+        #: inputs or steps whose processing failed; each failure contained.
+        self.contained_failures = 0
+        #: Request ids the sender ended with ERROR (see protocol.salvage).
+        self._cut: set = set()
         self.step_lateness = Samples()
         #: Set by the readers after queueing input and by the step timer.
         self.wake = gevent.event.Event()
@@ -262,25 +273,22 @@ class EngineRunner:
 
     # -- the three stages --------------------------------------------------------
 
-    def _drop(self, where: str, error: ProtocolError) -> None:
+    def _drop(self, where: str, error: Exception) -> None:
         """Log a dropped frame; a flood (fuzzing, a broken peer) is summarised
         rather than written line by line: BAD_FRAME_LOGS per window, then a count."""
         self.bad_frames += 1
-        now = time.monotonic()
-        if now - self._bad_window_start >= BAD_FRAME_WINDOW_S:
-            if self._bad_suppressed:
-                self.log.warning("{} more bad frames dropped in the last {:.0f} s", self._bad_suppressed, now - self._bad_window_start)
-            self._bad_window_start, self._bad_logged, self._bad_suppressed = now, 0, 0
-        if self._bad_logged < BAD_FRAME_LOGS:
-            self._bad_logged += 1
-            self.log.warning("bad frame on {} dropped: {:.300}", where, str(error))
-        else:
-            self._bad_suppressed += 1
+        if isinstance(error, ProtocolError):
+            self.throttle.warning("bad frame", "bad frame on {} dropped: {:.300}", where, str(error))
+        else:  # the decoder itself failed on this frame: a bug, with its traceback
+            self.contained_failures += 1
+            self.throttle.warning("decoder failure", "frame on {} dropped: the decoder failed on it", where, exception=True)
 
     def _reader(self, sock: Any, where: str, decode: Callable[[Any, WireLayout], Any]) -> None:
         """One socket -> decoded messages -> input queue. `decode` is
         protocol.decode_input for an input DEALER, protocol.decode_coordinator
-        for the coordinator XSUB (which answers None for a late READY, §2.6)."""
+        for the coordinator XSUB (which answers None for a late READY, §2.6).
+        A frame that cannot be decoded is dropped; only the socket failing
+        ends this loop."""
         layout, put, wake, flowing = self.layout, self.in_queue.put, self.wake, self.flowing
         while True:
             if not flowing.is_set():
@@ -288,7 +296,7 @@ class EngineRunner:
             frames = sock.recv_multipart()
             try:
                 message = decode(frames, layout)
-            except ProtocolError as exc:
+            except Exception as exc:  # noqa: BLE001 - one frame's content, whatever it broke
                 self._drop(where, exc)
                 continue
             if message is not None:
@@ -335,7 +343,13 @@ class EngineRunner:
                     continue  # input may have arrived: drain, then check the time
                 if paced and next_step_at is not None:
                     self.step_lateness.add(now - next_step_at)
-                self._emit(engine.step())
+                try:
+                    out = engine.step()
+                except LedgerViolation:
+                    raise  # --strict-ledger: meant to stop the process
+                except Exception as exc:  # noqa: BLE001 - contained: the requests of this step fail, the engine goes on
+                    out = self._contain("step", None, exc)
+                self._emit(out)
                 # Unpaced this is `now` (steps back to back) unless every
                 # running request waits for its prefill (e.g. mock_ttft_ms).
                 next_step_at = engine.next_step_time(now)
@@ -348,14 +362,31 @@ class EngineRunner:
 
     def _drain_input(self) -> None:
         in_queue, apply, emit = self.in_queue, self.engine.apply, self._emit
-        if self.faults:
-            while not in_queue.empty() and self.flowing.is_set():
-                message = self._inject(in_queue.get_nowait())
-                if message is not None:
-                    emit(apply(message))
-            return
-        while not in_queue.empty():
-            emit(apply(in_queue.get_nowait()))
+        while not in_queue.empty() and self.flowing.is_set():
+            message = in_queue.get_nowait()
+            try:
+                if self.faults:
+                    message = self._inject(message)
+                    if message is None:
+                        continue
+                out = apply(message)
+            except LedgerViolation:
+                raise  # --strict-ledger: meant to stop the process
+            except Exception as exc:  # noqa: BLE001 - contained to this input
+                out = self._contain("input", message, exc)
+            emit(out)
+
+    def _contain(self, what: str, message: Any, exc: Exception) -> List[Outbound]:
+        """An input (or a step) whose processing raised: logged with its
+        traceback (rate-limited) and answered with errors, so that only the
+        requests it concerned fail. A failure of this answer itself is one
+        of the engine, and stops the process."""
+        self.contained_failures += 1
+        name = type(message).__name__ if message is not None else "step"
+        self.throttle.warning("contained failure", "{} {} failed; answered with errors, the engine goes on", what, name, exception=True)
+        if message is None:
+            return self.engine.fail_all(f"gmock_engine failed in a step ({type(exc).__name__}: {str(exc):.200})")
+        return self.engine.answer_failure(message, exc)
 
     # -- fault injection ---------------------------------------------------------
 
@@ -452,6 +483,7 @@ class EngineRunner:
             "pid": os.getpid(),
             "bad_frames": self.bad_frames,
             "step_lateness_us": self.step_lateness.summary(scale=1e6),
+            "contained_failures": self.contained_failures,
             "input_queue": self.in_queue.qsize(),
             "output_queue": self.out_queue.qsize(),
             "faults": self.faults.summary(),
@@ -479,25 +511,47 @@ class EngineRunner:
 
     def _sender(self) -> None:
         """The one place a message leaves: pack and PUSH to outputs[client_index]
-        (client index -1: the coordinator_output socket, §6.2)."""
+        (client index -1: the coordinator_output socket, §6.2).
+
+        A message that does not pack never stops it: its requests are
+        answered with ERROR instead (protocol.salvage) and their later
+        outputs held back; only a socket failing ends this loop."""
         outputs = list(self.sockets.outputs)
         outputs.append(self.sockets.coordinator_output)  # index -1
         pack = protocol.Packer().pack
         get = self.out_queue.get
         flowing = self.outputs_flowing
+        cut = self._cut
         while True:
             item = get()
             if not flowing.is_set():
                 flowing.wait()  # stalled or hung (--fault-stall-outputs, --fault-hang)
             if item is _STOP:
                 return
-            if item is _DEAD:
-                # §4.1: the dead-engine sentinel, raw, on every client's socket
-                for sock in self.sockets.outputs:
-                    sock.send(protocol.ENGINE_CORE_DEAD)
-                continue
             client, message = item
-            outputs[client].send(pack(message))
+            if cut:
+                message = protocol.without_requests(message, cut)
+                if message is None:
+                    continue
+            try:
+                data = pack(message)
+            except Exception as exc:  # noqa: BLE001 - msgpack raises OverflowError, TypeError, ValueError
+                data = self._salvage(message, exc, pack)
+                if data is None:
+                    continue
+            outputs[client].send(data)
+
+    def _salvage(self, message: List[Any], exc: Exception, pack: Callable[[Any], bytes]) -> Optional[bytes]:
+        reason = f"{type(exc).__name__}: {str(exc):.120}"
+        data, failed = protocol.salvage(message, pack, self.layout, reason)
+        self.contained_failures += 1
+        self.throttle.warning(
+            "unencodable output", "a message could not be encoded ({}); {} request(s) answered with ERROR instead", reason, len(failed)
+        )
+        if len(self._cut) + len(failed) > MAX_CUT_REQUESTS:
+            self._cut.clear()
+        self._cut.update(failed)
+        return data
 
     # -- shutdown ------------------------------------------------------------------
 
@@ -521,18 +575,37 @@ class EngineRunner:
         return self.engine.num_active == 0 and self.out_queue.empty() and self.in_queue.empty()
 
     def flush_output(self, send_dead: bool = False) -> None:
-        """Stage 2: let the sender send what is queued (then the dead-engine
-        sentinel if asked), then end it."""
-        if self.sender is None or self.sender.dead:
+        """Stage 2, at most SENDER_FLUSH_TIMEOUT_S + KILL_TIMEOUT_S: let the
+        sender send what is queued, end it, then push the dead-engine
+        sentinel if asked (§4.1). What could not go out in time is said in
+        the log, never dropped silently."""
+        if self.sender is None or self.crashed:
             return
-        try:
-            if send_dead:
-                self.out_queue.put(_DEAD, timeout=SENDER_FLUSH_TIMEOUT_S)
-            self.out_queue.put(_STOP, timeout=SENDER_FLUSH_TIMEOUT_S)
-        except gevent.queue.Full:
-            pass
-        self.sender.join(timeout=SENDER_FLUSH_TIMEOUT_S)
-        self.sender.kill(block=True, timeout=KILL_TIMEOUT_S)
+        deadline = time.monotonic() + SENDER_FLUSH_TIMEOUT_S
+        if not self.sender.dead:
+            try:
+                self.out_queue.put(_STOP, timeout=SENDER_FLUSH_TIMEOUT_S)
+            except gevent.queue.Full:
+                pass
+            self.sender.join(timeout=max(0.0, deadline - time.monotonic()))
+            if not self.sender.dead:
+                self.log.warning(
+                    "outputs not flushed within {:g} s (the frontend is not reading): {} queued message(s) dropped",
+                    SENDER_FLUSH_TIMEOUT_S,
+                    self.out_queue.qsize(),
+                )
+                self.sender.kill(block=True, timeout=KILL_TIMEOUT_S)
+        if send_dead:
+            self._send_dead()
+
+    def _send_dead(self) -> None:
+        """ENGINE_CORE_DEAD, raw, on every client's socket (§4.1); without
+        blocking: a socket at its high-water mark is named in the log."""
+        for index, sock in enumerate(self.sockets.outputs):
+            try:
+                sock.send(protocol.ENGINE_CORE_DEAD, zmq.NOBLOCK)
+            except zmq.Again:
+                self.log.warning("ENGINE_CORE_DEAD not sent on output[{}]: the frontend is not reading (high-water mark)", index)
 
     def close(self) -> None:
         """Stage 3: close the sockets (outputs linger, bounded)."""
@@ -635,8 +708,12 @@ class App:
             self.metrics_server.stop(timeout=KILL_TIMEOUT_S)
         inputs = [g for r in self.runners for g in r.input_greenlets()]
         gevent.killall(inputs, block=True, timeout=KILL_TIMEOUT_S)
-        senders = [gevent.spawn(r.flush_output, self.config.send_dead_on_exit) for r in self.runners]
-        gevent.joinall(senders, timeout=SENDER_FLUSH_TIMEOUT_S + KILL_TIMEOUT_S)
+        flushers = [gevent.spawn(r.flush_output, self.config.send_dead_on_exit) for r in self.runners]
+        gevent.joinall(flushers, timeout=SENDER_FLUSH_TIMEOUT_S + 2 * KILL_TIMEOUT_S)
+        # No sender may still be in `send` when its socket closes (a ZMQError
+        # there would turn a clean stop into a failure).
+        gevent.killall(flushers, block=True, timeout=KILL_TIMEOUT_S)
+        gevent.killall([r.sender for r in self.runners if r.sender is not None], block=True, timeout=KILL_TIMEOUT_S)
         for runner in self.runners:
             runner.close()
         # Everything is closed with a bounded linger, so term() returns.
@@ -648,7 +725,7 @@ class App:
         violations, ...) plus steps, tokens, utility calls and bad frames."""
         out = {}
         for runner in self.runners:
-            counts: Dict[str, int] = {"bad_frames": runner.bad_frames}
+            counts: Dict[str, int] = {"bad_frames": runner.bad_frames, "contained_failures": runner.contained_failures}
             if runner.engine is not None:
                 engine = runner.engine
                 counts.update(engine.ledger.summary())

@@ -3,8 +3,11 @@
 Sources (`--token-source`): `random` (default; `--token-id-range` narrows it,
 e.g. to ids a tokenizer decodes to clean text), `echo` (the request's own
 prompt ids, over and over) and `file:PATH` (ids read from a file, each
-request starting at its own seeded offset). Every source has the same two
-calls: `initial_state(request_id, prompt_token_ids)` and `draw(state, n)`.
+request starting at its own seeded offset). Every source has the same
+calls: `initial_state(request_id, prompt_token_ids)` and `draw(state, n)`,
+and for stop ids (a real engine stops on them, the mock's plan decides the
+end): `only_emits(state, ids)` (can the request make no other id?) and
+`avoid(tokens, ids)` (move drawn ids off them, staying within the source).
 
 Each request carries its own generator state seeded from (seed, engine rank,
 request id), so a run with the same seed and the same request ids produces
@@ -21,7 +24,9 @@ active requests).
 from __future__ import annotations
 
 import hashlib
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import AbstractSet, List, Optional, Sequence, Tuple, Union
+
+from .protocol import TOKEN_ID_LIMIT
 
 _MASK64 = (1 << 64) - 1
 _LCG_MUL = 6364136223846793005
@@ -63,6 +68,26 @@ class RandomTokens:
             tokens.append(low + (((state >> 32) * span) >> 32))
         return tokens, state
 
+    def only_emits(self, state: int, ids: AbstractSet[int]) -> bool:
+        """True when every id of [low, high) is in `ids`."""
+        if len(ids) < self.span:
+            return False  # the common case: a few stop ids
+        low = self.low
+        return all(low + i in ids for i in range(self.span))
+
+    def avoid(self, tokens: List[int], ids: AbstractSet[int]) -> List[int]:
+        """Each drawn id in `ids` moved to the next id of the range that is
+        not (there is one: the plan handles a range made only of stop ids)."""
+        low, span = self.low, self.span
+        out = []
+        for token in tokens:
+            for _ in range(min(len(ids), span)):
+                if token not in ids:
+                    break
+                token = low + (token - low + 1) % span
+            out.append(token)
+        return out
+
 
 class EchoTokens:
     """The request's prompt ids, repeated (a prompt of none echoes id 0)."""
@@ -75,6 +100,13 @@ class EchoTokens:
         tokens = [ids[(position + i) % len(ids)] for i in range(n)]
         return tokens, (ids, (position + n) % len(ids))
 
+    def only_emits(self, state: Tuple[Sequence[int], int], ids: AbstractSet[int]) -> bool:
+        """True when every prompt id is in `ids`."""
+        return all(token in ids for token in state[0])
+
+    def avoid(self, tokens: List[int], ids: AbstractSet[int]) -> List[int]:
+        return _avoid_by_increment(tokens, ids)
+
 
 class FileTokens:
     """Ids from a file (whitespace-separated integers), cycled; each request
@@ -84,6 +116,7 @@ class FileTokens:
         if not ids:
             raise ValueError("no token ids")
         self.ids = tuple(ids)
+        self._distinct = frozenset(self.ids)
         self.seed = seed
         self.rank = rank
 
@@ -94,6 +127,24 @@ class FileTokens:
         ids = self.ids
         tokens = [ids[(state + i) % len(ids)] for i in range(n)]
         return tokens, (state + n) % len(ids)
+
+    def only_emits(self, state: int, ids: AbstractSet[int]) -> bool:
+        """True when every id of the file is in `ids`."""
+        return self._distinct <= ids if isinstance(ids, (set, frozenset)) else all(t in ids for t in self._distinct)
+
+    def avoid(self, tokens: List[int], ids: AbstractSet[int]) -> List[int]:
+        return _avoid_by_increment(tokens, ids)
+
+
+def _avoid_by_increment(tokens: List[int], ids: AbstractSet[int]) -> List[int]:
+    """Echo and file ids: a drawn id in `ids` becomes the next larger id
+    that is not (wrapping below 2**32, the largest id a frontend decodes)."""
+    out = []
+    for token in tokens:
+        while token in ids:
+            token = (token + 1) % TOKEN_ID_LIMIT
+        out.append(token)
+    return out
 
 
 def read_token_file(path: str) -> List[int]:
@@ -106,8 +157,8 @@ def read_token_file(path: str) -> List[int]:
             ids.append(int(word))
         except ValueError:
             raise ValueError(f"{path}: word {index + 1} ({word[:20]!r}) is not an integer token id") from None
-        if ids[-1] < 0:
-            raise ValueError(f"{path}: word {index + 1} is a negative token id")
+        if not 0 <= ids[-1] < TOKEN_ID_LIMIT:
+            raise ValueError(f"{path}: word {index + 1} is not a token id in 0..2**32-1")
     if not ids:
         raise ValueError(f"{path} holds no token ids")
     return ids

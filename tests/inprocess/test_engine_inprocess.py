@@ -12,6 +12,7 @@ import pytest
 
 from fake_frontend import Collected, FakeFrontend
 from gmock_engine.config import parse_config
+from gmock_engine import protocol
 from gmock_engine.protocol import FinishReason
 from gmock_engine.runtime import App
 
@@ -114,15 +115,19 @@ def test_bad_frames_are_dropped_and_the_engine_keeps_serving(dp4):
         [b"\x09", b"x"],
         [b"\x00", b"\xc1\xc1"],
         [b"\x00"],
-        [b"\x00", msgpack.packb(["r", "not-a-list", None, {}, None])],
         [b"\x00", msgpack.packb(msgpack.ExtType(1, b"pickle"))],
         [b"\x03", msgpack.packb([0, 1])],
     ]
     for frames in bad:
         frontend.send_raw(1, 0, frames)
+    # a readable id with a bad value is not a bad frame: that request gets an ERROR
+    frontend.send_raw(1, 0, [b"\x00", msgpack.packb(["r", "not-a-list", None, {}, None])])
     frontend.add(1, "after-bad", max_tokens=3)
-    collected = frontend.collect(["after-bad"])
+    collected = frontend.collect(["after-bad", "r"])
     assert len(collected.tokens("after-bad")) == 3
+    assert collected.terminal["r"] == FinishReason.ERROR and "r" in collected.finished_requests
+    error = collected.outputs["r"][-1][protocol.WIRE_LAYOUTS["0.33"].output_position("error")]
+    assert error["code"] == "validation_error" and "prompt_token_ids is str" in error["message"]
     assert app.counters()[1]["bad_frames"] == len(bad)
 
 
@@ -218,16 +223,70 @@ def test_a_failing_greenlet_stops_everything(monkeypatch):
     try:
         frontend.accept_engines()
 
-        def explode(request):
+        def explode(*args):
             raise RuntimeError("boom in add_request")
 
+        # a failing input is contained (next test); failing to answer it is
+        # a failure of the engine itself, which stops the process
         monkeypatch.setattr(app.runners[1].engine, "add_request", explode)
+        monkeypatch.setattr(app.runners[1].engine, "answer_failure", explode)
         frontend.add(1, "trigger", max_tokens=1)
         assert waiter.get(timeout=5) == 1  # the whole process stops, status 1
         assert "engine-1-stepper" in app.supervisor.failure and "boom" in app.supervisor.failure
         assert all(g.dead for g in app.supervisor.group)
     finally:
         frontend.close()
+
+
+def test_an_input_that_makes_the_engine_fail_is_answered_and_contained(monkeypatch):
+    frontend = FakeFrontend(num_clients=1, dp=1)
+    with serving(frontend) as app:
+        engine = app.runners[0].engine
+        real_add = engine.add_request
+
+        def explode_once(request):
+            if request.request_id == "trigger":
+                raise RuntimeError("boom in add_request")
+            return real_add(request)
+
+        monkeypatch.setattr(engine, "add_request", explode_once)
+        frontend.add(0, "trigger", max_tokens=4)
+        frontend.add(0, "after", max_tokens=4)
+        collected = frontend.collect(["trigger", "after"])
+        assert collected.terminal["trigger"] == FinishReason.ERROR and "trigger" in collected.finished_requests
+        error = collected.outputs["trigger"][-1][protocol.WIRE_LAYOUTS["0.33"].output_position("error")]
+        assert error["code"] == "internal_error" and "boom in add_request" in error["message"]
+        assert len(collected.tokens("after")) == 4
+        counts = app.counters()[0]
+        assert counts["contained_failures"] == 1 and counts["violations"] == 0 and counts["active"] == 0
+
+
+def test_an_output_that_cannot_be_encoded_ends_its_request_only(monkeypatch):
+    """The sender's second line of defence: a value the packer refuses (here
+    a stop_reason beyond 64 bits, planted past the engine's own checks) ends
+    that request with ERROR; its later outputs are held back; others go on."""
+    frontend = FakeFrontend(num_clients=1, dp=1)
+    with serving(frontend) as app:
+        engine = app.runners[0].engine
+        real_step = engine.step
+
+        def poisoned_step():
+            out = real_step()
+            for _, message in out:
+                for output in message[1]:
+                    if output[0] == "bad" and len(output[1]) and output[1][0] >= 0:
+                        output[1][0] = 10**30  # not a msgpack int
+            return out
+
+        monkeypatch.setattr(engine, "step", poisoned_step)
+        frontend.add(0, "bad", max_tokens=50)
+        frontend.add(0, "good", max_tokens=50)
+        collected = frontend.collect(["bad", "good"])
+        assert collected.terminal["bad"] == FinishReason.ERROR and collected.tokens("bad") == []
+        assert collected.finished_requests.count("bad") == 1  # its own end was held back
+        assert len(collected.tokens("good")) == 50 and collected.terminal["good"] == FinishReason.LENGTH
+        assert frontend.poll_nothing(client=0)
+        assert app.counters()[0]["contained_failures"] >= 1
 
 
 def test_itl_paces_steps_on_the_engine_clock():

@@ -3,6 +3,8 @@
 import json
 import os
 
+import re
+
 import msgpack
 import pytest
 
@@ -136,15 +138,7 @@ BAD_FRAMES = [
     ([b"\x00", msgpack.packb([1, 2, 3])], "EngineCoreRequest array"),
     ([b"\x00", msgpack.packb({"a": 1})], "EngineCoreRequest array"),
     ([b"\x00", msgpack.packb([7, [1], None, {}, None])], "request_id"),
-    ([b"\x00", msgpack.packb(["r", "abc", None, {}, None])], "prompt_token_ids"),
-    ([b"\x00", msgpack.packb(["r", [1], None, [1], None])], "sampling_params"),
-    ([b"\x00", msgpack.packb(["r", [1], None, {"max_tokens": "9"}, None])], "max_tokens"),
-    ([b"\x00", msgpack.packb(["r", [1], None, {"max_tokens": -1}, None])], "max_tokens"),
     ([b"\x00", msgpack.packb(["r", [1], None, {}, None, 0.0, None, None, None, None, None, "x"])], "client_index"),
-    ([b"\x00", msgpack.packb(["r", [1], None, {"stop_token_ids": ["a"]}, None])], "stop_token_ids"),
-    ([b"\x00", msgpack.packb(["r", [1], None, {"_eos_token_id": "x"}, None])], "_eos_token_id"),
-    ([b"\x00", msgpack.packb(["r", [1], None, {"min_tokens": -2}, None])], "min_tokens"),
-    ([b"\x00", msgpack.packb(["r", [1], None, {"extra_args": [1]}, None])], "extra_args"),
     ([b"\x01", msgpack.packb("r")], "ABORT payload"),
     ([b"\x01", msgpack.packb(["r", 5])], "ABORT payload"),
     ([b"\x03", msgpack.packb([0, 1, "m"])], "4-array"),
@@ -162,6 +156,54 @@ BAD_FRAMES = [
 def test_bad_frames_raise_a_clear_protocol_error(frames, reason):
     with pytest.raises(ProtocolError, match=reason):
         protocol.decode_input(frames, LAYOUT)
+
+
+def _add(sampling=None, prompt=(1,), **fields):
+    array = ["r", list(prompt) if isinstance(prompt, tuple) else prompt, None, {} if sampling is None else sampling, None]
+    array += [0.0, None, None, None, None, None, 1, 0, 0, None, False, None, None, None, False, None, None]
+    for index, value in fields.items():
+        array[int(index[1:])] = value
+    return [b"\x00", msgpack.packb(array)]
+
+
+#: An ADD with a readable id and client but a bad value: InvalidRequest (the
+#: engine answers that request with ERROR) whose reason names key and value.
+BAD_VALUES = [
+    (_add(prompt="abc"), "prompt_token_ids is str"),
+    (_add(prompt=(1, -1)), r"prompt_token_ids\[1\] = -1 is not a token id"),
+    (_add(prompt=(2**32,)), r"prompt_token_ids\[0\] = 4294967296"),
+    (_add(prompt=(1, "x")), r"prompt_token_ids\[1\] = 'x'"),
+    (_add(sampling=[1]), "sampling_params is list"),
+    (_add({"max_tokens": "9"}), "max_tokens '9'"),
+    (_add({"max_tokens": -1}), "max_tokens -1"),
+    (_add({"max_tokens": True}), "max_tokens True"),
+    (_add({"stop_token_ids": ["a"]}), "stop_token_ids"),
+    (_add({"_eos_token_id": "x"}), "_eos_token_id 'x'"),
+    (_add({"_eos_token_id": 2**32}), "_eos_token_id 4294967296 is not a token id"),
+    (_add({"min_tokens": -2}), "min_tokens -2"),
+    (_add({"extra_args": [1]}), "extra_args is list"),
+    (_add(i13="high"), "priority 'high'"),
+    (_add(i12=-1), "current_wave -1"),
+]
+
+
+@pytest.mark.parametrize("frames,reason", BAD_VALUES, ids=[r for _, r in BAD_VALUES])
+def test_bad_values_in_an_add_become_an_invalid_request_naming_them(frames, reason):
+    message = protocol.decode_input(frames, LAYOUT)
+    assert isinstance(message, protocol.InvalidRequest), message
+    assert (message.request_id, message.client_index) == ("r", 1)
+    assert re.search(reason, message.reason), message.reason
+
+
+def test_an_add_with_no_output_socket_to_answer_on_is_a_bad_frame():
+    for client in ("x", -1, 2**16, 2**63):
+        with pytest.raises(ProtocolError, match="client_index"):
+            protocol.decode_input(_add(i11=client), LAYOUT)
+
+
+def test_long_values_are_cut_in_reasons():
+    message = protocol.decode_input(_add({"max_tokens": "9" * 100_000}), LAYOUT)
+    assert len(message.reason) < 200
 
 
 def test_aux_frames_are_accepted():

@@ -191,10 +191,11 @@ def test_kv_blocks_limit_admission_and_usage():
 
 def test_running_out_of_blocks_preempts_the_newest_and_it_recomputes():
     clock = VirtualClock()
-    # 3 blocks of 4 tokens. a: prompt 4 (1 block), b: prompt 4 (1 block); both grow
-    engine = engine_with(clock, kv_blocks=3, block_size=4)
-    engine.apply(request("a", max_tokens=6, prompt_len=4))
-    engine.apply(request("b", max_tokens=6, prompt_len=4))
+    # 4 blocks of 4 tokens. a and b: prompt 3 + first token = 1 block each at
+    # admission; both grow to 9 tokens (3 blocks each): b must make room
+    engine = engine_with(clock, kv_blocks=4, block_size=4)
+    engine.apply(request("a", max_tokens=6, prompt_len=3))
+    engine.apply(request("b", max_tokens=6, prompt_len=3))
     sent = drive(engine, clock)
     assert engine.counters["preemptions"] >= 1
     outputs = outputs_by_request(sent)
@@ -263,7 +264,7 @@ def test_xargs_ttft_delays_one_request_without_pacing_the_engine():
 def test_no_busy_steps_while_the_queue_waits_for_blocks_and_the_batch_prefills():
     clock = VirtualClock(0.0)
     engine = engine_with(clock, kv_blocks=2, block_size=4)
-    engine.apply(EngineCoreRequest("slow", 8, 2, True, extra_args={"mock_ttft_ms": 300}))  # holds both blocks
+    engine.apply(EngineCoreRequest("slow", 7, 2, True, extra_args={"mock_ttft_ms": 300}))  # 7 + its first token: both blocks
     engine.apply(EngineCoreRequest("next", 4, 2, True))  # must wait for a block
     engine.step()
     assert engine.next_step_time(0.0) == pytest.approx(0.3)

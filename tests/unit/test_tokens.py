@@ -61,7 +61,7 @@ def test_file_ids_cycle_from_a_seeded_offset(tmp_path):
     assert source.draw(source.initial_state("r"), 8)[0] == tokens  # deterministic
 
 
-@pytest.mark.parametrize("text,reason", [("", "no token ids"), ("1 x 3", "word 2"), ("4 -1", "negative")])
+@pytest.mark.parametrize("text,reason", [("", "no token ids"), ("1 x 3", "word 2"), ("4 -1", "not a token id"), ("4294967296", "not a token id")])
 def test_bad_token_files(tmp_path, text, reason):
     path = tmp_path / "bad.txt"
     path.write_text(text)
