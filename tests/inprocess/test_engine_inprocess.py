@@ -5,6 +5,7 @@ frontend's side of the handshake and traffic (tests/fake_frontend.py).
 """
 
 import contextlib
+import time
 
 import gevent
 import msgpack
@@ -356,4 +357,38 @@ def test_on_stop_drains_every_stream_then_exits(mode):
         assert waiter.get(timeout=10) == 0
         assert all(c["violations"] == 0 and c["active"] == 0 for c in app.counters().values())
     finally:
+        frontend.close()
+
+
+def test_a_stop_with_the_frontend_gone_and_outputs_backed_up_is_clean_and_says_what_was_lost():
+    """The frontend stopped reading: the PUSH is at its high-water mark, the
+    sender blocked in send, the output queue full. A stop must still exit 0
+    within its budget (the sender used to be woken by its socket closing,
+    with a ZMQError, exit 1), and --send-dead-on-exit must say that
+    ENGINE_CORE_DEAD could not go out rather than drop it silently."""
+    from loguru import logger
+
+    lines = []
+    sink = logger.add(lambda message: lines.append(str(message)), level="WARNING")
+    frontend = FakeFrontend(num_clients=1, dp=1)
+    app, waiter = start_app(frontend, "--send-dead-on-exit")
+    try:
+        frontend.accept_engines()
+        assert app.wait_joined(5)
+        frontend.outputs[0].close(linger=0)  # nobody reads the engine's outputs any more
+        for i in range(8):
+            frontend.add(0, f"long-{i}", max_tokens=10**9)
+        runner = app.runners[0]
+        with gevent.Timeout(20):
+            while not runner.out_queue.full():
+                gevent.sleep(0.05)
+        started = time.monotonic()
+        app.stop()
+        assert waiter.get(timeout=5) == 0
+        assert time.monotonic() - started < 2.0  # bounded: the budgets add up to well under a second
+        text = "\n".join(lines)
+        assert "outputs not flushed" in text and "ENGINE_CORE_DEAD not sent on output[0]" in text
+        assert app.supervisor.failure is None
+    finally:
+        logger.remove(sink)
         frontend.close()
