@@ -189,6 +189,12 @@ class _Parser(configargparse.ArgumentParser):
         raise ConfigError(message)
 
 
+class _Finder(argparse.ArgumentParser):
+    """A plain parser of one option (locate_config); raises ConfigError."""
+
+    error = _Parser.error
+
+
 def build_parser() -> configargparse.ArgumentParser:
     """The one parser; option groups mirror the README's option tables."""
     parser = _Parser(
@@ -203,6 +209,10 @@ def build_parser() -> configargparse.ArgumentParser:
         auto_env_var_prefix=ENV_PREFIX,
         ignore_unknown_config_file_keys=False,
         formatter_class=configargparse.ArgumentDefaultsHelpFormatter,
+        # An abbreviation (--max-num-s) is an error: configargparse's own check
+        # that a flag is on the command line (which keeps env and file values
+        # from overriding it) matches whole flags only.
+        allow_abbrev=False,
     )
     parser.add_argument(
         "--config",
@@ -463,16 +473,27 @@ def env_name(action: argparse.Action) -> str:
     return ENV_PREFIX + _long_flag(action)[2:].upper().replace("-", "_")
 
 
-def _on_command_line(action: argparse.Action, argv: Sequence[str]) -> bool:
-    for arg in argv:
-        for opt in action.option_strings:
-            if arg == opt or arg.startswith(opt + "="):
-                return True
-    return False
+#: What every option holds while the parser runs: still there afterwards means
+#: no source gave it (argparse sets a default only on a namespace without it).
+_UNSET = object()
+
+#: Keys of configargparse's get_source_to_settings_dict().
+_ENV_SETTINGS = "environment_variables"
+_FILE_SETTINGS = "config_file"
+
+
+def _default(action: argparse.Action) -> Any:
+    """An option's default as argparse would store it (a string default goes through the type)."""
+    if isinstance(action.default, str) and callable(action.type):
+        return action.type(action.default)
+    return action.default
 
 
 class _Sources:
-    """Resolves the source of each option from argv, env and the config file."""
+    """The source of each option, from the parse itself: a value still `_UNSET`
+    was given nowhere; configargparse records which options it set from the
+    environment or the config file; any other given value came from the
+    command line. argv is never scanned for flags."""
 
     def __init__(self, parser: configargparse.ArgumentParser, argv: Sequence[str], env: Mapping[str, str]) -> None:
         self.parser = parser
@@ -480,7 +501,7 @@ class _Sources:
         self.env = env
         self.config_path: Optional[str] = None
         self.config_origin: Optional[Source] = None
-        self.config_keys: Dict[str, str] = {}
+        self.resolved: Dict[str, Source] = {}
 
     def options(self) -> List[argparse.Action]:
         return [a for a in self.parser._actions if a.option_strings and a.dest not in ("help", "version")]
@@ -491,29 +512,62 @@ class _Sources:
                 return action
         return None
 
+    def namespace(self) -> argparse.Namespace:
+        """The namespace to parse into: every option `_UNSET`."""
+        return argparse.Namespace(**{a.dest: _UNSET for a in self.options()})
+
+    def recorded(self) -> Dict[str, Source]:
+        """dest -> Source for the options configargparse set from the environment
+        or the config file (it sets each only when no higher source has it)."""
+        try:
+            settings = self.parser.get_source_to_settings_dict()
+        except AttributeError:  # the parse did not get that far
+            return {}
+        found: Dict[str, Source] = {}
+        for source_key, items in settings.items():
+            for key, (action, _value) in items.items():
+                if action is None:
+                    continue
+                if source_key == _ENV_SETTINGS:
+                    found[action.dest] = Source("environment", key)
+                elif source_key.split("|", 1)[0] == _FILE_SETTINGS:
+                    found[action.dest] = Source("config file", f"{self.config_path}, key {key}")
+        return found
+
+    def resolve(self, args: argparse.Namespace) -> Dict[str, Source]:
+        """After the parse: put the defaults in and name every option's source."""
+        recorded = self.recorded()
+        for action in self.options():
+            given = getattr(args, action.dest) is not _UNSET
+            if not given:
+                # a source may also leave a value unset (configargparse adds no
+                # argument for a store_true flag set to false): then it is the default
+                setattr(args, action.dest, _default(action))
+            if action.dest in recorded:
+                source = recorded[action.dest]
+            else:
+                source = Source("command line") if given else Source("default")
+            self.resolved[action.dest] = source
+        return self.resolved
+
     def of(self, action: argparse.Action) -> Source:
-        if _on_command_line(action, self.argv):
-            return Source("command line")
-        env_var = env_name(action)
-        if self.env.get(env_var, "") != "":
-            return Source("environment", env_var)
-        key = _long_flag(action)[2:]
-        if key in self.config_keys:
-            return Source("config file", f"{self.config_path}, key {key}")
-        return Source("default")
+        if action.dest in self.resolved:
+            return self.resolved[action.dest]
+        # during the parse (an error about a value): a value from neither the
+        # environment nor the file is from the command line
+        return self.recorded().get(action.dest, Source("command line"))
 
     # -- the config file, checked before configargparse reads it ------------
 
     def locate_config(self) -> None:
-        argv = self.argv
-        for i, arg in enumerate(argv):
-            if arg == "--config":
-                if i + 1 >= len(argv):
-                    raise ConfigError("argument --config: expected a file name")
-                self.config_path, self.config_origin = argv[i + 1], Source("command line")
-            elif arg.startswith("--config="):
-                self.config_path, self.config_origin = arg.split("=", 1)[1], Source("command line")
-        if self.config_path is None and self.env.get(ENV_PREFIX + "CONFIG"):
+        """Find --config the way configargparse does (a parser of that one
+        option), before it reads the file."""
+        finder = _Finder(add_help=False, allow_abbrev=False)
+        finder.add_argument("--config", default=None)
+        path = finder.parse_known_args(self.argv)[0].config
+        if path:
+            self.config_path, self.config_origin = path, Source("command line")
+        elif self.env.get(ENV_PREFIX + "CONFIG"):
             self.config_path = self.env[ENV_PREFIX + "CONFIG"]
             self.config_origin = Source("environment", ENV_PREFIX + "CONFIG")
 
@@ -524,11 +578,12 @@ class _Sources:
         if path is None:
             return
         where = f"config file {path} (given by {self.config_origin})"
-        if not os.path.isfile(path):
+        readable = os.path.expanduser(path)  # as configargparse opens it
+        if not os.path.isfile(readable):
             raise ConfigError(f"argument --config: {where} does not exist")
         ini = configparser.ConfigParser(interpolation=None)
         try:
-            with open(path, encoding="utf-8") as handle:
+            with open(readable, encoding="utf-8") as handle:
                 ini.read_file(handle)
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"argument --config: cannot read {where}: {exc}") from None
@@ -545,20 +600,31 @@ class _Sources:
             if key not in known:
                 hint = " (the config file cannot include another one)" if key == "config" else ""
                 raise ConfigError(f"config file {path}: unknown key {key!r} in [{CONFIG_SECTION}]{hint}")
-            self.config_keys[key] = ini[CONFIG_SECTION][key]
 
     def explain(self, message: str) -> str:
-        """Add the value's source to an argparse message about one flag."""
+        """Add the value's source to an argparse message about one flag, or
+        the flags meant to an unrecognized abbreviation."""
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        if unknown:
+            return message + self.abbreviation_hint(unknown.group(1).split())
         match = re.match(r"argument (--[\w-]+)", message)
         if not match:
             return message
         action = self.find(match.group(1).split("/")[0])
         if action is None:
             return message
-        source = self.of(action)
-        if source.kind == "default":
-            return message
-        return f"{message} (from {source})"
+        return f"{message} (from {self.of(action)})"
+
+    def abbreviation_hint(self, args: Sequence[str]) -> str:
+        flags = [o for a in self.options() for o in a.option_strings if o.startswith("--")]
+        for arg in args:
+            prefix = arg.split("=", 1)[0]
+            if not prefix.startswith("--") or prefix in flags:
+                continue
+            meant = [f for f in flags if f.startswith(prefix)]
+            if meant:
+                return f" ({prefix}: abbreviations are not accepted; did you mean {' or '.join(meant)}?)"
+        return ""
 
 
 # -- public API --------------------------------------------------------------------
@@ -578,9 +644,12 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
     sources = _Sources(parser, argv, env)
     sources.check_config_file()
     try:
-        args = parser.parse_args(argv, env_vars=env)
+        args = parser.parse_args(argv, namespace=sources.namespace(), env_vars=env)
     except ConfigError as exc:
         raise ConfigError(sources.explain(str(exc))) from None
+    #: dest -> Source for every option (--print-config, logging, and what
+    #: runtime.py enforces only when given: `sources[name].kind != "default"`).
+    args.sources = sources.resolve(args)
     last_rank = args.data_parallel_start_rank + args.engine_count
     if args.data_parallel_size is None:
         args.data_parallel_size = last_rank
@@ -604,10 +673,6 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
         raise ConfigError(f"argument --engine-count: ranks up to {last_rank - 1} do not fit a 2-byte engine identity")
     #: Every configured fault, in KINDS order (runtime.py hands them to each engine).
     args.faults = [spec for spec in (getattr(args, "fault_" + k.replace("-", "_")) for k in KINDS) if spec is not None]
-    args.sources = {a.dest: sources.of(a) for a in sources.options()}
-    if sources.config_path is not None:
-        args.config = sources.config_path
-        args.sources["config"] = sources.config_origin
     return args
 
 

@@ -1,6 +1,7 @@
 """config.py: one precedence rule (CLI > env > file > default) and clear errors."""
 
 import configparser
+import re
 import os
 
 import pytest
@@ -149,3 +150,89 @@ def test_all_options_file_lists_every_option():
     for action in build_parser()._actions:
         if action.option_strings and action.dest not in ("help", "version", "config"):
             assert f";{action.option_strings[0][2:]} =" in text, action.option_strings[0]
+
+
+# -- issue 10 A: no abbreviations; every source form is reported right ---------------
+
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--max-num-s", "64"], "--max-num-s"),
+        (["--max-num-s=64"], "--max-num-s"),
+        (["--num-gpu", "100"], "--num-gpu"),
+        (["--no-log-req"], "--no-log-req"),
+        (["--conf", "conf/dp1.ini"], "--conf"),
+    ],
+)
+def test_abbreviated_flags_are_an_error_naming_the_flag(argv, flag):
+    # argparse would take these as --max-num-seqs etc., but the limit is then
+    # not enforced (its source looked like "default"): no abbreviations at all.
+    with pytest.raises(ConfigError, match=rf"unrecognized arguments: {re.escape(flag)}\b") as info:
+        parse_config(argv, env={})
+    assert "abbreviations are not accepted" in str(info.value)
+
+
+def _print_config_line(args, key):
+    return next(line for line in format_config(args).splitlines() if line.startswith(f"{key} ="))
+
+
+@pytest.mark.parametrize(
+    "argv,env,body,dest,value,kind,detail",
+    [
+        (["--max-num-seqs", "64"], {}, None, "max_num_seqs", 64, "command line", ""),
+        (["--max-num-seqs=64"], {}, None, "max_num_seqs", 64, "command line", ""),
+        (["--max-num-seqs=64"], {"GMOCK_MAX_NUM_SEQS": "9"}, "max-num-seqs = 7\n", "max_num_seqs", 64, "command line", ""),
+        ([], {"GMOCK_MAX_NUM_SEQS": "9"}, "max-num-seqs = 7\n", "max_num_seqs", 9, "environment", "GMOCK_MAX_NUM_SEQS"),
+        ([], {}, "max-num-seqs = 7\n", "max_num_seqs", 7, "config file", "key max-num-seqs"),
+        ([], {}, None, "max_num_seqs", 256, "default", ""),
+        (["--log-requests"], {}, None, "log_requests", True, "command line", ""),
+        (["--no-log-requests"], {}, "log-requests = true\n", "log_requests", False, "command line", ""),
+        (["--no-log-requests"], {"GMOCK_LOG_REQUESTS": "true"}, None, "log_requests", False, "command line", ""),
+        ([], {"GMOCK_LOG_REQUESTS": "false"}, "log-requests = true\n", "log_requests", False, "environment", "GMOCK_LOG_REQUESTS"),
+        ([], {}, "log-requests = false\n", "log_requests", False, "config file", "key log-requests"),
+        ([], {}, "log-requests = true\n", "log_requests", True, "config file", "key log-requests"),
+        ([], {}, None, "log_requests", False, "default", ""),
+        # a string default goes through its type like a given value
+        ([], {}, None, "handshake_address", "tcp://127.0.0.1:29550", "default", ""),
+        (["--handshake-address=ipc:///tmp/x"], {}, None, "handshake_address", "ipc:///tmp/x", "command line", ""),
+        # an empty variable sets the value to "": it is not the default any more
+        ([], {"GMOCK_VLLM_VERSION": ""}, None, "vllm_version", "", "environment", "GMOCK_VLLM_VERSION"),
+    ],
+)
+def test_print_config_source_of_every_form(tmp_path, argv, env, body, dest, value, kind, detail):
+    if body is not None:
+        argv = ["--config", ini(tmp_path, body), *argv]
+    args = parse_config(argv, env=env)
+    assert getattr(args, dest) == value
+    assert args.sources[dest].kind == kind and detail in args.sources[dest].detail
+    line = _print_config_line(args, dest.replace("_", "-"))
+    assert f"; from {kind}" in line and detail in line
+
+
+def test_config_file_source_given_by_cli_or_environment(tmp_path):
+    path = ini(tmp_path, "engine-count = 2\n")
+    args = parse_config([f"--config={path}"], env={})
+    assert args.config == path and str(args.sources["config"]) == "command line"
+    args = parse_config([], env={"GMOCK_CONFIG": path})
+    assert args.config == path and str(args.sources["config"]) == "environment GMOCK_CONFIG"
+    assert args.engine_count == 2 and args.sources["engine_count"].kind == "config file"
+    assert parse_config([], env={}).sources["config"].kind == "default"
+    with pytest.raises(ConfigError, match=r"argument --config: expected one argument"):
+        parse_config(["--config"], env={})
+
+
+@pytest.mark.parametrize("name", ["max_num_seqs", "num_gpu_blocks", "max_num_batched_tokens"])
+def test_a_limit_given_in_any_form_counts_as_given(tmp_path, name):
+    # runtime.py enforces these only when `sources[name].kind != "default"`.
+    flag = "--" + name.replace("_", "-")
+    forms = [
+        ([flag, "64"], {}),
+        ([f"{flag}=64"], {}),
+        ([], {"GMOCK_" + name.upper(): "64"}),
+        (["--config", ini(tmp_path, f"{flag[2:]} = 64\n")], {}),
+    ]
+    for argv, env in forms:
+        args = parse_config(argv, env=env)
+        assert getattr(args, name) == 64 and args.sources[name].kind != "default", (argv, env)
+    assert parse_config([], env={}).sources[name].kind == "default"
