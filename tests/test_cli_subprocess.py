@@ -90,19 +90,37 @@ def test_run_sh_with_dp4_config_serves_and_exits_0_on_sigterm(frontend, tmp_path
 
 
 def test_second_signal_exits_at_once(tmp_path):
-    # No frontend at all: the engine waits for INIT; SIGINT twice ends it.
-    proc = subprocess.Popen(
-        [RUN_SH, "--handshake-address", "tcp://127.0.0.1:9"],
-        cwd=REPO_DIR,
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    time.sleep(1.5)
-    proc.send_signal(signal.SIGINT)
-    proc.send_signal(signal.SIGINT)
-    status = wait_exit(proc, 10)
-    assert status in (0, 128 + signal.SIGINT)
+    # --on-stop finish waits up to --drain-timeout (30 s) for a request that
+    # never ends, so the first SIGTERM starts a shutdown that takes 30 s; the
+    # second signal cuts it short: os._exit(128 + signal) in cli.py, with no
+    # drain timeout and no final summary.
+    frontend = FakeFrontend(num_clients=1, dp=1)
+    drain_timeout = 30.0
+    args = ["--handshake-address", frontend.handshake_address, "--itl-ms", "10",
+            "--on-stop", "finish", "--drain-timeout", str(drain_timeout)]  # fmt: skip
+    with engine_process(tmp_path, args, frontend) as (proc, log):
+        frontend.accept_engines(timeout=60)
+        frontend.add(0, "endless", max_tokens=10**9)
+        frontend.recv(0)
+        first = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        # The first signal has been handled (two signals before that could be
+        # taken for one) and the engine is waiting for the request to finish.
+        with gevent.Timeout(10):
+            while "draining: finishing in-flight requests" not in log_text(log):
+                gevent.sleep(0.05)
+        gevent.sleep(1.0)
+        assert proc.poll() is None, "the first signal alone must not end the run yet"
+        second = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        status = wait_exit(proc, drain_timeout / 2)
+        done = time.monotonic()
+        text = log_text(log)
+    print(f"second signal -> exit {status} in {done - second:.3f} s ({done - first:.3f} s after the first)")
+    assert status == 128 + signal.SIGINT  # not 0: the orderly shutdown did not end it
+    assert done - second < 3.0 and done - first < drain_timeout / 3
+    assert "SIGTERM received" in text
+    assert "drain timeout" not in text and "engine 0 summary" not in text
 
 
 @pytest.mark.parametrize(
@@ -112,6 +130,8 @@ def test_second_signal_exits_at_once(tmp_path):
         (["--config", "conf/missing.ini"], {}, "conf/missing.ini (given by command line) does not exist"),
         ([], {"GMOCK_VOCAB_SIZE": "-3"}, "argument --vocab-size: -3 is less than 1 (from environment GMOCK_VOCAB_SIZE)"),
         ([], {"GMOCK_HANDSHAKE_ADDRESS": "127.0.0.1:29550"}, "argument --handshake-address"),
+        # an abbreviation is no flag (argparse took it, but the limit went unenforced)
+        (["--max-num-s", "64", "--print-config"], {}, "unrecognized arguments: --max-num-s 64"),
     ],
 )
 def test_bad_configuration_exits_2_before_connecting(args, env, message):
@@ -145,6 +165,23 @@ def test_print_config(tmp_path):
     assert result.returncode == 0
     assert "engine-count = 4" in result.stdout and "from config file conf/dp4.ini, key engine-count" in result.stdout
     assert "seed = 3" in result.stdout and "from environment GMOCK_SEED" in result.stdout
+
+
+def test_print_config_names_the_command_line_for_flag_equals_value(tmp_path):
+    result = subprocess.run(
+        [RUN_SH, "--max-num-seqs=64", "--no-log-requests", "--print-config"],
+        cwd=REPO_DIR,
+        env=clean_env(GMOCK_LOG_REQUESTS="true", GMOCK_NUM_GPU_BLOCKS="100"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = {line.split(" = ")[0]: line for line in result.stdout.splitlines() if " = " in line}
+    assert "= 64 " in lines["max-num-seqs"] and "; from command line" in lines["max-num-seqs"]
+    assert "= false " in lines["log-requests"] and "; from command line" in lines["log-requests"]
+    assert "= 100 " in lines["num-gpu-blocks"] and "; from environment GMOCK_NUM_GPU_BLOCKS" in lines["num-gpu-blocks"]
+    assert "; from default" in lines["max-num-batched-tokens"]
 
 
 def test_processes_spread_ranks_and_stop_together(tmp_path):

@@ -13,9 +13,12 @@ import pytest
 from fake_frontend import FakeFrontend
 from gmock_engine.engine import MOCK_FAILURE_MESSAGE
 from gmock_engine.faults import UTILITY_FAILURE_MESSAGE
-from gmock_engine.protocol import FinishReason
+from gmock_engine.protocol import WIRE_LAYOUTS, FinishReason
 
 from test_engine_inprocess import serving, start_app
+
+#: Where a RequestError goes in an EngineCoreOutput (0.33 layout).
+ERROR_POSITION = WIRE_LAYOUTS["0.33"].output_position("error")
 
 
 @pytest.fixture
@@ -60,7 +63,7 @@ def test_error_mid_stream(stack):
     assert len(collected.tokens("ok")) == 10 and collected.terminal["ok"] == FinishReason.LENGTH
     assert len(collected.tokens("broken")) == 5 and collected.terminal["broken"] == FinishReason.ERROR
     last = collected.outputs["broken"][-1]
-    assert last[7] == {"code": "mock_failure", "message": MOCK_FAILURE_MESSAGE, "retryable": False} or MOCK_FAILURE_MESSAGE in str(last)
+    assert last[ERROR_POSITION] == {"code": "mock_failure", "message": MOCK_FAILURE_MESSAGE, "retryable": False}
     counts = app.counters()[0]
     assert counts["fault_error_mid_stream"] == 1 and counts["finished_error"] == 1 and counts["finished_length"] == 1
 
