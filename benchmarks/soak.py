@@ -12,7 +12,9 @@ descriptors, its request ledger (from its own metrics endpoint) and the
 request outcomes. The verdict at the end:
 
 * ledger violations: 0, no request left active once the load stopped, and
-  the clients' disconnects seen by the engine as aborts;
+  every client disconnect seen by the engine as an abort: engine aborts ==
+  client disconnects (with faults that can move that count, within a bound:
+  see `abort_check`);
 * failed requests (wrong token count, HTTP error, broken stream): 0;
 * RSS growth after warm-up (--warmup, default the first fifth of the run):
   <= 1 % (--rss-growth-limit).
@@ -40,7 +42,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Mapping, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -145,6 +147,92 @@ def engine_books(metrics_port: int) -> Dict[str, float]:
     return books
 
 
+#: Request faults that can move engine aborts away from client disconnects,
+#: each firing by at most one: an ERROR end half-way can beat the client's
+#: close to the engine (error-mid-stream); a last output held back or never
+#: sent leaves a client waiting for a request the engine has already ended
+#: (late-finish, drop-finish), so its close is no abort.
+REQUEST_FAULTS_MOVING_ABORTS = ("error_mid_stream", "late_finish", "drop_finish")
+#: Engine faults that can move it by any number: outputs stalled while the
+#: engine goes on stepping end many requests before their clients see them;
+#: a stall or hang past the clients' read timeout turns waiting clients into
+#: failed ones, whose requests the engine still aborts; a crashed engine never
+#: goes idle. (duplicate-finish, slow-steps and fail-utility move nothing: every
+#: close still reaches a request the engine is still running.)
+ENGINE_FAULTS_MOVING_ABORTS = ("stall_outputs", "hang", "crash")
+#: Request faults that fail a request on purpose (README, Fault injection).
+FAILING_FAULTS = ("error_mid_stream", "drop_finish")
+
+
+def abort_check(disconnects: int, aborts: float, failed: int, faults: Mapping[str, float]) -> Optional[str]:
+    """Whether the engine saw the clients' disconnects as aborts: None if so,
+    else what is wrong. `faults`: firings per kind (gmock_faults_injected_total,
+    kinds with underscores).
+
+    No fault that can move the count: aborts == disconnects, exactly. Request
+    faults: they differ by at most the number of those firings. Engine faults:
+    only bounds: some aborts when clients disconnected, and no more aborts than
+    clients that closed a stream (disconnects + failed).
+    """
+    if any(faults.get(kind, 0) > 0 for kind in ENGINE_FAULTS_MOVING_ABORTS):
+        if disconnects > 0 and aborts <= 0:
+            return f"{disconnects} client disconnects but no engine aborts"
+        if aborts > disconnects + failed:
+            return f"{aborts:g} engine aborts > {disconnects} client disconnects + {failed} failed requests"
+        return None
+    slack = sum(faults.get(kind, 0) for kind in REQUEST_FAULTS_MOVING_ABORTS)
+    if abs(aborts - disconnects) > slack:
+        allowed = f" (± {slack:g} for the request faults injected)" if slack else ""
+        return f"{aborts:g} engine aborts != {disconnects} client disconnects{allowed}"
+    return None
+
+
+def judge(
+    outcomes: Mapping[str, int],
+    books: Mapping[str, float],
+    samples: Sequence[Mapping[str, float]],
+    warmup: float,
+    rss_growth_limit: float,
+    failures: Sequence[str] = (),
+) -> Dict[str, object]:
+    """The verdict, pure: the load's outcomes, the engine's books (engine_books)
+    once idle, and the samples (t, rss_mb). "verdict" is PASS or FAIL, and
+    "problems" says what failed."""
+    after = [x for x in samples if x["t"] >= warmup] or list(samples)
+    warm = after[0]["rss_mb"] if after else 0
+    last = samples[-1]["rss_mb"] if samples else 0
+    growth = 100.0 * (last - warm) / warm if warm else 0.0
+    faults = {k[len("gmock_faults_injected_"):]: v for k, v in books.items() if k.startswith("gmock_faults_injected_")}
+    failing_faults = int(sum(faults.get(kind, 0) for kind in FAILING_FAULTS))
+    verdict: Dict[str, object] = {
+        "requests": dict(outcomes),
+        "ledger_started": books.get("gmock_requests_started", 0),
+        "ledger_violations": books.get("gmock_ledger_violations", 0),
+        "ledger_aborted": books.get("gmock_requests_finished_abort", 0),
+        "rss_warm_mb": warm,
+        "rss_end_mb": last,
+        "rss_growth_pct": round(growth, 2),
+        "faults_injected": faults,
+        "failures": list(failures),
+    }
+    problems = []
+    if verdict["ledger_violations"] != 0:
+        problems.append(f"{verdict['ledger_violations']:g} ledger violations")
+    if outcomes.get("failed", 0) > failing_faults:
+        problems.append(f"{outcomes.get('failed', 0)} failed requests > {failing_faults} injected faults that fail one")
+    if growth > rss_growth_limit:
+        problems.append(f"RSS grew {growth:.2f} % after warm-up > {rss_growth_limit:g} %")
+    if outcomes.get("ok", 0) <= 0:
+        problems.append("no request completed")
+    # the clients' disconnects reached the engine as ABORTs
+    aborts = abort_check(outcomes.get("aborted_by_client", 0), verdict["ledger_aborted"], outcomes.get("failed", 0), faults)
+    if aborts is not None:
+        problems.append(aborts)
+    verdict["problems"] = problems
+    verdict["verdict"] = "FAIL" if problems else "PASS"
+    return verdict
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="run.sh soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=duration, default=duration("5m"), help="how long the load runs (90s, 15m, 1h)")
@@ -199,33 +287,7 @@ def main() -> int:
                      and engine_books(metrics_port).get("gmock_requests_waiting", 1) == 0, 60, "the engine to go idle")  # fmt: skip
         books = engine_books(metrics_port)
         warmup = options.warmup if options.warmup is not None else options.duration / 5
-        after = [x for x in samples if x["t"] >= warmup] or samples
-        warm = after[0]["rss_mb"] if after else 0
-        last = samples[-1]["rss_mb"] if samples else 0
-        growth = 100.0 * (last - warm) / warm if warm else 0.0
-        faults = {k[len("gmock_faults_injected_"):]: v for k, v in books.items() if k.startswith("gmock_faults_injected_")}
-        # requests a fault fails on purpose (README, Fault injection)
-        failing_faults = int(faults.get("error_mid_stream", 0) + faults.get("drop_finish", 0))
-        verdict = {
-            "requests": dict(load.outcomes),
-            "ledger_started": books.get("gmock_requests_started", 0),
-            "ledger_violations": books.get("gmock_ledger_violations", 0),
-            "ledger_aborted": books.get("gmock_requests_finished_abort", 0),
-            "rss_warm_mb": warm,
-            "rss_end_mb": last,
-            "rss_growth_pct": round(growth, 2),
-            "faults_injected": faults,
-            "failures": load.failures,
-        }
-        ok = (
-            verdict["ledger_violations"] == 0
-            and load.outcomes["failed"] <= failing_faults
-            and growth <= options.rss_growth_limit
-            and load.outcomes["ok"] > 0
-            # the clients' disconnects reached the engine as ABORTs
-            and (options.abort_share == 0 or verdict["ledger_aborted"] > 0)
-        )
-        verdict["verdict"] = "PASS" if ok else "FAIL"
+        verdict = judge(load.outcomes, books, samples, warmup, options.rss_growth_limit, load.failures)
     finally:
         load.stop.set()
         problems = stack.stop()
