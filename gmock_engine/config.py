@@ -41,7 +41,10 @@ class ConfigError(Exception):
 # -- value types (raise ArgumentTypeError; the parser adds flag and source) --
 
 
-def _int_at_least(minimum: int):
+_INT64_MAX = (1 << 63) - 1
+
+
+def _int_at_least(minimum: int, maximum: int = _INT64_MAX):
     def parse(text: str) -> int:
         try:
             value = int(text, 0)
@@ -49,9 +52,12 @@ def _int_at_least(minimum: int):
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{value} is less than {minimum}")
+        if value > maximum:
+            # every number reaches a frontend or the wire somewhere (READY, stats, token ids)
+            raise argparse.ArgumentTypeError(f"{value} is more than {maximum}")
         return value
 
-    parse.__name__ = f"integer >= {minimum}"
+    parse.__name__ = f"integer >= {minimum}" if maximum == _INT64_MAX else f"integer in [{minimum}, {maximum}]"
     return parse
 
 
@@ -270,7 +276,12 @@ def build_parser() -> configargparse.ArgumentParser:
         default=1,
         help="token ids per EngineCoreOutput and step (> 1 mimics MTP / speculative decoding)",
     )
-    gen.add_argument("--vocab-size", type=_int_at_least(1), default=32000, help="token ids are drawn from [0, vocab-size)")
+    gen.add_argument(
+        "--vocab-size",
+        type=_int_at_least(1, 1 << 32),  # ids must fit the frontends' u32 token type
+        default=32000,
+        help="token ids are drawn from [0, vocab-size) (at most 2**32)",
+    )
     gen.add_argument("--seed", type=_int_at_least(0), default=0, help="base seed; each request's tokens depend on (seed, rank, request id)")
     lat = parser.add_argument_group("latency model (all off by default: steps back to back, instant prefill)")
     lat.add_argument(

@@ -236,3 +236,16 @@ def test_a_limit_given_in_any_form_counts_as_given(tmp_path, name):
         args = parse_config(argv, env=env)
         assert getattr(args, name) == 64 and args.sources[name].kind != "default", (argv, env)
     assert parse_config([], env={}).sources[name].kind == "default"
+
+
+@pytest.mark.parametrize(
+    "argv,reason",
+    [
+        (["--vocab-size", str(2**32 + 1)], r"--vocab-size: 4294967297 is more than 4294967296"),
+        (["--max-model-len", str(2**63)], r"--max-model-len: 9223372036854775808 is more than 9223372036854775807"),
+        (["--num-gpu-blocks", "1" * 30], r"--num-gpu-blocks: 1+ is more than"),
+    ],
+)
+def test_numbers_that_cannot_reach_a_frontend_are_refused_at_start(argv, reason):
+    with pytest.raises(ConfigError, match=reason):
+        parse_config(argv, env={})
