@@ -313,7 +313,7 @@ def test_itl_paces_steps_on_the_engine_clock():
         stats = frontend.utility_result(call_id)[2][1]
         # the first step starts when the work arrives (no slot to be late for)
         assert stats["step_lateness_us"]["total"] == 5
-        assert stats["counters"]["finished_length"] == 2 and stats["active"] == 0
+        assert stats["ledger"]["finished_length"] == 2 and stats["active"] == 0
     finally:
         app.stop()
         assert waiter.get(timeout=5) == 0

@@ -68,7 +68,7 @@ def test_chunks_and_length_finish(max_tokens, chunk, sizes):
     assert outs[-1][5] == FinishReason.LENGTH
     assert finished_of(sent) == ["r"]
     assert engine.num_active == 0 and not engine.has_work
-    assert engine.counters["finished_length"] == 1
+    assert engine.ledger.summary().get("finished_length", 0) == 1
 
 
 def test_tokens_in_vocab_and_deterministic_per_seed():
@@ -137,7 +137,7 @@ def test_abort_active_and_unknown_ids():
     for _, msg in sent:
         [out] = msg[1]
         assert out[1] == [] and out[5] == FinishReason.ABORT and msg[5] == [out[0]]
-    assert engine.num_active == 0 and engine.counters["aborted"] == 2
+    assert engine.num_active == 0 and engine.ledger.summary().get("finished_abort", 0) == 2
     assert engine.apply(AbortRequests(["a"])) == []  # already gone
 
 

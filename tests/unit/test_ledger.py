@@ -88,7 +88,7 @@ def test_strict_ledger_stops_on_a_violation():
         engine.step()
     # as if the engine had a bug and sent one more output for the finished request
     with pytest.raises(LedgerViolation, match="after its terminal"):
-        engine._report(engine.ledger.sent(msg([["a", [1]]])))
+        engine.outbox._report(engine.ledger.sent(msg([["a", [1]]])))
 
 
 def test_an_abort_immediately_duplicate_does_not_end_the_original():
@@ -100,7 +100,7 @@ def test_an_abort_immediately_duplicate_does_not_end_the_original():
     assert message[1][0][5] == 3  # ERROR for the duplicate
     while engine.has_work:
         engine.step()
-    assert engine.ledger.summary()["violations"] == 0 and engine.counters["finished_length"] == 1
+    assert engine.ledger.summary()["violations"] == 0 and engine.ledger.summary().get("finished_length", 0) == 1
 
 
 def test_a_reused_id_is_remembered_as_newly_ended():

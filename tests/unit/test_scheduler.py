@@ -63,7 +63,7 @@ def test_max_num_seqs_keeps_the_rest_waiting_fcfs():
     assert order == ["r0", "r1", "r2", "r3", "r4"]
     running = [m[2]["num_running_reqs"] for _, m in sent if m[2] is not None]
     assert max(running) == 2 and running[-1] == 0
-    assert engine.counters["finished_length"] == 5
+    assert engine.ledger.summary().get("finished_length", 0) == 5
 
 
 def test_priority_policy_admits_lower_priority_values_first():
@@ -146,7 +146,7 @@ def test_no_busy_steps_while_everything_prefills():
     clock.now = 0.5
     drive(engine, clock)
     # t=0 admit; t=0.5 first token; then (itl 0) the second token at once
-    assert engine.counters["steps"] == 3 and engine.counters["finished_length"] == 1
+    assert engine.counters["steps"] == 3 and engine.ledger.summary().get("finished_length", 0) == 1
 
 
 def test_pause_keeps_waiting_requests_waiting():
@@ -161,7 +161,7 @@ def test_pause_keeps_waiting_requests_waiting():
     assert "b" in engine.waiting and not engine.active
     engine.apply(UtilityCall(0, 2, "resume_scheduler", []))
     drive(engine, clock)
-    assert engine.num_active == 0 and engine.counters["finished_length"] == 2
+    assert engine.num_active == 0 and engine.ledger.summary().get("finished_length", 0) == 2
 
 
 # -- KV blocks, preemption, chunked prefill ----------------------------------------
@@ -186,7 +186,7 @@ def test_kv_blocks_limit_admission_and_usage():
     assert stats["num_running_reqs"] == 2 and stats["num_waiting_reqs"] == 1
     assert stats["kv_cache_usage"] == pytest.approx(1.0)
     sent = [(clock.now, m) for _, m in first] + drive(engine, clock)
-    assert engine.counters["finished_length"] == 3 and engine.used_blocks == 0
+    assert engine.ledger.summary().get("finished_length", 0) == 3 and engine.used_blocks == 0
 
 
 def test_running_out_of_blocks_preempts_the_newest_and_it_recomputes():

@@ -45,7 +45,7 @@ def test_eos_length_ends_with_stop_and_the_eos_token():
     tokens, last, _ = finish(e, req(max_tokens=10))
     assert len(tokens) == 5 and tokens[-1] == EOS and EOS not in tokens[:-1]
     assert last[5] == FinishReason.STOP and len(last) == 6  # no stop_reason for EOS (nil)
-    assert e.counters["finished_stop"] == 1
+    assert e.ledger.summary().get("finished_stop", 0) == 1
 
 
 @pytest.mark.parametrize(
@@ -78,7 +78,7 @@ def test_xargs_fail_after_errors_mid_stream():
     tokens, last, message = finish(e, req(extra_args={"mock_fail_after": 2}))
     assert len(tokens) == 2 and last[5] == FinishReason.ERROR
     assert last[18]["code"] == "mock_failure"
-    assert e.counters["finished_error"] == 1
+    assert e.ledger.summary().get("finished_error", 0) == 1
 
 
 def test_xargs_finish_modes_and_stop_token():
@@ -96,7 +96,7 @@ def test_bad_xargs_get_an_error_finish_not_a_crash():
     assert message[1][0][5] == FinishReason.ERROR and "mock_finish" in message[1][0][18]["message"]
     [(_, message)] = e.apply(req("n", extra_args={"mock_output_len": "many"}))
     assert message[1][0][5] == FinishReason.ERROR
-    assert e.counters["started"] == 0 and e.num_active == 0
+    assert e.ledger.summary() == {"started": 2, "finished_error": 2, "active": 0, "violations": 0} and e.num_active == 0
 
 
 def test_length_model_is_deterministic_per_request():

@@ -1,0 +1,127 @@
+"""Outputs on their way out: pure (vLLM: the engine core's output batching).
+
+During one input or one step the engine puts each request's output into the
+batch of its client (§4.1: one EngineCoreOutputs per client and step);
+`flush` turns the batches into messages, attaches SchedulerStats to the
+first of them when due (§7.3) and copies them to the DP coordinator (§6.2),
+and passes every message through the ledger (ledger.py) on its way out.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from . import protocol
+from .ledger import Ledger
+
+#: One message to send: (client index = output socket, EngineCoreOutputs array).
+Outbound = Tuple[int, List[Any]]
+#: Client index of the coordinator_output socket in Outbound pairs (vLLM uses -1 too).
+COORDINATOR = -1
+#: SchedulerStats go out when something they show changed, at most this often
+#: while requests run (at once when the engine becomes idle, so gauges drop to 0).
+STATS_INTERVAL_S = 0.05
+
+
+class LedgerViolation(RuntimeError):
+    """An engine sent something a frontend must never see (--strict-ledger)."""
+
+
+class Batch:
+    """Outputs for one client, gathered during one call."""
+
+    __slots__ = ("outputs", "finished")
+
+    def __init__(self) -> None:
+        self.outputs: List[List[Any]] = []
+        self.finished: List[str] = []
+
+
+class Outbox:
+    """Per-client batches of one call, the stats cadence and the ledger check."""
+
+    def __init__(
+        self,
+        rank: int,
+        clock: Callable[[], float],
+        ledger: Ledger,
+        stats_if_due: Callable[[float], Optional[Dict[str, Any]]],
+        has_coordinator: bool,
+        strict_ledger: bool,
+        log: Any,
+    ) -> None:
+        self.rank = rank
+        self.clock = clock
+        self.ledger = ledger
+        #: now -> SchedulerStats, or None when none are due (StatsCadence)
+        self._stats_if_due = stats_if_due
+        self.has_coordinator = has_coordinator
+        self.strict_ledger = strict_ledger
+        self.log = log
+        #: client index -> its batch in the call being built
+        self.batches: Dict[int, Batch] = {}
+
+    def batch(self, client: int) -> Batch:
+        batch = self.batches.get(client)
+        if batch is None:
+            batch = self.batches[client] = Batch()
+        return batch
+
+    def end(self, client: int, request_id: str, output: List[Any]) -> None:
+        """A request's terminal output, and its id in finished_requests."""
+        batch = self.batch(client)
+        batch.outputs.append(output)
+        batch.finished.append(request_id)
+
+    def finished_only(self, client: int, request_id: str) -> None:
+        """An id in finished_requests with no output (abort_immediately, §3.2)."""
+        self.batch(client).finished.append(request_id)
+
+    def flush(self) -> List[Outbound]:
+        """One EngineCoreOutputs per client; SchedulerStats on the first one
+        when due (§4.1, §7.3), and then also to the coordinator (§6.2).
+        Every message passes the ledger on its way out."""
+        batches = self.batches
+        if not batches:
+            return []
+        self.batches = {}
+        now = self.clock()
+        stats = self._stats_if_due(now)
+        out: List[Outbound] = []
+        for client, batch in batches.items():
+            message = protocol.engine_core_outputs(self.rank, batch.outputs, now, batch.finished or None, stats)
+            violations = self.ledger.sent(message)
+            if violations:
+                self._report(violations)
+            out.append((client, message))
+            stats = None
+        if out and out[0][1][2] is not None and self.has_coordinator:
+            out.append((COORDINATOR, protocol.engine_core_outputs(self.rank, [], now, None, out[0][1][2])))
+        return out
+
+    def _report(self, violations: List[str]) -> None:
+        for violation in violations[:5]:
+            self.log.error("ledger violation engine={}: {}", self.rank, violation)
+        if self.strict_ledger:
+            raise LedgerViolation(violations[0])
+
+
+class StatsCadence:
+    """When SchedulerStats are due: something the frontend shows moved (the
+    running/waiting counts, the KV usage, which grows with every token of a
+    long request, or the prefix-cache counters); while requests run, at most
+    every STATS_INTERVAL_S."""
+
+    def __init__(self) -> None:
+        self._counts: Tuple[int, int] = (0, 0)
+        self._kv_usage = 0.0
+        self._at = float("-inf")
+
+    def due(self, now: float, running: int, waiting: int, kv_usage: float, pending: bool) -> bool:
+        if running and now - self._at < STATS_INTERVAL_S:
+            return False
+        counts = (running, waiting)
+        if counts == self._counts and kv_usage == self._kv_usage and not pending:
+            return False
+        self._counts, self._kv_usage, self._at = counts, kv_usage, now
+        return True

@@ -1,0 +1,203 @@
+"""A request's state and its planned end: pure (vLLM: `vllm/v1/request.py`).
+
+`Request` is what the engine keeps of one ADD while it waits or runs. Unlike
+a real engine, the mock knows at admission how a request will end: `plan()`
+takes the EngineCoreRequest (PROTOCOL.md §3.2, §3.3) and decides how many
+tokens it gets and with which finish reason, from `max_tokens`,
+`max_model_len`, EOS lengths, stop ids and the `vllm_xargs` scenarios. Every
+client value it reads is checked there: a wrong type or an out-of-range value
+raises `BadValue` naming the key, so the request ends with ERROR instead of
+the engine carrying a value it cannot send (a `mock_stop_token_id` of 1e300
+once reached msgpack's packer and stopped the engine).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Dict, List, Optional, Tuple
+
+from .lengths import OutputLengths
+from .logs import short
+from .protocol import TOKEN_ID_LIMIT, BadValue, EngineCoreRequest, FinishReason
+from .tokens import TokenSource, request_seed
+
+#: Upper bound of vllm_xargs mock_ttft_ms (one hour): a timer needs a finite time.
+MAX_XARGS_TTFT_MS = 3_600_000
+#: The vllm_xargs keys the engine reads (README, "Per-request scenarios"); any
+#: other `mock_` key is refused, so a typo is an error and not a silent no-op.
+MOCK_XARGS = ("mock_output_len", "mock_stop_token_id", "mock_finish", "mock_fail_after", "mock_ttft_ms")
+_INT64_MAX = (1 << 63) - 1
+_MOCK_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "error": FinishReason.ERROR}
+
+
+class Request:
+    """A request, waiting or running (vLLM's `Request`, reduced to what a
+    mock needs); `__slots__` keep 100 000 of them small."""
+
+    __slots__ = (
+        "request_id",
+        "client_index",
+        "max_tokens",
+        "num_output_tokens",
+        "rng_state",
+        "prompt_len",
+        "queued_at",
+        "scheduled_at",
+        "ready_at",
+        "finish",
+        "stop_reason",
+        "last_token",
+        "stop_ids",
+        "priority",
+        "arrival",
+        "prefill_left",
+        "blocks",
+        "pending_events",
+        "ttft_ms",
+        "block_hashes",
+        "cached_tokens",
+    )
+
+    def __init__(
+        self, request_id: str, client_index: int, max_tokens: int, rng_state: Any, prompt_len: int, queued_at: float
+    ) -> None:
+        self.request_id = request_id
+        self.client_index = client_index
+        self.max_tokens = max_tokens
+        self.num_output_tokens = 0
+        self.rng_state = rng_state
+        self.prompt_len = prompt_len
+        #: Engine clock at ADD / at admission: the QUEUED and SCHEDULED events (§4.5).
+        self.queued_at = queued_at
+        self.scheduled_at = queued_at
+        #: Engine clock from which its first token may come (prefill done).
+        self.ready_at = queued_at
+        #: How it ends after `max_tokens` tokens (see `plan`).
+        self.finish = FinishReason.LENGTH
+        self.stop_reason: Optional[int] = None
+        self.last_token: Optional[int] = None
+        #: Ids random tokens must avoid (a real engine would have stopped on them).
+        self.stop_ids: Optional[frozenset] = None
+        self.priority = 0
+        #: Arrival order in the waiting queue (set once; kept across preemptions).
+        self.arrival = -1
+        #: Tokens still to prefill in chunks (token budget enforced) and KV blocks held.
+        self.prefill_left = 0
+        self.blocks = 0
+        #: EngineCoreEvents for its next output (QUEUED/PREEMPTED, SCHEDULED).
+        self.pending_events: Optional[List[Dict[str, Any]]] = None
+        #: vllm_xargs mock_ttft_ms: this request's fixed time to first token.
+        self.ttft_ms: Optional[float] = None
+        #: Prefix caching: the prompt's chained block hashes, and its cached tokens.
+        self.block_hashes: Tuple[int, ...] = ()
+        self.cached_tokens = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and output tokens: what its KV holds."""
+        return self.prompt_len + self.num_output_tokens
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to emit."""
+        return self.max_tokens - self.num_output_tokens
+
+
+def plan(
+    request: Request,
+    core_request: EngineCoreRequest,
+    tokens: TokenSource,
+    max_model_len: int,
+    output_lengths: Optional[OutputLengths],
+    seed: int,
+    rank: int,
+) -> None:
+    """Decide how many tokens `request` gets and how it ends (§3.3).
+
+    Length: max_tokens, cut to max_model_len - prompt_len. Then, first match
+    wins: `mock_fail_after` (vllm_xargs) ends with ERROR; an EOS length
+    (`mock_output_len`, else the configured length model unless
+    `ignore_eos`; never before `min_tokens`) ends with STOP and the EOS id as
+    last token. `mock_finish` = stop | error | length changes how the
+    request ends at its length; `mock_stop_token_id` makes a STOP end on that
+    id, reported as stop_reason. Random tokens never hit a stop id; when the
+    stop ids cover every id the source could emit, the request stops on its
+    first token (after min_tokens), as vLLM's would.
+
+    A vllm_xargs value of the wrong type or out of range raises BadValue
+    naming the key and the value: nothing is coerced.
+    """
+    xargs = core_request.extra_args
+    for key in xargs:
+        if isinstance(key, str) and key.startswith("mock_") and key not in MOCK_XARGS:
+            raise BadValue(f"unknown key {short(key, 40)} (known: {', '.join(MOCK_XARGS)})")
+    fail_after = _xarg_int(xargs, "mock_fail_after", 0, _INT64_MAX)
+    natural = _xarg_int(xargs, "mock_output_len", 1, _INT64_MAX)
+    stop_token = _xarg_int(xargs, "mock_stop_token_id", 0, TOKEN_ID_LIMIT - 1)
+    mode = xargs.get("mock_finish")
+    if mode is not None and (not isinstance(mode, str) or mode not in _MOCK_FINISH):
+        raise BadValue(f"mock_finish must be stop, length or error, not {cut(mode)}")
+    ttft = xargs.get("mock_ttft_ms")
+    if ttft is not None:
+        if isinstance(ttft, bool) or not isinstance(ttft, (int, float)) or not 0 <= ttft <= MAX_XARGS_TTFT_MS:
+            raise BadValue(f"mock_ttft_ms must be a number in 0..{MAX_XARGS_TTFT_MS}, not {cut(ttft)}")  # also nan, inf
+        request.ttft_ms = float(ttft)
+    limit = min(request.max_tokens, max(0, max_model_len - core_request.prompt_len))
+    finish = FinishReason.LENGTH
+    # EOS ends a request only if the frontend named an EOS id: vllm-rs
+    # implements ignore_eos by sending none (Python sends ignore_eos).
+    eos = core_request.eos_token_id
+    eos_possible = eos is not None and not core_request.ignore_eos
+    stop_ids = set(core_request.all_stop_token_ids) | set(core_request.stop_token_ids)
+    if eos is not None:
+        stop_ids.add(eos)
+    stoppers = set(core_request.stop_token_ids)
+    if eos_possible:
+        stoppers.update(core_request.all_stop_token_ids)
+        stoppers.add(eos)
+    # Stop ids covering every id the source can emit: a real engine stops on
+    # its first token that may stop (vLLM's check_stop, after min_tokens).
+    first_stop: Optional[int] = None
+    if stoppers and tokens.only_emits(request.rng_state, stoppers):
+        first_stop = tokens.draw(request.rng_state, 1)[0][0]
+        at = max(core_request.min_tokens, 1)
+        natural = at if natural is None else min(natural, at)
+    if natural is None and output_lengths is not None and eos_possible:
+        length_seed = request_seed(seed, rank, request.request_id) ^ 0x9E3779B97F4A7C15
+        natural = output_lengths.draw(random.Random(length_seed))
+    if fail_after is not None and fail_after < limit:
+        limit, finish = fail_after, FinishReason.ERROR
+    elif natural is not None and max(natural, core_request.min_tokens, 1) < limit + (first_stop is not None):
+        # (a covering stop set stops even on the max_tokens-th token: vLLM checks stops before length)
+        limit, finish = max(natural, core_request.min_tokens, 1), FinishReason.STOP
+    if mode is not None:
+        finish = _MOCK_FINISH[mode]
+    request.max_tokens, request.finish = limit, finish
+    if finish is FinishReason.STOP:
+        if stop_token is not None:
+            request.last_token = request.stop_reason = stop_token
+        elif first_stop is not None:
+            request.last_token = first_stop
+            # vLLM reports a stop_token_ids hit as stop_reason, EOS as none
+            request.stop_reason = first_stop if first_stop in core_request.stop_token_ids and first_stop != eos else None
+        else:
+            request.last_token = eos
+    # nothing is left to avoid when every id stops
+    request.stop_ids = frozenset(stop_ids) if stop_ids and first_stop is None else None
+
+
+def cut(value: Any, limit: int = 60) -> str:
+    """repr() of a client's value for a message, at most `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _xarg_int(xargs: Dict[str, Any], key: str, low: int, high: int) -> Optional[int]:
+    """vllm_xargs[key] as an int in low..high (None when absent or null);
+    BadValue for anything else: a float, a string, a bool, a huge number."""
+    value = xargs.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise BadValue(f"{key} must be an int in {low}..{high}, not {cut(value)}")
+    return value

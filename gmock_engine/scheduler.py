@@ -1,0 +1,365 @@
+"""The scheduler: what one step does, pure (vLLM: `vllm/v1/core/sched/scheduler.py`).
+
+A step, in vLLM's order: the running requests first (their KV blocks for
+this step's tokens, preempting the newest when they do not fit, and their
+share of the token budget), then chunked prefills go on, then waiting
+requests are admitted (the batch limit, the token budget and the KV blocks
+allowing, and not at all in a step that had to preempt), then every running
+request whose prefill is done emits its next tokens into the outbox. The
+waiting requests are what the frontends show as `num_requests_waiting`.
+
+Timing is the latency model's (latency.py): the step asks its successor to
+wait `step_delay`, and a request's first token comes at its `ready_at`.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections import Counter
+from typing import Any, Callable, Dict, List, Optional
+
+from . import protocol
+from .kv_cache_manager import KVCacheManager
+from .latency import LatencyModel
+from .outbox import Outbox
+from .protocol import EngineCoreEventType, FinishReason, WireLayout
+from .request import Request
+from .request_queue import create_request_queue
+from .tokens import TokenSource
+
+#: The error of a request ended by mock_fail_after (vllm_xargs, or --fault-error-mid-stream).
+MOCK_FAILURE_MESSAGE = "mock failure on request (vllm_xargs mock_fail_after or --fault-error-mid-stream)"
+
+
+class PauseState(enum.Enum):
+    """As in vLLM's scheduler: PAUSED_NEW holds new requests but keeps
+    stepping the running ones; PAUSED_ALL steps nothing."""
+
+    UNPAUSED = "unpaused"
+    PAUSED_NEW = "paused_new"
+    PAUSED_ALL = "paused_all"
+
+
+class Scheduler:
+    """The running batch, the waiting queue, and the step."""
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        tokens: TokenSource,
+        latency: LatencyModel,
+        rng: random.Random,
+        layout: WireLayout,
+        chunk: int,
+        max_num_seqs: Optional[int],
+        max_num_batched_tokens: Optional[int],
+        policy: str,
+        on_preempt: Callable[[Request], None] = lambda request: None,
+        on_reject: Callable[[Request], None] = lambda request: None,
+    ) -> None:
+        self.kv = kv
+        self.tokens = tokens
+        self.latency = latency
+        self._rng = rng
+        self.layout = layout
+        self.chunk = chunk
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        #: The running batch, in admission order (the newest is preempted first).
+        self.running: Dict[str, Request] = {}
+        self.waiting = create_request_queue(policy)
+        #: Running requests whose prefill is not done: id -> ready_at (inf: chunks left).
+        self.prefilling: Dict[str, float] = {}
+        #: Running requests with prompt tokens still to prefill (token budget).
+        self.chunking: Dict[str, Request] = {}
+        self.pause_state = PauseState.UNPAUSED
+        #: Engine time the last step asked its successor to wait (latency model).
+        self.step_delay = 0.0
+        #: steps, tokens, preemptions (the ledger counts requests)
+        self.counters: Counter = Counter()
+        #: --log-requests hooks of the engine
+        self._on_preempt = on_preempt
+        self._on_reject = on_reject
+
+    # -- queries ---------------------------------------------------------------
+
+    @property
+    def can_admit(self) -> bool:
+        """Waiting requests may join the running batch now."""
+        limit = self.max_num_seqs
+        return self.pause_state is PauseState.UNPAUSED and (limit is None or len(self.running) < limit)
+
+    @property
+    def has_work(self) -> bool:
+        """True when a step would do something."""
+        if self.pause_state is PauseState.PAUSED_ALL:
+            return False
+        return bool(self.running) or (bool(self.waiting) and self.can_admit)
+
+    def next_step_time(self, step_started: float) -> Optional[float]:
+        """When the next step is due, on the engine clock (None: idle).
+
+        The step after one that started at `step_started` comes `step_delay`
+        later; but if nothing could emit then (every running request still
+        prefilling, nothing to admit), it comes when the first prefill is done.
+        """
+        if not self.has_work:
+            return None
+        due = step_started + self.step_delay
+        if (
+            self.prefilling
+            and not self.chunking  # chunked prefills progress every step
+            and len(self.prefilling) == len(self.running)
+            and not self._head_admissible()
+        ):
+            due = max(due, min(self.prefilling.values()))
+        return due
+
+    def _next_tokens(self, request: Request) -> int:
+        """Tokens the request emits in its next decode step."""
+        remaining = request.max_tokens - request.num_output_tokens
+        return self.chunk if self.chunk < remaining else remaining
+
+    def _head_admissible(self) -> bool:
+        """The next waiting request could join the batch now (limit, pause, KV)."""
+        if not (self.waiting and self.can_admit):
+            return False
+        head = self.waiting.peek_request()
+        return self.kv.fits(self.kv.blocks_to_admit(head, self._next_tokens(head)))
+
+    # -- requests in and out ---------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """A new request waits for admission."""
+        self.waiting.add_request(request)
+
+    def remove(self, request_id: str) -> Optional[Request]:
+        """Take a running or waiting request out (ABORT); its KV is freed."""
+        request = self.running.pop(request_id, None)
+        if request is not None:
+            self._release(request)
+            return request
+        return self.waiting.remove_request(request_id)
+
+    def remove_all(self) -> List[Request]:
+        """Every running and waiting request, taken out (running first)."""
+        out = [*self.running.values(), *self.waiting.requests()]
+        self.running.clear()
+        self.waiting.clear()
+        self.prefilling.clear()
+        self.chunking.clear()
+        self.kv.free_all()
+        return out
+
+    def _release(self, request: Request) -> None:
+        """Account for a running request that left `running` (its KV is freed)."""
+        self.kv.free(request)
+        self.prefilling.pop(request.request_id, None)
+        self.chunking.pop(request.request_id, None)
+
+    # -- the step ----------------------------------------------------------------
+
+    def step(self, now: float, outbox: Outbox) -> List[Request]:
+        """Advance every running request once (§9.3); return those that ended.
+
+        Each request gets min(chunk, remaining) tokens; one that reaches its
+        planned length ends as planned (request.plan) and its id goes into
+        that message's finished_requests.
+        """
+        budget = self.max_num_batched_tokens
+        prefill_tokens = 0
+        preempted = self.kv.enforced and bool(self.running) and self._reserve_decode_blocks(now)
+        if budget is not None:
+            budget -= (len(self.running) - len(self.prefilling)) * self.chunk
+            if self.chunking:
+                prefill_tokens, budget = self._continue_prefills(now, budget)
+        if not preempted:
+            prefill_tokens += self._admit(now, budget, outbox)
+        done = self._emit(now, outbox)
+        if self.latency.paced:
+            self.step_delay = self.latency.step_seconds(len(self.running), prefill_tokens, self._rng)
+        for request in done:
+            del self.running[request.request_id]
+            self._release(request)
+        return done
+
+    def _emit(self, now: float, outbox: Outbox) -> List[Request]:
+        """The per-token path: each ready running request's next tokens."""
+        chunk = self.chunk
+        tokens_source = self.tokens
+        draw = tokens_source.draw
+        make_output = protocol.engine_core_output
+        prefilling = self.prefilling
+        batches = outbox.batches
+        new_batch = outbox.batch
+        done: List[Request] = []
+        emitted = 0
+        for request in self.running.values():
+            if prefilling:
+                ready_at = prefilling.get(request.request_id)
+                if ready_at is not None:
+                    if ready_at > now:
+                        continue  # prefill not done (inf: chunks left): no token this step
+                    del prefilling[request.request_id]
+            batch = batches.get(request.client_index)
+            if batch is None:
+                batch = new_batch(request.client_index)
+            remaining = request.max_tokens - request.num_output_tokens
+            n = chunk if chunk < remaining else remaining
+            tokens, request.rng_state = draw(request.rng_state, n)
+            if request.stop_ids is not None and not request.stop_ids.isdisjoint(tokens):
+                tokens = tokens_source.avoid(tokens, request.stop_ids)
+            first = request.num_output_tokens == 0
+            events = request.pending_events
+            request.num_output_tokens += n
+            emitted += n
+            finish = None
+            if n == remaining:
+                finish = request.finish
+                if request.last_token is not None and tokens:
+                    tokens[-1] = request.last_token
+            if events is not None or (finish is not None and finish is not FinishReason.LENGTH):
+                # §4.5: queue/prefill time and prompt tokens for the frontend's
+                # metrics; a STOP or ERROR end says why (stop_reason, error).
+                output = make_output(
+                    request.request_id,
+                    tokens,
+                    finish,
+                    error=protocol.request_error("mock_failure", MOCK_FAILURE_MESSAGE) if finish is FinishReason.ERROR else None,
+                    stop_reason=request.stop_reason if finish is FinishReason.STOP else None,
+                    layout=self.layout,
+                    events=events,
+                    prefill_stats=protocol.prefill_stats(request.prompt_len, request.cached_tokens) if first else None,
+                )
+                request.pending_events = None
+            elif finish is None:
+                # protocol.engine_core_output's running shape, built inline on
+                # the per-token path (test_engine checks they are the same)
+                output = [request.request_id, tokens]
+            else:
+                output = make_output(request.request_id, tokens, finish)
+            batch.outputs.append(output)
+            if finish is not None:
+                batch.finished.append(request.request_id)
+                done.append(request)
+        self.counters["steps"] += 1
+        self.counters["tokens"] += emitted
+        self.kv.tokens += emitted
+        return done
+
+    def _admit(self, now: float, budget: Optional[int], outbox: Outbox) -> int:
+        """Move waiting requests into the running batch while the batch limit,
+        the token budget (`budget` left, None: unlimited) and the KV blocks
+        allow; return the prompt tokens they prefill in this step."""
+        prefill_tokens = 0
+        latency, kv, waiting = self.latency, self.kv, self.waiting
+        while waiting and self.can_admit and (budget is None or budget > 0):
+            request = waiting.peek_request()
+            if kv.enforced:
+                need = kv.blocks_to_admit(request, self._next_tokens(request))
+                if not kv.fits(need):
+                    if not self.running and need > kv.num_blocks:
+                        self._reject_too_long(waiting.pop_request(), outbox)
+                        continue
+                    break  # waits for blocks to free up, as vLLM
+                kv.allocate(request, need)
+            waiting.pop_request()
+            request.scheduled_at = now
+            events = request.pending_events or []
+            events.append(protocol.engine_core_event(EngineCoreEventType.SCHEDULED, now))
+            request.pending_events = events
+            self.running[request.request_id] = request
+            target = request.num_tokens  # recompute after a preemption
+            # cached prompt blocks are not computed again (KV is still held)
+            request.cached_tokens = kv.admit(request)
+            target -= request.cached_tokens
+            take = target if budget is None else min(target, budget)
+            prefill_tokens += take
+            if budget is not None:
+                budget -= take
+            request.prefill_left = target - take
+            if request.prefill_left:
+                self.chunking[request.request_id] = request
+            if request.ttft_ms is not None:
+                request.ready_at = now + latency.first_token_seconds(request.prompt_len, self._rng, request.ttft_ms)
+            elif latency.paced:
+                request.ready_at = now + latency.first_token_seconds(request.prompt_len, self._rng)
+            else:
+                request.ready_at = now
+            if request.prefill_left or request.ready_at > now:
+                self.prefilling[request.request_id] = float("inf") if request.prefill_left else request.ready_at
+        return prefill_tokens
+
+    def _reject_too_long(self, request: Request, outbox: Outbox) -> None:
+        """A request whose KV can never fit: ERROR now, not a queue that never moves."""
+        error = protocol.request_error("kv_cache_too_small", f"needs more than the engine's {self.kv.num_blocks} KV blocks")
+        outbox.end(request.client_index, request.request_id, protocol.engine_core_output(request.request_id, [], FinishReason.ERROR, error, self.layout))
+        self._on_reject(request)
+
+    def _continue_prefills(self, now: float, budget: int) -> "tuple[int, int]":
+        """Chunked prefill of running requests (admission order) within
+        `budget`; return (tokens prefilled, budget left)."""
+        prefilled = 0
+        for request in list(self.chunking.values()):
+            if budget <= 0:
+                break
+            take = min(request.prefill_left, budget)
+            request.prefill_left -= take
+            budget -= take
+            prefilled += take
+            if not request.prefill_left:
+                del self.chunking[request.request_id]
+                if request.ready_at > now:
+                    self.prefilling[request.request_id] = request.ready_at
+                else:
+                    del self.prefilling[request.request_id]
+        return prefilled, budget
+
+    def _reserve_decode_blocks(self, now: float) -> bool:
+        """KV for the running requests' tokens of this step, before anything
+        is admitted (vLLM schedules running requests first): a request
+        crossing a block boundary needs a new block; when they run out, the
+        newest running request is preempted (vLLM's recompute preemption)
+        until the rest fit. True when something was preempted: then nothing
+        is admitted in this step, as in vLLM."""
+        kv, prefilling = self.kv, self.prefilling
+        preempted = False
+        while True:
+            needs = []
+            total = 0
+            for request in self.running.values():
+                if request.request_id in prefilling:
+                    continue  # its next token's block came with its admission
+                need = kv.blocks_to_grow(request, self._next_tokens(request))
+                if need > 0:
+                    needs.append((request, need))
+                    total += need
+            if kv.fits(total) or not self.running:
+                break
+            self._preempt(next(reversed(self.running.values())), now)
+            preempted = True
+        for request, need in needs:
+            kv.allocate(request, need)
+        return preempted
+
+    def _preempt(self, request: Request, now: float) -> None:
+        """Back to the front of the queue; its KV is freed and recomputed later."""
+        del self.running[request.request_id]
+        self._release(request)
+        # Events not sent yet (QUEUED, SCHEDULED of a request preempted before
+        # its first token) stay: they all ride on its next output, as in vLLM.
+        request.pending_events = (request.pending_events or []) + [protocol.engine_core_event(EngineCoreEventType.PREEMPTED, now)]
+        self.waiting.prepend_request(request)
+        self.counters["preemptions"] += 1
+        self._on_preempt(request)
+
+    def scheduler_stats(self, prefix_cache_stats: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """The engine's SchedulerStats now (§7.1)."""
+        return protocol.scheduler_stats(
+            prefix_cache_stats=prefix_cache_stats,
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            step_counter=self.counters["steps"],
+        )

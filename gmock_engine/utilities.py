@@ -1,0 +1,227 @@
+"""Utility calls and the pause/sleep state: pure (vLLM: `EngineCore`'s
+utility methods in `vllm/v1/engine/core.py`, PROTOCOL.md §3.5, §5).
+
+Every call is answered exactly once on the caller's output socket
+(`outputs[client_index]`), with its call id: a result, or a
+`failure_message` for a method the mock does not know or arguments it
+cannot use (the call fails, nothing else). The one exception is pause mode
+"wait", answered when the engine has drained.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+
+from . import protocol
+from .logs import short
+from .outbox import Outbound
+from .protocol import UtilityCall
+from .request import cut
+from .scheduler import PauseState
+
+if TYPE_CHECKING:  # the engine owns the utilities; only types are imported back
+    from .engine import EngineCore
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+class UtilityFailure(Exception):
+    """A utility call the engine answers with `failure_message`."""
+
+
+class Utilities:
+    """The utility table's state: pause/sleep as vLLM 0.32/0.33 keep it
+    (the scheduler holds the pause state itself), weight version, calls
+    waiting for a drain."""
+
+    def __init__(self, engine: "EngineCore") -> None:
+        self.engine = engine
+        #: pause_generation in modes abort/wait rejects new ADDs (0.33, §5).
+        self.reject_new_requests = False
+        self.sleep_level = 0
+        self.weight_version: Optional[str] = None
+        #: Utility calls answered when the engine has drained (pause mode "wait").
+        self._replies_when_drained: List[Tuple[int, int]] = []
+
+    def call(self, call: UtilityCall) -> List[Outbound]:
+        """Run one call; its answer (or nothing yet, for pause mode wait)."""
+        engine = self.engine
+        handler = _UTILITIES.get(call.method)
+        if handler is None:
+            engine.throttle.warning("unknown utility", "UTILITY {}: unsupported method; answered with a failure", short(call.method, 60))
+            return [self.reply(call, failure=f"unsupported method {cut(call.method)} (gmock_engine)")]
+        engine.log.opt(lazy=True).debug(
+            "UTILITY {} args={} call_id={}", lambda: call.method, lambda: cut(call.args, 200), lambda: call.call_id
+        )
+        try:
+            return handler(self, call)
+        except UtilityFailure as exc:
+            engine.throttle.warning("utility failure", "UTILITY {}: {}", call.method, exc)
+            return [self.reply(call, failure=str(exc))]
+        except (TypeError, ValueError, AttributeError, IndexError, KeyError, OverflowError) as exc:
+            # arguments of a shape the handler did not expect: that call fails, nothing else
+            engine.throttle.warning("utility failure", "UTILITY {}: bad arguments {} ({})", call.method, cut(call.args), exc)
+            return [self.reply(call, failure=f"{call.method}: bad arguments {cut(call.args)}: {type(exc).__name__}: {str(exc):.200}")]
+
+    def reply(self, call: UtilityCall, result: Any = None, failure: Optional[str] = None) -> Outbound:
+        engine = self.engine
+        return (call.client_index, protocol.utility_reply(engine.rank, call.call_id, engine.clock(), result, failure))
+
+    # -- pause and sleep ---------------------------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        return self.engine.scheduler.pause_state is not PauseState.UNPAUSED
+
+    def pause(self, call: UtilityCall, mode: Any, reject_new: Optional[bool]) -> List[Outbound]:
+        """vLLM's pause_scheduler (0.32/0.33 core.py): abort ends every
+        request; wait keeps stepping and answers when drained; keep freezes."""
+        if mode not in PAUSE_MODES:
+            raise UtilityFailure(f"Invalid pause mode: {cut(mode)}")
+        engine = self.engine
+        out = engine.abort_all() if mode == "abort" else []
+        engine.scheduler.pause_state = PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW
+        if reject_new is not None:
+            self.reject_new_requests = reject_new
+        if mode == "wait" and engine.scheduler.running:
+            self._replies_when_drained.append((call.client_index, call.call_id))
+            return out
+        out.append(self.reply(call))
+        return out
+
+    def resume(self) -> None:
+        """resume_scheduler: waiting requests are admitted again."""
+        self.engine.scheduler.pause_state = PauseState.UNPAUSED
+        self.reject_new_requests = False
+
+    def check_drained(self, out: List[Outbound]) -> None:
+        """Answer the pause-mode-wait calls once nothing runs any more."""
+        if self._replies_when_drained and not self.engine.scheduler.running:
+            engine = self.engine
+            for client, call_id in self._replies_when_drained:
+                out.append((client, protocol.utility_reply(engine.rank, call_id, engine.clock())))
+            self._replies_when_drained.clear()
+
+
+# -- the table -------------------------------------------------------------------------
+
+Handler = Callable[[Utilities, UtilityCall], List[Outbound]]
+
+
+def _arg(call: UtilityCall, index: int, default: Any) -> Any:
+    return call.args[index] if len(call.args) > index else default
+
+
+def _u_value(value: Any) -> Handler:
+    return lambda u, call: [u.reply(call, value)]
+
+
+def _u_supported_tasks(u: Utilities, call: UtilityCall) -> List[Outbound]:
+    return [u.reply(call, list(u.engine.settings.supported_tasks))]
+
+
+def _u_is_sleeping(u: Utilities, call: UtilityCall) -> List[Outbound]:
+    # vLLM 0.33: is_sleeping = scheduler paused or executor asleep.
+    return [u.reply(call, u.sleep_level > 0 or u.paused)]
+
+
+def _u_is_paused(u: Utilities, call: UtilityCall) -> List[Outbound]:
+    return [u.reply(call, u.paused)]
+
+
+def _u_sleep(u: Utilities, call: UtilityCall) -> List[Outbound]:
+    # [level, mode]; older frontends send only level (§5). Sleep pauses first.
+    level = _arg(call, 0, 1)
+    if not isinstance(level, int) or isinstance(level, bool) or level < 0:
+        raise UtilityFailure(f"Invalid sleep level: {cut(level)}")
+    out = u.pause(call, _arg(call, 1, "abort"), reject_new=None)
+    u.sleep_level = level
+    return out
+
+
+def _u_wake_up(u: Utilities, call: UtilityCall) -> List[Outbound]:
+    # A mock holds no memory: any wake_up wakes fully, which also resumes.
+    u.sleep_level = 0
+    u.resume()
+    return [u.reply(call, True)]
+
+
+def _u_pause_generation(u: Utilities, call: UtilityCall) -> List[Outbound]:
+    mode = _arg(call, 0, "abort")
+    return u.pause(call, mode, reject_new=mode != "keep")
+
+
+def _u_pause_scheduler(u: Utilities, call: UtilityCall) -> List[Outbound]:
+    return u.pause(call, _arg(call, 0, "abort"), reject_new=None)
+
+
+def _u_resume_scheduler(u: Utilities, call: UtilityCall) -> List[Outbound]:
+    u.resume()
+    return [u.reply(call)]
+
+
+def _u_reset_prefix_cache(u: Utilities, call: UtilityCall) -> List[Outbound]:
+    u.engine.kv.reset_prefix_cache()
+    return [u.reply(call, True)]
+
+
+def _u_get_weight_version(u: Utilities, call: UtilityCall) -> List[Outbound]:
+    return [u.reply(call, u.weight_version)]
+
+
+def _u_set_weight_version(u: Utilities, call: UtilityCall) -> List[Outbound]:
+    version = _arg(call, 0, None)
+    if version is not None and not isinstance(version, str):
+        raise UtilityFailure(f"weight version must be a string, got {type(version).__name__}")
+    u.weight_version = version
+    return [u.reply(call)]
+
+
+def _u_gmock_stats(u: Utilities, call: UtilityCall) -> List[Outbound]:
+    """gmock_engine's own method (not vLLM's): the books and the engine's
+    counters, with runtime figures, for the bench driver and test harnesses."""
+    engine = u.engine
+    stats: Dict[str, Any] = {
+        "rank": engine.rank,
+        "active": len(engine.scheduler.running),
+        "waiting": len(engine.scheduler.waiting),
+        "counters": dict(engine.counters),
+        "ledger": engine.ledger.summary(),
+    }
+    stats.update(engine.stats_provider())
+    return [u.reply(call, stats)]
+
+
+def _u_add_lora(u: Utilities, call: UtilityCall) -> List[Outbound]:
+    raise UtilityFailure("LoRA is not supported by gmock_engine (supports_lora is false)")
+
+
+#: Utility methods and their answers (PROTOCOL.md §5, "recommended mock answer").
+_UTILITIES: Dict[str, Handler] = {
+    "get_supported_tasks": _u_supported_tasks,
+    "is_sleeping": _u_is_sleeping,
+    "is_scheduler_paused": _u_is_paused,
+    "sleep": _u_sleep,
+    "wake_up": _u_wake_up,
+    "pause_generation": _u_pause_generation,
+    "pause_scheduler": _u_pause_scheduler,
+    "resume_scheduler": _u_resume_scheduler,
+    "reset_prefix_cache": _u_reset_prefix_cache,
+    "reset_mm_cache": _u_value(None),
+    "reset_encoder_cache": _u_value(None),
+    "profile": _u_value(None),
+    "execute_dummy_batch": _u_value(None),
+    "get_weight_version": _u_get_weight_version,
+    "set_weight_version": _u_set_weight_version,
+    "list_loras": _u_value([]),
+    "gmock_stats": _u_gmock_stats,
+    "add_lora": _u_add_lora,
+    "remove_lora": _u_add_lora,
+    "pin_lora": _u_add_lora,
+    "collective_rpc": _u_value([]),
+    "compute_weight_checksums": _u_value([]),
+    "release_kv_cache_memory": _u_value(None),
+    "save_sharded_state": _u_value(None),
+}
+
+SUPPORTED_UTILITIES = tuple(sorted(_UTILITIES))
