@@ -15,7 +15,7 @@ summary per target:
 * the driver's own CPU per token, so a driver bottleneck shows.
 
 Targets: `gmock` (this package) and `reference`, the bare pyzmq + msgpack
-emitter of reference_emitter.py, run under the same load in the same run;
+emitter of tools/reference_emitter.py, run under the same load in the same run;
 gmock's CPU per token is reported as a ratio to it.
 
 This is a plain pyzmq program (no gevent): one thread, one poll loop.
@@ -38,58 +38,8 @@ from typing import Any, Dict, List, Optional
 import msgpack
 import zmq
 
-from .stats import summarize
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-# -- process accounting (/proc) --------------------------------------------------
-
-
-def _stat_fields(pid: int) -> List[str]:
-    with open(f"/proc/{pid}/stat") as handle:
-        return handle.read().rsplit(")", 1)[1].split()
-
-
-def process_tree(pid: int) -> List[int]:
-    """pid and all its descendants (for --processes workers)."""
-    children: Dict[int, List[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(_stat_fields(int(entry))[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    tree, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        tree.append(current)
-        todo.extend(children.get(current, []))
-    return tree
-
-
-def tree_cpu_seconds(pids: List[int]) -> float:
-    """utime + stime of the given processes, seconds."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = _stat_fields(pid)
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / CLK_TCK
-
-
-def tree_rss_bytes(pids: List[int]) -> int:
-    total = 0
-    for pid in pids:
-        try:
-            total += int(_stat_fields(pid)[21]) * PAGE
-        except OSError:
-            continue
-    return total
+from ..stats import summarize
+from .procfs import process_tree, tree_cpu_seconds, tree_rss_bytes
 
 
 # -- the frontend's side ----------------------------------------------------------
@@ -309,7 +259,7 @@ def engine_command(target: str, args: argparse.Namespace, handshake: str) -> Lis
         str(args.chunk),
     ]
     if target == "reference":
-        return [sys.executable, "-m", "gmock_engine.reference_emitter", *common]
+        return [sys.executable, "-m", "gmock_engine.tools.reference_emitter", *common]
     command = [sys.executable, "-m", "gmock_engine", *common, "--log-level", "WARNING"]
     if args.itl_ms:
         command += ["--itl-ms", str(args.itl_ms)]
