@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 
 import e2e_harness as h  # noqa: E402
 
-from gmock_engine.bench import tree_cpu_seconds  # noqa: E402
+from gmock_engine.tools.procfs import tree_cpu_seconds  # noqa: E402
 
 
 def main() -> int:

@@ -20,7 +20,7 @@ from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gmock_engine import bench  # noqa: E402
+from gmock_engine.tools import bench  # noqa: E402
 
 
 def run(label: str, argv: List[str], targets=("gmock", "reference")) -> Dict[str, Dict[str, Any]]:

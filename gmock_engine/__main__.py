@@ -1,6 +1,6 @@
 """Entry point: `python -m gmock_engine` and the `gmock-engine` script.
 
-`gmock-engine bench ...` runs the load driver (bench.py), a plain pyzmq
+`gmock-engine bench ...` runs the load driver (tools/bench.py), a plain pyzmq
 program that starts the engine as a subprocess. Everything else is the
 engine, which needs gevent's monkey-patching before anything else imports
 socket, threading or time-related modules (STYLE.md pitfall 1): it is the
@@ -13,7 +13,7 @@ import sys
 def main() -> None:
     """Console-script entry: exit with the program's status."""
     if sys.argv[1:2] == ["bench"]:
-        from gmock_engine.bench import main as bench_main
+        from gmock_engine.tools.bench import main as bench_main
 
         sys.exit(bench_main(sys.argv[2:]))
 

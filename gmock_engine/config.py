@@ -202,7 +202,9 @@ class _Finder(argparse.ArgumentParser):
 
 
 def build_parser() -> configargparse.ArgumentParser:
-    """The one parser; option groups mirror the README's option tables."""
+    """The one parser. Each option group is declared once, in the order of the
+    README's option table (which a unit test keeps in step): --help,
+    --print-config and conf/all-options.ini list the options in this order."""
     parser = _Parser(
         prog="gmock-engine",
         description="A model-free, GPU-free vLLM engine core that joins a real frontend's "
@@ -228,6 +230,12 @@ def build_parser() -> configargparse.ArgumentParser:
         help="INI config file with a [gmock_engine] section (keys = long flag names)",
     )
     parser.add_argument("--version", action="version", version=f"gmock_engine {__version__}")
+    parser.add_argument(
+        "--print-config",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="print every option's value and where it came from, then exit",
+    )
 
     conn = parser.add_argument_group("frontend connection")
     conn.add_argument(
@@ -283,6 +291,26 @@ def build_parser() -> configargparse.ArgumentParser:
         help="token ids are drawn from [0, vocab-size) (at most 2**32)",
     )
     gen.add_argument("--seed", type=_int_at_least(0), default=0, help="base seed; each request's tokens depend on (seed, rank, request id)")
+    gen.add_argument(
+        "--token-source",
+        type=_token_source,
+        default="random",
+        help="random (uniform ids), echo (the prompt's ids, repeated) or file:PATH (whitespace-separated ids, cycled)",
+    )
+    gen.add_argument(
+        "--token-id-range",
+        type=_id_range,
+        default=None,
+        metavar="LOW:HIGH",
+        help="random ids from [LOW, HIGH) only, e.g. ids your tokenizer decodes to clean text (default [0, vocab-size))",
+    )
+    gen.add_argument(
+        "--supported-tasks",
+        type=_task_list,
+        default=("generate",),
+        help="comma-separated answer to get_supported_tasks",
+    )
+
     lat = parser.add_argument_group("latency model (all off by default: steps back to back, instant prefill)")
     lat.add_argument(
         "--itl-ms",
@@ -350,25 +378,6 @@ def build_parser() -> configargparse.ArgumentParser:
         default="fcfs",
         help="order of the waiting queue: arrival, or the request's priority (lower first) then arrival",
     )
-    gen.add_argument(
-        "--token-source",
-        type=_token_source,
-        default="random",
-        help="random (uniform ids), echo (the prompt's ids, repeated) or file:PATH (whitespace-separated ids, cycled)",
-    )
-    gen.add_argument(
-        "--token-id-range",
-        type=_id_range,
-        default=None,
-        metavar="LOW:HIGH",
-        help="random ids from [LOW, HIGH) only, e.g. ids your tokenizer decodes to clean text (default [0, vocab-size))",
-    )
-    gen.add_argument(
-        "--supported-tasks",
-        type=_task_list,
-        default=("generate",),
-        help="comma-separated answer to get_supported_tasks",
-    )
 
     ready = parser.add_argument_group("ready response (what the frontend reads at startup, PROTOCOL.md §2.5)")
     ready.add_argument("--max-model-len", type=_int_at_least(1), default=1048576, help="context length; the frontend uses the minimum over engines")
@@ -395,15 +404,6 @@ def build_parser() -> configargparse.ArgumentParser:
     )
     ready.add_argument("--vllm-version", default="0.33.0", help="reported vLLM version string (informational)")
 
-    logs = parser.add_argument_group("logging")
-    logs.add_argument("--log-level", type=_choice(LOG_LEVELS, str.upper), default="INFO", help="log level")
-    logs.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=False, help="one JSON object per log line")
-    logs.add_argument(
-        "--log-requests",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="log start, finish and abort of every request (as the Rust mock does)",
-    )
     stopping = parser.add_argument_group("stopping")
     stopping.add_argument(
         "--on-stop",
@@ -422,6 +422,16 @@ def build_parser() -> configargparse.ArgumentParser:
         default=False,
         help="push ENGINE_CORE_DEAD on every output socket when stopping: the frontends then report the "
         "engine dead instead of waiting for it",
+    )
+
+    logs = parser.add_argument_group("logging")
+    logs.add_argument("--log-level", type=_choice(LOG_LEVELS, str.upper), default="INFO", help="log level")
+    logs.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=False, help="one JSON object per log line")
+    logs.add_argument(
+        "--log-requests",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log start, finish and abort of every request (as the Rust mock does)",
     )
     logs.add_argument(
         "--metrics-port",
@@ -444,18 +454,13 @@ def build_parser() -> configargparse.ArgumentParser:
         help="a request-ledger violation (an output after a request's end, for an unknown id, ...) stops the "
         "process with status 1 instead of only being logged",
     )
+
     faults = parser.add_argument_group(
         "fault injection (off by default; value: one trigger of rate=P, every=N or at=T, "
         "optional ranks=0,2-3 and limit=N, and the kind's own keys; see README, Fault injection)"
     )
     for kind, spec in KINDS.items():
         faults.add_argument(f"--fault-{kind}", type=_fault(kind), default=None, metavar="SPEC", help=spec.help)
-    parser.add_argument(
-        "--print-config",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="print every option's value and where it came from, then exit",
-    )
     return parser
 
 

@@ -3,9 +3,10 @@
 It binds what a real frontend binds (handshake ROUTER, one input ROUTER and
 one output PULL per client, optionally the coordinator's XPUB and PULL),
 runs the handshake with N engines and then lets a test send ADD / ABORT /
-UTILITY frames and read the outputs back, decoded. It uses `zmq.green`, so
-it shares the gevent hub with an in-process engine; it works just as well
-against an engine in another process.
+UTILITY frames and read the outputs back, decoded. The frames themselves
+come from gmock_engine/tools/frontend.py, the encoder the bench driver uses
+too. It uses `zmq.green`, so it shares the gevent hub with an in-process
+engine; it works just as well against an engine in another process.
 
 Every wait is bounded (`timeout`, raising gevent.Timeout).
 """
@@ -20,19 +21,17 @@ import gevent
 import msgpack
 import zmq.green as zmq
 
+from gmock_engine.tools.frontend import REQUEST_INDEX, abort_frames, add_frames, identity, pack, utility_frames
+from gmock_engine.tools.frontend import engine_core_request as _engine_core_request
+
 DEFAULT_TIMEOUT = 10.0
-
-
-def pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+#: arrival_time of the observed vllm-rs ADD in PROTOCOL.md §3.2: fixed, so a
+#: test's frames are the same bytes on every run.
+OBSERVED_ARRIVAL_TIME = 1795975013.91
 
 
 def unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
-
-
-def identity(rank: int) -> bytes:
-    return rank.to_bytes(2, "little")
 
 
 def engine_core_request(
@@ -42,37 +41,14 @@ def engine_core_request(
     client_index: int = 0,
     **fields: Any,
 ) -> List[Any]:
-    """A full 22-element 0.33 EngineCoreRequest, as the frontends send it (§3.2)."""
+    """A full 22-element 0.33 EngineCoreRequest, as the frontends send it (§3.2):
+    gmock_engine.tools.frontend.engine_core_request with test defaults (prompt
+    [1, 2, 3], sampling {"temperature": 1.0}, OBSERVED_ARRIVAL_TIME). Any other
+    field by name, e.g. priority=3 or abort_immediately=True."""
     if sampling_params is None:
         sampling_params = {"temperature": 1.0}
-    request: List[Any] = [
-        request_id,
-        list(prompt_token_ids),
-        None,  # mm_features
-        sampling_params,
-        None,  # pooling_params
-        1795975013.91,  # arrival_time
-        None,  # lora_request
-        None,  # cache_salt
-        None,  # data_parallel_rank
-        None,  # prompt_embeds
-        None,  # prompt_is_token_ids
-        client_index,
-        0,  # current_wave
-        0,  # priority
-        None,  # trace_headers
-        False,  # resumable
-        request_id.rsplit("-", 1)[0],  # external_req_id
-        None,  # reasoning_ended
-        None,  # reasoning_parser_kwargs
-        False,  # abort_immediately
-        None,  # session_id
-        None,  # kv_hints
-    ]
-    positions = {"abort_immediately": 19, "current_wave": 12, "priority": 13}
-    for name, value in fields.items():
-        request[positions[name]] = value
-    return request
+    fields.setdefault("arrival_time", OBSERVED_ARRIVAL_TIME)
+    return _engine_core_request(request_id, prompt_token_ids, sampling_params, client_index, **fields)
 
 
 class FakeFrontend:
@@ -219,16 +195,16 @@ class FakeFrontend:
             if max_tokens is not None:
                 sampling["max_tokens"] = max_tokens
         request = engine_core_request(request_id, sampling_params=sampling, client_index=client, **kw)
-        if sampling == "nil":
-            request[3] = None
-        self.send_raw(rank, client, [b"\x00", pack(request)])
+        if sampling == "nil":  # a pooling request: sampling_params nil (§3.2)
+            request[REQUEST_INDEX["sampling_params"]] = None
+        self.send_raw(rank, client, add_frames(request))
 
     def abort(self, rank: int, request_ids: Sequence[str], client: int = 0) -> None:
-        self.send_raw(rank, client, [b"\x01", pack(list(request_ids))])
+        self.send_raw(rank, client, abort_frames(request_ids))
 
     def utility(self, rank: int, method: str, args: Sequence[Any] = (), client: int = 0, call_id: Optional[int] = None) -> int:
         call_id = next(self._call_ids) if call_id is None else call_id
-        self.send_raw(rank, client, [b"\x03", pack([client, call_id, method, list(args)])])
+        self.send_raw(rank, client, utility_frames(client, call_id, method, args))
         return call_id
 
     # -- outputs --------------------------------------------------------------

@@ -337,3 +337,22 @@ def test_every_worker_crashed_exits_70(tmp_path):
         text = log_text(log)
     assert "a crash injected by --fault-crash; the other workers go on" in text
     assert "every worker crashed (--fault-crash)" in text
+
+
+def test_run_sh_bench_loads_both_targets():
+    # `./run.sh bench` = `gmock-engine bench` (tools/bench.py): it starts gmock
+    # and the reference emitter (python -m gmock_engine.tools.reference_emitter)
+    # as subprocesses and loads each over real sockets.
+    result = subprocess.run(
+        [RUN_SH, "bench", "--duration", "0.5", "--warmup", "0", "--idle", "0.1", "--concurrency", "4", "--max-tokens", "8"],
+        cwd=REPO_DIR,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["gmock"], ["reference"])}
+    assert set(rows) == {"gmock", "reference"}, result.stdout
+    assert all(float(row[1].replace(",", "")) > 0 for row in rows.values()), result.stdout  # tokens/s
+    assert "ratio gmock/reference CPU per token:" in result.stdout

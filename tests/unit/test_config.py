@@ -152,6 +152,30 @@ def test_all_options_file_lists_every_option():
             assert f";{action.option_strings[0][2:]} =" in text, action.option_strings[0]
 
 
+# -- issue 11: each option group declared once, in the README's order --------------
+
+
+def _options(parser):
+    return [a for a in parser._actions if a.option_strings and a.dest not in ("help", "version")]
+
+
+def test_each_option_group_is_declared_in_one_block():
+    # --help, --print-config and conf/all-options.ini list options in declaration
+    # order: a group added to again after another group splits up in one of them.
+    parser = build_parser()
+    group_of = {id(a): g.title for g in parser._action_groups for a in g._group_actions}
+    titles = [group_of[id(a)] for a in _options(parser)]
+    blocks = [t for i, t in enumerate(titles) if i == 0 or t != titles[i - 1]]
+    assert len(blocks) == len(set(blocks)), f"groups reopened: {blocks}"
+
+
+def test_readme_flag_table_lists_the_options_in_the_parsers_order():
+    text = open(os.path.join(REPO, "README.md")).read()
+    table = text[text.index("| flag | env | INI key | default | meaning |") :].split("\n\n", 1)[0]
+    readme = re.findall(r"^\| `(--[a-z0-9-]+)`", table, re.M)
+    assert readme == [a.option_strings[0] for a in _options(build_parser())]
+
+
 # -- issue 10 A: no abbreviations; every source form is reported right ---------------
 
 

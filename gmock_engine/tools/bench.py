@@ -15,10 +15,13 @@ summary per target:
 * the driver's own CPU per token, so a driver bottleneck shows.
 
 Targets: `gmock` (this package) and `reference`, the bare pyzmq + msgpack
-emitter of reference_emitter.py, run under the same load in the same run;
+emitter of tools/reference_emitter.py, run under the same load in the same run;
 gmock's CPU per token is reported as a ratio to it.
 
-This is a plain pyzmq program (no gevent): one thread, one poll loop.
+It sends what the frontends send: full 22-element EngineCoreRequests and
+ABORT / UTILITY frames from tools/frontend.py (the tests' fake frontend uses
+the same encoder). This is a plain pyzmq program (no gevent): one thread,
+one poll loop.
 No vLLM is needed: it is also a newcomer's first look at the engine.
 """
 
@@ -38,65 +41,12 @@ from typing import Any, Dict, List, Optional
 import msgpack
 import zmq
 
-from .stats import summarize
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-# -- process accounting (/proc) --------------------------------------------------
-
-
-def _stat_fields(pid: int) -> List[str]:
-    with open(f"/proc/{pid}/stat") as handle:
-        return handle.read().rsplit(")", 1)[1].split()
-
-
-def process_tree(pid: int) -> List[int]:
-    """pid and all its descendants (for --processes workers)."""
-    children: Dict[int, List[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(_stat_fields(int(entry))[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    tree, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        tree.append(current)
-        todo.extend(children.get(current, []))
-    return tree
-
-
-def tree_cpu_seconds(pids: List[int]) -> float:
-    """utime + stime of the given processes, seconds."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = _stat_fields(pid)
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / CLK_TCK
-
-
-def tree_rss_bytes(pids: List[int]) -> int:
-    total = 0
-    for pid in pids:
-        try:
-            total += int(_stat_fields(pid)[21]) * PAGE
-        except OSError:
-            continue
-    return total
+from ..stats import summarize
+from .frontend import RequestTemplate, abort_frames, add_frames, identity, utility_frames
+from .procfs import process_tree, tree_cpu_seconds, tree_rss_bytes
 
 
 # -- the frontend's side ----------------------------------------------------------
-
-
-def _identity(rank: int) -> bytes:
-    return rank.to_bytes(2, "little")
 
 
 class DriverFrontend:
@@ -182,20 +132,23 @@ class Driver:
         self.args = args
         self.pids = pids
         self.ids = itertools.count()
-        self.sampling = {"temperature": 1.0, "max_tokens": args.max_tokens}
         self.inflight: Dict[str, int] = {}  # request id -> rank
         self.per_engine = [0] * frontend.engines
         self.sent_at: Dict[str, float] = {}
-        self.prompt = list(range(args.prompt_len))
         self.clients = len(frontend.inputs)
+        self.identities = [identity(rank) for rank in range(frontend.engines)]
+        # One full EngineCoreRequest per client, copied per ADD (tools/frontend.py).
+        sampling = {"temperature": 1.0, "max_tokens": args.max_tokens}
+        prompt = list(range(args.prompt_len))
+        self.templates = [RequestTemplate(prompt, sampling, client) for client in range(self.clients)]
         #: UtilityOutputs by call id, as run() sees them.
         self.replies: Dict[int, List[Any]] = {}
 
     def add(self, rank: int, now: float, measure: bool) -> None:
         rid = f"bench-{next(self.ids)}"
         client = rank % self.clients
-        request = [rid, self.prompt, None, self.sampling, None, time.time(), None, None, None, None, None, client, 0, 0]
-        self.fe.inputs[client].send_multipart([_identity(rank), b"\x00", self.fe.pack(request)])
+        request = self.templates[client].request(rid)
+        self.fe.inputs[client].send_multipart([self.identities[rank], *add_frames(request, self.fe.pack)])
         self.inflight[rid] = rank
         self.per_engine[rank] += 1
         if measure:
@@ -274,7 +227,7 @@ class Driver:
             by_rank.setdefault(rank, []).append(rid)
         for rank, rids in by_rank.items():
             # every request of a rank went to client rank % clients (see add)
-            self.fe.inputs[rank % self.clients].send_multipart([_identity(rank), b"\x01", self.fe.pack(rids)])
+            self.fe.inputs[rank % self.clients].send_multipart([self.identities[rank], *abort_frames(rids, self.fe.pack)])
         deadline = time.monotonic() + timeout
         while self.inflight and time.monotonic() < deadline:
             self.run(0.05, measure=False, keep_loading=False)
@@ -286,7 +239,7 @@ class Driver:
         """Call a utility method on one engine; the outputs that arrive
         meanwhile are accounted as usual (not dropped), without new load."""
         call_id = next(self.ids) + 1
-        self.fe.inputs[0].send_multipart([_identity(rank), b"\x03", self.fe.pack([0, call_id, method, []])])
+        self.fe.inputs[0].send_multipart([self.identities[rank], *utility_frames(0, call_id, method, (), self.fe.pack)])
         deadline = time.monotonic() + timeout
         while call_id not in self.replies and time.monotonic() < deadline:
             self.run(0.05, measure=False, keep_loading=False)
@@ -309,7 +262,7 @@ def engine_command(target: str, args: argparse.Namespace, handshake: str) -> Lis
         str(args.chunk),
     ]
     if target == "reference":
-        return [sys.executable, "-m", "gmock_engine.reference_emitter", *common]
+        return [sys.executable, "-m", "gmock_engine.tools.reference_emitter", *common]
     command = [sys.executable, "-m", "gmock_engine", *common, "--log-level", "WARNING"]
     if args.itl_ms:
         command += ["--itl-ms", str(args.itl_ms)]

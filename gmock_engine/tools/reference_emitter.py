@@ -8,7 +8,7 @@ shapes, same token generator), in one thread with a blocking poll: no
 gevent, no queues, no validation, no logging. It is a yardstick, not a
 product: bad input crashes it.
 
-    python -m gmock_engine.reference_emitter --handshake-address tcp://127.0.0.1:29550 \\
+    python -m gmock_engine.tools.reference_emitter --handshake-address tcp://127.0.0.1:29550 \\
         [--engine-count N] [--output-token-chunk-size K] [--vocab-size V] [--seed S]
 """
 
@@ -27,7 +27,7 @@ MASK64 = (1 << 64) - 1
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="gmock_engine.reference_emitter")
+    parser = argparse.ArgumentParser(prog="gmock_engine.tools.reference_emitter")
     parser.add_argument("--handshake-address", default="tcp://127.0.0.1:29550")
     parser.add_argument("--engine-count", type=int, default=1)
     parser.add_argument("--data-parallel-start-rank", type=int, default=0)
