@@ -5,14 +5,15 @@ Per engine (design card):
 * one **reader** greenlet per input DEALER (and one for the coordinator
   socket): receives `[type, payload, aux...]`, decodes it (protocol.py) and
   puts the message on the engine's input queue. A bad frame is logged and
-  dropped; the engine keeps serving.
+  dropped; the engine keeps serving. (The loop: `transport.Reader`.)
 * one **stepper** greenlet that owns the `EngineCore`: applies queued input,
   advances every running request once per round, and puts the outputs on the
   output queue. It blocks on the input queue when there is nothing to do
   (idle CPU is zero) and yields to the hub after every round, so input is
   never starved.
 * one **sender** greenlet, the only place a message leaves: packs each
-  output and PUSHes it to `outputs[client_index]`.
+  output and PUSHes it to `outputs[client_index]`. (The loop:
+  `transport.Sender`.)
 
 Both queues are bounded, so a slow frontend throttles the stepper instead of
 growing memory (the PUSH blocks at its high-water mark, the sender waits,
@@ -50,7 +51,7 @@ from .engine import COORDINATOR, Drain, EngineCore, EngineSettings, LedgerViolat
 from .faults import FaultSpec, Faults
 from .latency import LatencyModel
 from .logs import Throttle
-from .protocol import EngineCoreRequest, InitMessage, ProtocolError, UtilityCall, WireLayout
+from .protocol import EngineCoreRequest, InitMessage, UtilityCall, WireLayout
 from .stats import Samples
 from .steptimer import StepTimer
 
@@ -72,11 +73,6 @@ HEAP_TRIM_INTERVAL_S = 60.0
 #: At most this many "bad frame" warnings per window, then one summary line.
 BAD_FRAME_LOGS = 20
 BAD_FRAME_WINDOW_S = 10.0
-#: Requests the sender answered with ERROR (an output would not encode) and
-#: whose later outputs it still holds back; bounded, as they end by themselves.
-MAX_CUT_REQUESTS = 4096
-
-_STOP = object()
 
 
 class Supervisor:
@@ -131,14 +127,10 @@ class EngineRunner:
         self.stepper: Optional[gevent.Greenlet] = None
         self.sender: Optional[gevent.Greenlet] = None
         self.joined = gevent.event.Event()
-        self.bad_frames = 0
         #: Rate-limited warnings for what the frontend (or anyone) sends.
         self.throttle = Throttle(self.log, BAD_FRAME_LOGS, BAD_FRAME_WINDOW_S)
-        #: Outputs that could not be encoded (second line of defence) and
-        #: inputs or steps whose processing failed; each failure contained.
-        self.contained_failures = 0
-        #: Request ids the sender ended with ERROR (see protocol.salvage).
-        self._cut: set = set()
+        #: Bad frames and contained failures, counted by the socket loops and the stepper.
+        self.incidents = transport.Incidents()
         self.step_lateness = Samples()
         #: Set by the readers after queueing input and by the step timer.
         self.wake = gevent.event.Event()
@@ -156,6 +148,16 @@ class EngineRunner:
         self.marked: Dict[str, FaultSpec] = {}
         self.slow_factor = 1.0
         self.slow_until = float("inf")
+
+    @property
+    def bad_frames(self) -> int:
+        """Frames dropped because they could not be decoded."""
+        return self.incidents.bad_frames
+
+    @property
+    def contained_failures(self) -> int:
+        """Failures contained without stopping the engine (transport.Incidents)."""
+        return self.incidents.contained_failures
 
     # -- startup ---------------------------------------------------------------
 
@@ -256,52 +258,24 @@ class EngineRunner:
         )
         self.engine.stats_provider = self.runtime_stats
         spawn = self.supervisor.spawn
+        reader = transport.Reader(self.layout, self.in_queue.put, self.wake, self.flowing, self.incidents, self.throttle)
         for index, sock in enumerate(self.sockets.inputs):
             name = f"engine-{self.rank}-reader-{index}"
-            self.readers.append(spawn(name, self._reader, sock, f"input[{index}]", protocol.decode_input))
+            self.readers.append(spawn(name, reader.run, sock, f"input[{index}]", protocol.decode_input))
         if self.sockets.coordinator_input is not None:
             name = f"engine-{self.rank}-coordinator-reader"
             self.readers.append(
-                spawn(name, self._reader, self.sockets.coordinator_input, "coordinator_input", protocol.decode_coordinator)
+                spawn(name, reader.run, self.sockets.coordinator_input, "coordinator_input", protocol.decode_coordinator)
             )
         self.stepper = spawn(f"engine-{self.rank}-stepper", self._stepper)
-        self.sender = spawn(f"engine-{self.rank}-sender", self._sender)
+        sender = transport.Sender(self.sockets, self.layout, self.out_queue.get, self.outputs_flowing, self.incidents, self.throttle)
+        self.sender = spawn(f"engine-{self.rank}-sender", sender.run)
         self.faults.joined(time.monotonic())
         if self.faults.timed():
             self.readers.append(spawn(f"engine-{self.rank}-fault-timer", self._fault_timer))
         self.joined.set()
 
-    # -- the three stages --------------------------------------------------------
-
-    def _drop(self, where: str, error: Exception) -> None:
-        """Log a dropped frame; a flood (fuzzing, a broken peer) is summarised
-        rather than written line by line: BAD_FRAME_LOGS per window, then a count."""
-        self.bad_frames += 1
-        if isinstance(error, ProtocolError):
-            self.throttle.warning("bad frame", "bad frame on {} dropped: {:.300}", where, str(error))
-        else:  # the decoder itself failed on this frame: a bug, with its traceback
-            self.contained_failures += 1
-            self.throttle.warning("decoder failure", "frame on {} dropped: the decoder failed on it", where, exception=True)
-
-    def _reader(self, sock: Any, where: str, decode: Callable[[Any, WireLayout], Any]) -> None:
-        """One socket -> decoded messages -> input queue. `decode` is
-        protocol.decode_input for an input DEALER, protocol.decode_coordinator
-        for the coordinator XSUB (which answers None for a late READY, §2.6).
-        A frame that cannot be decoded is dropped; only the socket failing
-        ends this loop."""
-        layout, put, wake, flowing = self.layout, self.in_queue.put, self.wake, self.flowing
-        while True:
-            if not flowing.is_set():
-                flowing.wait()  # hung (--fault-hang): the socket is not read
-            frames = sock.recv_multipart()
-            try:
-                message = decode(frames, layout)
-            except Exception as exc:  # noqa: BLE001 - one frame's content, whatever it broke
-                self._drop(where, exc)
-                continue
-            if message is not None:
-                put(message)
-                wake.set()
+    # -- the stepper (the readers and the sender: transport.py) ------------------
 
     def _stepper(self) -> None:
         """Owns the EngineCore: apply input, step, hand outputs to the sender.
@@ -381,7 +355,7 @@ class EngineRunner:
         traceback (rate-limited) and answered with errors, so that only the
         requests it concerned fail. A failure of this answer itself is one
         of the engine, and stops the process."""
-        self.contained_failures += 1
+        self.incidents.contained_failures += 1
         name = type(message).__name__ if message is not None else "step"
         self.throttle.warning("contained failure", "{} {} failed; answered with errors, the engine goes on", what, name, exception=True)
         if message is None:
@@ -509,50 +483,6 @@ class EngineRunner:
         gevent.sleep(delay)
         self.out_queue.put(item)
 
-    def _sender(self) -> None:
-        """The one place a message leaves: pack and PUSH to outputs[client_index]
-        (client index -1: the coordinator_output socket, §6.2).
-
-        A message that does not pack never stops it: its requests are
-        answered with ERROR instead (protocol.salvage) and their later
-        outputs held back; only a socket failing ends this loop."""
-        outputs = list(self.sockets.outputs)
-        outputs.append(self.sockets.coordinator_output)  # index -1
-        pack = protocol.Packer().pack
-        get = self.out_queue.get
-        flowing = self.outputs_flowing
-        cut = self._cut
-        while True:
-            item = get()
-            if not flowing.is_set():
-                flowing.wait()  # stalled or hung (--fault-stall-outputs, --fault-hang)
-            if item is _STOP:
-                return
-            client, message = item
-            if cut:
-                message = protocol.without_requests(message, cut)
-                if message is None:
-                    continue
-            try:
-                data = pack(message)
-            except Exception as exc:  # noqa: BLE001 - msgpack raises OverflowError, TypeError, ValueError
-                data = self._salvage(message, exc, pack)
-                if data is None:
-                    continue
-            outputs[client].send(data)
-
-    def _salvage(self, message: List[Any], exc: Exception, pack: Callable[[Any], bytes]) -> Optional[bytes]:
-        reason = f"{type(exc).__name__}: {str(exc):.120}"
-        data, failed = protocol.salvage(message, pack, self.layout, reason)
-        self.contained_failures += 1
-        self.throttle.warning(
-            "unencodable output", "a message could not be encoded ({}); {} request(s) answered with ERROR instead", reason, len(failed)
-        )
-        if len(self._cut) + len(failed) > MAX_CUT_REQUESTS:
-            self._cut.clear()
-        self._cut.update(failed)
-        return data
-
     # -- shutdown ------------------------------------------------------------------
 
     def input_greenlets(self) -> List[gevent.Greenlet]:
@@ -584,7 +514,7 @@ class EngineRunner:
         deadline = time.monotonic() + SENDER_FLUSH_TIMEOUT_S
         if not self.sender.dead:
             try:
-                self.out_queue.put(_STOP, timeout=SENDER_FLUSH_TIMEOUT_S)
+                self.out_queue.put(transport.STOP, timeout=SENDER_FLUSH_TIMEOUT_S)
             except gevent.queue.Full:
                 pass
             self.sender.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -596,16 +526,7 @@ class EngineRunner:
                 )
                 self.sender.kill(block=True, timeout=KILL_TIMEOUT_S)
         if send_dead:
-            self._send_dead()
-
-    def _send_dead(self) -> None:
-        """ENGINE_CORE_DEAD, raw, on every client's socket (§4.1); without
-        blocking: a socket at its high-water mark is named in the log."""
-        for index, sock in enumerate(self.sockets.outputs):
-            try:
-                sock.send(protocol.ENGINE_CORE_DEAD, zmq.NOBLOCK)
-            except zmq.Again:
-                self.log.warning("ENGINE_CORE_DEAD not sent on output[{}]: the frontend is not reading (high-water mark)", index)
+            self.sockets.send_dead(self.log)
 
     def close(self) -> None:
         """Stage 3: close the sockets (outputs linger, bounded)."""
