@@ -19,7 +19,8 @@ a utility call. What each kind does, and how the real frontends react, is
 in the README ("Fault injection").
 
 `Faults` decides (per engine); `rewrite` applies the wire faults to the
-messages the engine built. The request ledger sees the messages before
+messages the engine built; fault_injection.py does the rest of what a fired
+fault does to a running engine. The request ledger sees the messages before
 `rewrite`: it keeps the books of what a correct engine sends, and the
 injected faults are counted beside it, so a soak with faults still expects
 0 ledger violations.
@@ -194,7 +195,7 @@ def parse_spec(kind: str, text: str) -> FaultSpec:
 
 class Faults:
     """One engine's faults: decides on each occasion which of them fire, and
-    counts what was injected. The caller applies them (runtime.py)."""
+    counts what was injected. The caller applies them (fault_injection.py)."""
 
     def __init__(self, specs: Sequence[FaultSpec], rank: int, seed: int) -> None:
         self.specs = [s for s in specs if s.applies_to(rank)]

@@ -5,14 +5,15 @@ Per engine (design card):
 * one **reader** greenlet per input DEALER (and one for the coordinator
   socket): receives `[type, payload, aux...]`, decodes it (protocol.py) and
   puts the message on the engine's input queue. A bad frame is logged and
-  dropped; the engine keeps serving.
+  dropped; the engine keeps serving. (The loop: `transport.Reader`.)
 * one **stepper** greenlet that owns the `EngineCore`: applies queued input,
   advances every running request once per round, and puts the outputs on the
   output queue. It blocks on the input queue when there is nothing to do
   (idle CPU is zero) and yields to the hub after every round, so input is
   never starved.
 * one **sender** greenlet, the only place a message leaves: packs each
-  output and PUSHes it to `outputs[client_index]`.
+  output and PUSHes it to `outputs[client_index]`. (The loop:
+  `transport.Sender`.)
 
 Both queues are bounded, so a slow frontend throttles the stepper instead of
 growing memory (the PUSH blocks at its high-water mark, the sender waits,
@@ -22,17 +23,17 @@ Every greenlet runs in the `Supervisor`'s group: an exception anywhere is
 logged with its traceback and stops the whole process with a non-zero
 status, never a half-alive engine.
 
-Fault injection (--fault-*, faults.py decides) acts here, between the
-stages: the stepper checks each input against the engine's `Faults`
-(crash, hang, stall, slow steps; ERROR mid-stream; marks for the wire
-faults; failed utility calls), `_emit` rewrites the marked requests'
-terminal outputs, and the `flowing` / `outputs_flowing` events stop the
-stages for a hang or a stall. With no fault configured none of it runs.
+Fault injection (--fault-*) is a layer of its own (fault_injection.py),
+asked between the stages: the stepper hands it each input
+(`on_input`) and each batch of outputs (`on_outputs`) and lets it stretch
+the step period (`next_step_at`); the readers, stepper and sender wait at
+its gates (`flowing`, `outputs_flowing`) during a hang or a stall. With no
+fault configured for an engine it is `NoFaults`, whose answers are
+pass-throughs: the serving path has no fault branches.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 import time
@@ -45,12 +46,11 @@ import gevent.queue
 import zmq.green as zmq
 from loguru import logger
 
-from . import faults, lengths, protocol, tokens, transport
-from .engine import COORDINATOR, Drain, EngineCore, EngineSettings, LedgerViolation, Outbound
-from .faults import FaultSpec, Faults
+from . import fault_injection, faults, lengths, protocol, tokens, transport
+from .engine import Drain, EngineCore, EngineSettings, LedgerViolation, Outbound
 from .latency import LatencyModel
 from .logs import Throttle
-from .protocol import EngineCoreRequest, InitMessage, ProtocolError, UtilityCall, WireLayout
+from .protocol import InitMessage, WireLayout
 from .stats import Samples
 from .steptimer import StepTimer
 
@@ -72,11 +72,6 @@ HEAP_TRIM_INTERVAL_S = 60.0
 #: At most this many "bad frame" warnings per window, then one summary line.
 BAD_FRAME_LOGS = 20
 BAD_FRAME_WINDOW_S = 10.0
-#: Requests the sender answered with ERROR (an output would not encode) and
-#: whose later outputs it still holds back; bounded, as they end by themselves.
-MAX_CUT_REQUESTS = 4096
-
-_STOP = object()
 
 
 class Supervisor:
@@ -128,34 +123,38 @@ class EngineRunner:
         self.out_queue: gevent.queue.Queue = gevent.queue.Queue(OUTPUT_QUEUE_SIZE)
         self.handshake: Optional[gevent.Greenlet] = None
         self.readers: List[gevent.Greenlet] = []
+        #: Fires the faults with at=T (only when one is configured).
+        self.fault_timer: Optional[gevent.Greenlet] = None
         self.stepper: Optional[gevent.Greenlet] = None
         self.sender: Optional[gevent.Greenlet] = None
         self.joined = gevent.event.Event()
-        self.bad_frames = 0
         #: Rate-limited warnings for what the frontend (or anyone) sends.
         self.throttle = Throttle(self.log, BAD_FRAME_LOGS, BAD_FRAME_WINDOW_S)
-        #: Outputs that could not be encoded (second line of defence) and
-        #: inputs or steps whose processing failed; each failure contained.
-        self.contained_failures = 0
-        #: Request ids the sender ended with ERROR (see protocol.salvage).
-        self._cut: set = set()
+        #: Bad frames and contained failures, counted by the socket loops and the stepper.
+        self.incidents = transport.Incidents()
         self.step_lateness = Samples()
         #: Set by the readers after queueing input and by the step timer.
         self.wake = gevent.event.Event()
-        # -- fault injection (faults.py) --
-        self.faults = Faults(getattr(config, "faults", ()), rank, config.seed)
+        #: The fault layer (fault_injection.py): NoFaults unless a --fault-*
+        #: applies to this rank.
+        self.injector = fault_injection.for_engine(
+            getattr(config, "faults", ()), rank, config.seed, self.log, supervisor.spawn, self.out_queue.put, self._vanish
+        )
+        #: Which faults fired, by kind (faults.Faults; the `fault_*` counters).
+        self.faults = self.injector.faults
         self._on_crash = on_crash
+        #: Set by --fault-crash: this engine is gone.
         self.crashed = False
-        #: Cleared by a hang: readers, stepper and sender wait on it.
-        self.flowing = gevent.event.Event()
-        self.flowing.set()
-        #: Cleared by a stall (and a hang): the sender waits on it.
-        self.outputs_flowing = gevent.event.Event()
-        self.outputs_flowing.set()
-        #: Requests whose terminal output a wire fault will rewrite.
-        self.marked: Dict[str, FaultSpec] = {}
-        self.slow_factor = 1.0
-        self.slow_until = float("inf")
+
+    @property
+    def bad_frames(self) -> int:
+        """Frames dropped because they could not be decoded."""
+        return self.incidents.bad_frames
+
+    @property
+    def contained_failures(self) -> int:
+        """Failures contained without stopping the engine (transport.Incidents)."""
+        return self.incidents.contained_failures
 
     # -- startup ---------------------------------------------------------------
 
@@ -256,52 +255,25 @@ class EngineRunner:
         )
         self.engine.stats_provider = self.runtime_stats
         spawn = self.supervisor.spawn
+        injector = self.injector  # its gates: closed during a hang or a stall
+        reader = transport.Reader(self.layout, self.in_queue.put, self.wake, injector.flowing, self.incidents, self.throttle)
         for index, sock in enumerate(self.sockets.inputs):
             name = f"engine-{self.rank}-reader-{index}"
-            self.readers.append(spawn(name, self._reader, sock, f"input[{index}]", protocol.decode_input))
+            self.readers.append(spawn(name, reader.run, sock, f"input[{index}]", protocol.decode_input))
         if self.sockets.coordinator_input is not None:
             name = f"engine-{self.rank}-coordinator-reader"
             self.readers.append(
-                spawn(name, self._reader, self.sockets.coordinator_input, "coordinator_input", protocol.decode_coordinator)
+                spawn(name, reader.run, self.sockets.coordinator_input, "coordinator_input", protocol.decode_coordinator)
             )
         self.stepper = spawn(f"engine-{self.rank}-stepper", self._stepper)
-        self.sender = spawn(f"engine-{self.rank}-sender", self._sender)
-        self.faults.joined(time.monotonic())
-        if self.faults.timed():
-            self.readers.append(spawn(f"engine-{self.rank}-fault-timer", self._fault_timer))
+        sender = transport.Sender(self.sockets, self.layout, self.out_queue.get, injector.outputs_flowing, self.incidents, self.throttle)
+        self.sender = spawn(f"engine-{self.rank}-sender", sender.run)
+        fire_timed = injector.joined(self.engine, time.monotonic())
+        if fire_timed is not None:
+            self.fault_timer = spawn(f"engine-{self.rank}-fault-timer", fire_timed)
         self.joined.set()
 
-    # -- the three stages --------------------------------------------------------
-
-    def _drop(self, where: str, error: Exception) -> None:
-        """Log a dropped frame; a flood (fuzzing, a broken peer) is summarised
-        rather than written line by line: BAD_FRAME_LOGS per window, then a count."""
-        self.bad_frames += 1
-        if isinstance(error, ProtocolError):
-            self.throttle.warning("bad frame", "bad frame on {} dropped: {:.300}", where, str(error))
-        else:  # the decoder itself failed on this frame: a bug, with its traceback
-            self.contained_failures += 1
-            self.throttle.warning("decoder failure", "frame on {} dropped: the decoder failed on it", where, exception=True)
-
-    def _reader(self, sock: Any, where: str, decode: Callable[[Any, WireLayout], Any]) -> None:
-        """One socket -> decoded messages -> input queue. `decode` is
-        protocol.decode_input for an input DEALER, protocol.decode_coordinator
-        for the coordinator XSUB (which answers None for a late READY, §2.6).
-        A frame that cannot be decoded is dropped; only the socket failing
-        ends this loop."""
-        layout, put, wake, flowing = self.layout, self.in_queue.put, self.wake, self.flowing
-        while True:
-            if not flowing.is_set():
-                flowing.wait()  # hung (--fault-hang): the socket is not read
-            frames = sock.recv_multipart()
-            try:
-                message = decode(frames, layout)
-            except Exception as exc:  # noqa: BLE001 - one frame's content, whatever it broke
-                self._drop(where, exc)
-                continue
-            if message is not None:
-                put(message)
-                wake.set()
+    # -- the stepper (the readers and the sender: transport.py) ------------------
 
     def _stepper(self) -> None:
         """Owns the EngineCore: apply input, step, hand outputs to the sender.
@@ -316,7 +288,9 @@ class EngineRunner:
         is recorded as step lateness. A late step does not make the next one
         come sooner: the engine counts from the actual start.
         """
-        engine, wake, flowing = self.engine, self.wake, self.flowing
+        engine, wake = self.engine, self.wake
+        flowing = self.injector.flowing  # closed by a hang (--fault-hang)
+        stretched = self.injector.next_step_at  # slow-steps (--fault-slow-steps)
         paced = engine.latency.paced
         clock = time.monotonic
         timer = StepTimer(wake.set)
@@ -324,7 +298,7 @@ class EngineRunner:
         try:
             while True:
                 if not flowing.is_set():
-                    flowing.wait()  # hung (--fault-hang)
+                    flowing.wait()
                 # Apply everything queued before the next step, so an ABORT
                 # or a new request takes effect at once.
                 self._drain_input()
@@ -352,9 +326,7 @@ class EngineRunner:
                 self._emit(out)
                 # Unpaced this is `now` (steps back to back) unless every
                 # running request waits for its prefill (e.g. mock_ttft_ms).
-                next_step_at = engine.next_step_time(now)
-                if self.slow_factor != 1.0 and next_step_at is not None:
-                    next_step_at = self._slowed(now, next_step_at)
+                next_step_at = stretched(now, engine.next_step_time(now))
                 # Yield to the hub between rounds: readers and the sender run.
                 gevent.sleep(0)
         finally:
@@ -362,14 +334,15 @@ class EngineRunner:
 
     def _drain_input(self) -> None:
         in_queue, apply, emit = self.in_queue, self.engine.apply, self._emit
-        while not in_queue.empty() and self.flowing.is_set():
+        on_input, flowing = self.injector.on_input, self.injector.flowing
+        while not in_queue.empty() and flowing.is_set():
             message = in_queue.get_nowait()
             try:
-                if self.faults:
-                    message = self._inject(message)
-                    if message is None:
-                        continue
-                out = apply(message)
+                # The fault layer may change the input, or answer it itself
+                # (a failed utility call): then it is not applied.
+                message, out = on_input(message)
+                if message is not None:
+                    out = apply(message)
             except LedgerViolation:
                 raise  # --strict-ledger: meant to stop the process
             except Exception as exc:  # noqa: BLE001 - contained to this input
@@ -381,101 +354,27 @@ class EngineRunner:
         traceback (rate-limited) and answered with errors, so that only the
         requests it concerned fail. A failure of this answer itself is one
         of the engine, and stops the process."""
-        self.contained_failures += 1
+        self.incidents.contained_failures += 1
         name = type(message).__name__ if message is not None else "step"
         self.throttle.warning("contained failure", "{} {} failed; answered with errors, the engine goes on", what, name, exception=True)
         if message is None:
             return self.engine.fail_all(f"gmock_engine failed in a step ({type(exc).__name__}: {str(exc):.200})")
         return self.engine.answer_failure(message, exc)
 
-    # -- fault injection ---------------------------------------------------------
-
-    def _inject(self, message: Any) -> Any:
-        """Check one input against the faults; return it (maybe changed) to
-        apply, or None when a fault answered it."""
-        now = time.monotonic()
-        if isinstance(message, EngineCoreRequest):
-            for spec in self.faults.on_request(now):
-                if spec.scope == faults.ENGINE:
-                    self._engine_fault(spec, f"request {message.request_id}")
-                elif spec.kind == "error-mid-stream":
-                    after = faults.fail_after(message.max_tokens)
-                    previous = message.extra_args.get("mock_fail_after")
-                    if isinstance(previous, int) and previous < after:
-                        after = previous
-                    message = dataclasses.replace(message, extra_args={**message.extra_args, "mock_fail_after": after})
-                    self.log.warning("injected fault error-mid-stream: request {} ends with ERROR after {} tokens", message.request_id, after)
-                elif message.request_id not in self.marked:
-                    self.marked[message.request_id] = spec
-                    self.log.warning("injected fault {}: request {}", spec.kind, message.request_id)
-        elif isinstance(message, UtilityCall):
-            spec = self.faults.on_utility(message.method, now)
-            if spec is not None:
-                self.log.warning("injected fault fail-utility: {} (call id {}) answered with a failure", message.method, message.call_id)
-                self._emit(self.engine.fail_utility(message, faults.UTILITY_FAILURE_MESSAGE))
-                return None
-        return message
-
-    def _fault_timer(self) -> None:
-        """Fires the engine faults with at=T, each when due."""
-        for due, spec in self.faults.timed():
-            gevent.sleep(max(0.0, due - time.monotonic()))
-            if self.faults.fire(spec):
-                self._engine_fault(spec, f"at={spec.at:g}s")
-
-    def _engine_fault(self, spec: FaultSpec, why: str) -> None:
-        """crash | hang | stall-outputs | slow-steps, now."""
-        kind = spec.kind
-        if kind == "crash":
-            self._crash(why)
-        elif kind == "hang":
-            self.log.warning("injected fault hang ({}): not reading, stepping or sending{}", why, _for(spec.duration))
-            self.flowing.clear()
-            self.outputs_flowing.clear()
-            if spec.duration is not None:
-                self.supervisor.spawn(f"engine-{self.rank}-hang-end", self._resume_after, spec.duration, True)
-        elif kind == "stall-outputs":
-            self.log.warning("injected fault stall-outputs ({}): no output leaves{}", why, _for(spec.duration))
-            self.outputs_flowing.clear()
-            if spec.duration is not None:
-                self.supervisor.spawn(f"engine-{self.rank}-stall-end", self._resume_after, spec.duration, False)
-        elif kind == "slow-steps":
-            self.log.warning("injected fault slow-steps ({}): steps take {:g}x as long{}", why, spec.factor, _for(spec.duration))
-            self.slow_factor = spec.factor or 1.0
-            self.slow_until = time.monotonic() + spec.duration if spec.duration is not None else float("inf")
-
-    def _resume_after(self, seconds: float, hang: bool) -> None:
-        gevent.sleep(seconds)
-        if hang:
-            self.log.warning("hang over: the engine goes on")
-            self.flowing.set()
-        elif self.flowing.is_set():
-            self.log.warning("output stall over")
-        if self.flowing.is_set():
-            self.outputs_flowing.set()
-
-    def _slowed(self, started: float, due: float) -> float:
-        """slow-steps: the step period (what the latency model asked, or
-        what the step took, whichever is longer) times the factor."""
-        now = time.monotonic()
-        if now >= self.slow_until:
-            self.log.warning("slow steps over")
-            self.slow_factor = 1.0
-            return due
-        return started + max(due - started, now - started) * self.slow_factor
-
-    def _crash(self, why: str) -> None:
-        """The engine vanishes: no goodbye, queued outputs dropped, sockets
-        closed. The App ends the process when no engine is left."""
-        self.log.critical("injected fault crash ({}): engine {} vanishes without ENGINE_CORE_DEAD", why, self.rank)
+    def _vanish(self) -> None:
+        """--fault-crash (the fault layer calls this): the engine vanishes,
+        no goodbye, queued outputs dropped, sockets closed. The App ends the
+        process when no engine is left. Does not return: the calling stage
+        ends here, quietly."""
         self.crashed = True
         self._on_crash(self)  # does not return if this was the process's last engine
         current = gevent.getcurrent()
-        greenlets = [g for g in [*self.readers, self.stepper, self.sender] if g is not None and g is not current]
+        stages = [*self.readers, self.fault_timer, self.stepper, self.sender]
+        greenlets = [g for g in stages if g is not None and g is not current]
         gevent.killall(greenlets, block=True, timeout=KILL_TIMEOUT_S)
         if self.sockets is not None:
             self.sockets.close(output_linger_ms=0)
-        raise gevent.GreenletExit  # the calling stage ends here, quietly
+        raise gevent.GreenletExit
 
     def runtime_stats(self) -> Dict[str, Any]:
         """Figures only the runtime knows, for the gmock_stats utility."""
@@ -490,75 +389,18 @@ class EngineRunner:
         }
 
     def _emit(self, messages: List[Outbound]) -> None:
+        """Queue a batch for the sender, as the fault layer lets it go (once
+        per batch, never per output: this is the per-token path)."""
         put = self.out_queue.put
-        if self.marked:  # a wire fault waits for one of these requests' end
-            for client, message in messages:
-                if client == COORDINATOR:
-                    put((client, message))
-                    continue
-                now, later = faults.rewrite(message, self.marked)
-                for each in now:
-                    put((client, each))
-                for delay, each in later:
-                    self.supervisor.spawn(f"engine-{self.rank}-late-finish", self._put_later, delay, (client, each))
-            return
-        for item in messages:
+        for item in self.injector.on_outputs(messages):
             put(item)
-
-    def _put_later(self, delay: float, item: Outbound) -> None:
-        gevent.sleep(delay)
-        self.out_queue.put(item)
-
-    def _sender(self) -> None:
-        """The one place a message leaves: pack and PUSH to outputs[client_index]
-        (client index -1: the coordinator_output socket, §6.2).
-
-        A message that does not pack never stops it: its requests are
-        answered with ERROR instead (protocol.salvage) and their later
-        outputs held back; only a socket failing ends this loop."""
-        outputs = list(self.sockets.outputs)
-        outputs.append(self.sockets.coordinator_output)  # index -1
-        pack = protocol.Packer().pack
-        get = self.out_queue.get
-        flowing = self.outputs_flowing
-        cut = self._cut
-        while True:
-            item = get()
-            if not flowing.is_set():
-                flowing.wait()  # stalled or hung (--fault-stall-outputs, --fault-hang)
-            if item is _STOP:
-                return
-            client, message = item
-            if cut:
-                message = protocol.without_requests(message, cut)
-                if message is None:
-                    continue
-            try:
-                data = pack(message)
-            except Exception as exc:  # noqa: BLE001 - msgpack raises OverflowError, TypeError, ValueError
-                data = self._salvage(message, exc, pack)
-                if data is None:
-                    continue
-            outputs[client].send(data)
-
-    def _salvage(self, message: List[Any], exc: Exception, pack: Callable[[Any], bytes]) -> Optional[bytes]:
-        reason = f"{type(exc).__name__}: {str(exc):.120}"
-        data, failed = protocol.salvage(message, pack, self.layout, reason)
-        self.contained_failures += 1
-        self.throttle.warning(
-            "unencodable output", "a message could not be encoded ({}); {} request(s) answered with ERROR instead", reason, len(failed)
-        )
-        if len(self._cut) + len(failed) > MAX_CUT_REQUESTS:
-            self._cut.clear()
-        self._cut.update(failed)
-        return data
 
     # -- shutdown ------------------------------------------------------------------
 
     def input_greenlets(self) -> List[gevent.Greenlet]:
         """Stage 1 of shutdown stops these: the handshake (if still waiting),
-        the readers and the stepper."""
-        return [g for g in [self.handshake, *self.readers, self.stepper] if g is not None]
+        the readers, the timed faults and the stepper."""
+        return [g for g in [self.handshake, *self.readers, self.fault_timer, self.stepper] if g is not None]
 
     def request_drain(self, finish: bool) -> None:
         """Ask the stepper to end (or finish) everything (--on-stop)."""
@@ -570,7 +412,7 @@ class EngineRunner:
     def drained(self) -> bool:
         """Nothing running or waiting, and nothing left to send; or nothing
         that can be waited for (crashed, or hung: --fault-*)."""
-        if self.engine is None or self.crashed or not self.flowing.is_set():
+        if self.engine is None or self.crashed or self.injector.hung:
             return True
         return self.engine.num_active == 0 and self.out_queue.empty() and self.in_queue.empty()
 
@@ -584,7 +426,7 @@ class EngineRunner:
         deadline = time.monotonic() + SENDER_FLUSH_TIMEOUT_S
         if not self.sender.dead:
             try:
-                self.out_queue.put(_STOP, timeout=SENDER_FLUSH_TIMEOUT_S)
+                self.out_queue.put(transport.STOP, timeout=SENDER_FLUSH_TIMEOUT_S)
             except gevent.queue.Full:
                 pass
             self.sender.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -596,16 +438,7 @@ class EngineRunner:
                 )
                 self.sender.kill(block=True, timeout=KILL_TIMEOUT_S)
         if send_dead:
-            self._send_dead()
-
-    def _send_dead(self) -> None:
-        """ENGINE_CORE_DEAD, raw, on every client's socket (§4.1); without
-        blocking: a socket at its high-water mark is named in the log."""
-        for index, sock in enumerate(self.sockets.outputs):
-            try:
-                sock.send(protocol.ENGINE_CORE_DEAD, zmq.NOBLOCK)
-            except zmq.Again:
-                self.log.warning("ENGINE_CORE_DEAD not sent on output[{}]: the frontend is not reading (high-water mark)", index)
+            self.sockets.send_dead(self.log)
 
     def close(self) -> None:
         """Stage 3: close the sockets (outputs linger, bounded)."""
@@ -734,10 +567,6 @@ class App:
             counts.update(runner.faults.summary())
             out[runner.rank] = counts
         return out
-
-
-def _for(duration: Optional[float]) -> str:
-    return f" for {duration:g} s" if duration is not None else " until the process stops"
 
 
 def _malloc_trim() -> Optional[Callable[[int], int]]:

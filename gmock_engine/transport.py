@@ -1,10 +1,18 @@
-"""Sockets: joining the frontend's handshake and owning one engine's sockets.
+"""Sockets: joining the frontend's handshake, one engine's sockets and the
+loops that own them.
 
 The frontend binds every socket; an engine only connects (PROTOCOL.md §1).
 Per engine identity this module connects the handshake DEALER, sends HELLO,
 takes INIT, connects one DEALER per input address (sending the ready response
 on each) and one PUSH per output address, passes the coordinator gate when
 INIT names a coordinator (§2.6), and sends READY (§2.1).
+
+Then exactly one greenlet owns each socket direction (runtime.py spawns
+them): a `Reader` loop per input socket (frames -> decoded messages -> the
+input queue) and one `Sender` loop for all output sockets (the output queue
+-> packed messages -> `outputs[client_index]`). They talk to the stepper only
+through those two bounded queues and the `wake` event, and they stop at the
+gates the fault layer closes (fault_injection.py: hang, stall).
 
 Only `zmq.green` is used: plain pyzmq calls would block the whole gevent hub.
 `RCVTIMEO` does nothing on green sockets, so waits use `gevent.Timeout`.
@@ -20,13 +28,20 @@ import zmq.green as zmq
 from loguru import logger
 
 from . import protocol
-from .protocol import InitMessage
+from .logs import Throttle
+from .protocol import InitMessage, ProtocolError, WireLayout
 
 #: How often a wait for the frontend logs that it is still waiting.
 WAIT_LOG_INTERVAL_S = 10.0
 #: Linger of the output PUSH sockets at close: long enough for the last
 #: outputs to leave, short enough for the 1 s shutdown budget.
 OUTPUT_LINGER_MS = 300
+#: Requests the sender answered with ERROR (an output would not encode) and
+#: whose later outputs it still holds back; bounded, as they end by themselves.
+MAX_CUT_REQUESTS = 4096
+
+#: Put on the output queue to end the `Sender` after what is queued before it.
+STOP = object()
 
 
 @dataclass
@@ -48,6 +63,15 @@ class EngineSockets:
                 sock.close(linger=0)
         for sock in self.outputs:
             sock.close(linger=output_linger_ms)
+
+    def send_dead(self, log: Any) -> None:
+        """ENGINE_CORE_DEAD, raw, on every client's socket (§4.1); without
+        blocking: a socket at its high-water mark is named in the log."""
+        for index, sock in enumerate(self.outputs):
+            try:
+                sock.send(protocol.ENGINE_CORE_DEAD, zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("ENGINE_CORE_DEAD not sent on output[{}]: the frontend is not reading (high-water mark)", index)
 
 
 def recv_waiting(sock: Any, what: str, log: Any) -> List[bytes]:
@@ -130,3 +154,140 @@ def join_frontend(
     except BaseException:
         sockets.close()
         raise
+
+
+# -- the socket loops -------------------------------------------------------------
+
+
+@dataclass
+class Incidents:
+    """Trouble one engine contained without stopping, counted for the
+    summary line, gmock_stats and /metrics. Shared by the socket loops and
+    the stepper, each of which adds what it contained."""
+
+    #: Frames dropped because they could not be decoded.
+    bad_frames: int = 0
+    #: Outputs that could not be encoded (second line of defence), frames
+    #: the decoder itself failed on, inputs or steps whose processing failed.
+    contained_failures: int = 0
+
+
+class Reader:
+    """The input side of one engine: `run` is the loop of one input socket
+    (one greenlet per input DEALER and one for the coordinator XSUB), each
+    the only greenlet that receives on its socket (STYLE: one waiter per
+    socket direction)."""
+
+    def __init__(
+        self,
+        layout: WireLayout,
+        put: Callable[[Any], None],
+        wake: Any,
+        gate: Any,
+        incidents: Incidents,
+        throttle: Throttle,
+    ) -> None:
+        self.layout = layout
+        self.put = put  # the engine's input queue (bounded: a flood waits here)
+        self.wake = wake  # set after each message so the stepper applies it
+        self.gate = gate  # cleared by a hang (--fault-hang): the socket is not read
+        self.incidents = incidents
+        self.throttle = throttle
+
+    def run(self, sock: Any, where: str, decode: Callable[[Any, WireLayout], Any]) -> None:
+        """One socket -> decoded messages -> input queue. `decode` is
+        protocol.decode_input for an input DEALER, protocol.decode_coordinator
+        for the coordinator XSUB (which answers None for a late READY, §2.6).
+        A frame that cannot be decoded is dropped; only the socket failing
+        ends this loop."""
+        layout, put, wake, gate = self.layout, self.put, self.wake, self.gate
+        while True:
+            if not gate.is_set():
+                gate.wait()
+            frames = sock.recv_multipart()
+            try:
+                message = decode(frames, layout)
+            except Exception as exc:  # noqa: BLE001 - one frame's content, whatever it broke
+                self._drop(where, exc)
+                continue
+            if message is not None:
+                put(message)
+                wake.set()
+
+    def _drop(self, where: str, error: Exception) -> None:
+        """Log a dropped frame; a flood (fuzzing, a broken peer) is summarised
+        rather than written line by line (the Throttle's budget per window,
+        then a count)."""
+        self.incidents.bad_frames += 1
+        if isinstance(error, ProtocolError):
+            self.throttle.warning("bad frame", "bad frame on {} dropped: {:.300}", where, str(error))
+        else:  # the decoder itself failed on this frame: a bug, with its traceback
+            self.incidents.contained_failures += 1
+            self.throttle.warning("decoder failure", "frame on {} dropped: the decoder failed on it", where, exception=True)
+
+
+class Sender:
+    """The output side of one engine: `run` is the one place a message
+    leaves, the only greenlet that sends on the engine's output sockets."""
+
+    def __init__(
+        self,
+        sockets: EngineSockets,
+        layout: WireLayout,
+        get: Callable[[], Any],
+        gate: Any,
+        incidents: Incidents,
+        throttle: Throttle,
+    ) -> None:
+        # Position = client index (§2.4); index -1 = coordinator_output (§4.1,
+        # §6.2), which is None without a coordinator and then never addressed.
+        self.outputs = [*sockets.outputs, sockets.coordinator_output]
+        self.layout = layout
+        self.get = get  # the engine's output queue
+        self.gate = gate  # cleared by a stall or a hang (--fault-stall-outputs, --fault-hang)
+        self.incidents = incidents
+        self.throttle = throttle
+        #: Request ids this sender ended with ERROR (see protocol.salvage).
+        self.cut: set = set()
+
+    def run(self) -> None:
+        """Pack each queued (client_index, message) and PUSH it to
+        outputs[client_index] (client index -1: the coordinator_output
+        socket, §6.2), until STOP.
+
+        A message that does not pack never stops it: its requests are
+        answered with ERROR instead (protocol.salvage) and their later
+        outputs held back; only a socket failing ends this loop."""
+        outputs = self.outputs
+        pack = protocol.Packer().pack
+        get, gate, cut = self.get, self.gate, self.cut
+        while True:
+            item = get()
+            if not gate.is_set():
+                gate.wait()
+            if item is STOP:
+                return
+            client, message = item
+            if cut:
+                message = protocol.without_requests(message, cut)
+                if message is None:
+                    continue
+            try:
+                data = pack(message)
+            except Exception as exc:  # noqa: BLE001 - msgpack raises OverflowError, TypeError, ValueError
+                data = self._salvage(message, exc, pack)
+                if data is None:
+                    continue
+            outputs[client].send(data)
+
+    def _salvage(self, message: List[Any], exc: Exception, pack: Callable[[Any], bytes]) -> Optional[bytes]:
+        reason = f"{type(exc).__name__}: {str(exc):.120}"
+        data, failed = protocol.salvage(message, pack, self.layout, reason)
+        self.incidents.contained_failures += 1
+        self.throttle.warning(
+            "unencodable output", "a message could not be encoded ({}); {} request(s) answered with ERROR instead", reason, len(failed)
+        )
+        if len(self.cut) + len(failed) > MAX_CUT_REQUESTS:
+            self.cut.clear()
+        self.cut.update(failed)
+        return data
