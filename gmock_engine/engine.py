@@ -160,13 +160,13 @@ class EngineCore:
         )
         self._cadence = StatsCadence()
         self.outbox = Outbox(self.rank, clock, self.ledger, self._stats_if_due, settings.has_coordinator, settings.strict_ledger, self.log)
-        self.utilities = Utilities(self)
+        self.utilities = Utilities(
+            self.rank, clock, self.scheduler, self.kv, self.ledger, self.throttle, self.log, settings.supported_tasks, self.abort_all
+        )
         self.shutting_down = False
         #: Only what the ledger cannot know: steps, tokens, preemptions (the
         #: scheduler's), utility calls, inputs dropped for a bad client index.
         self.counters = self.scheduler.counters
-        #: Extra figures for the `gmock_stats` utility (set by the runtime).
-        self.stats_provider: Callable[[], Dict[str, Any]] = dict
 
     # -- queries ---------------------------------------------------------
 
@@ -209,6 +209,15 @@ class EngineCore:
     @property
     def step_delay(self) -> float:
         return self.scheduler.step_delay
+
+    @property
+    def stats_provider(self) -> Callable[[], Dict[str, Any]]:
+        """Extra figures for the `gmock_stats` utility (set by the runtime)."""
+        return self.utilities.stats_provider
+
+    @stats_provider.setter
+    def stats_provider(self, provider: Callable[[], Dict[str, Any]]) -> None:
+        self.utilities.stats_provider = provider
 
     @property
     def kv_cache_usage(self) -> float:

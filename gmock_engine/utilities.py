@@ -10,17 +10,16 @@ cannot use (the call fails, nothing else). The one exception is pause mode
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import protocol
-from .logs import short
+from .kv_cache_manager import KVCacheManager
+from .ledger import Ledger
+from .logs import Throttle, short
 from .outbox import Outbound
 from .protocol import UtilityCall
 from .request import cut
-from .scheduler import PauseState
-
-if TYPE_CHECKING:  # the engine owns the utilities; only types are imported back
-    from .engine import EngineCore
+from .scheduler import PauseState, Scheduler
 
 PAUSE_MODES = ("abort", "wait", "keep")
 
@@ -34,8 +33,31 @@ class Utilities:
     (the scheduler holds the pause state itself), weight version, calls
     waiting for a drain."""
 
-    def __init__(self, engine: "EngineCore") -> None:
-        self.engine = engine
+    def __init__(
+        self,
+        rank: int,
+        clock: Callable[[], float],
+        scheduler: Scheduler,
+        kv: KVCacheManager,
+        ledger: Ledger,
+        throttle: Throttle,
+        log: Any,
+        supported_tasks: Sequence[str],
+        abort_all: Callable[[], List[Outbound]],
+    ) -> None:
+        self.rank = rank
+        self.clock = clock
+        self.scheduler = scheduler
+        self.kv = kv
+        self.ledger = ledger
+        self.throttle = throttle
+        self.log = log
+        self.supported_tasks = tuple(supported_tasks)
+        #: the engine's: every in-flight request ends with an ABORT output
+        self.abort_all = abort_all
+        #: Extra figures for the `gmock_stats` utility: the engine's counters
+        #: and the runtime's own (set by the engine).
+        self.stats_provider: Callable[[], Dict[str, Any]] = dict
         #: pause_generation in modes abort/wait rejects new ADDs (0.33, §5).
         self.reject_new_requests = False
         self.sleep_level = 0
@@ -45,45 +67,42 @@ class Utilities:
 
     def call(self, call: UtilityCall) -> List[Outbound]:
         """Run one call; its answer (or nothing yet, for pause mode wait)."""
-        engine = self.engine
         handler = _UTILITIES.get(call.method)
         if handler is None:
-            engine.throttle.warning("unknown utility", "UTILITY {}: unsupported method; answered with a failure", short(call.method, 60))
+            self.throttle.warning("unknown utility", "UTILITY {}: unsupported method; answered with a failure", short(call.method, 60))
             return [self.reply(call, failure=f"unsupported method {cut(call.method)} (gmock_engine)")]
-        engine.log.opt(lazy=True).debug(
+        self.log.opt(lazy=True).debug(
             "UTILITY {} args={} call_id={}", lambda: call.method, lambda: cut(call.args, 200), lambda: call.call_id
         )
         try:
             return handler(self, call)
         except UtilityFailure as exc:
-            engine.throttle.warning("utility failure", "UTILITY {}: {}", call.method, exc)
+            self.throttle.warning("utility failure", "UTILITY {}: {}", call.method, exc)
             return [self.reply(call, failure=str(exc))]
         except (TypeError, ValueError, AttributeError, IndexError, KeyError, OverflowError) as exc:
             # arguments of a shape the handler did not expect: that call fails, nothing else
-            engine.throttle.warning("utility failure", "UTILITY {}: bad arguments {} ({})", call.method, cut(call.args), exc)
+            self.throttle.warning("utility failure", "UTILITY {}: bad arguments {} ({})", call.method, cut(call.args), exc)
             return [self.reply(call, failure=f"{call.method}: bad arguments {cut(call.args)}: {type(exc).__name__}: {str(exc):.200}")]
 
     def reply(self, call: UtilityCall, result: Any = None, failure: Optional[str] = None) -> Outbound:
-        engine = self.engine
-        return (call.client_index, protocol.utility_reply(engine.rank, call.call_id, engine.clock(), result, failure))
+        return (call.client_index, protocol.utility_reply(self.rank, call.call_id, self.clock(), result, failure))
 
     # -- pause and sleep ---------------------------------------------------------------
 
     @property
     def paused(self) -> bool:
-        return self.engine.scheduler.pause_state is not PauseState.UNPAUSED
+        return self.scheduler.pause_state is not PauseState.UNPAUSED
 
     def pause(self, call: UtilityCall, mode: Any, reject_new: Optional[bool]) -> List[Outbound]:
         """vLLM's pause_scheduler (0.32/0.33 core.py): abort ends every
         request; wait keeps stepping and answers when drained; keep freezes."""
         if mode not in PAUSE_MODES:
             raise UtilityFailure(f"Invalid pause mode: {cut(mode)}")
-        engine = self.engine
-        out = engine.abort_all() if mode == "abort" else []
-        engine.scheduler.pause_state = PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW
+        out = self.abort_all() if mode == "abort" else []
+        self.scheduler.pause_state = PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW
         if reject_new is not None:
             self.reject_new_requests = reject_new
-        if mode == "wait" and engine.scheduler.running:
+        if mode == "wait" and self.scheduler.running:
             self._replies_when_drained.append((call.client_index, call.call_id))
             return out
         out.append(self.reply(call))
@@ -91,15 +110,14 @@ class Utilities:
 
     def resume(self) -> None:
         """resume_scheduler: waiting requests are admitted again."""
-        self.engine.scheduler.pause_state = PauseState.UNPAUSED
+        self.scheduler.pause_state = PauseState.UNPAUSED
         self.reject_new_requests = False
 
     def check_drained(self, out: List[Outbound]) -> None:
         """Answer the pause-mode-wait calls once nothing runs any more."""
-        if self._replies_when_drained and not self.engine.scheduler.running:
-            engine = self.engine
+        if self._replies_when_drained and not self.scheduler.running:
             for client, call_id in self._replies_when_drained:
-                out.append((client, protocol.utility_reply(engine.rank, call_id, engine.clock())))
+                out.append((client, protocol.utility_reply(self.rank, call_id, self.clock())))
             self._replies_when_drained.clear()
 
 
@@ -117,7 +135,7 @@ def _u_value(value: Any) -> Handler:
 
 
 def _u_supported_tasks(u: Utilities, call: UtilityCall) -> List[Outbound]:
-    return [u.reply(call, list(u.engine.settings.supported_tasks))]
+    return [u.reply(call, list(u.supported_tasks))]
 
 
 def _u_is_sleeping(u: Utilities, call: UtilityCall) -> List[Outbound]:
@@ -161,7 +179,7 @@ def _u_resume_scheduler(u: Utilities, call: UtilityCall) -> List[Outbound]:
 
 
 def _u_reset_prefix_cache(u: Utilities, call: UtilityCall) -> List[Outbound]:
-    u.engine.kv.reset_prefix_cache()
+    u.kv.reset_prefix_cache()
     return [u.reply(call, True)]
 
 
@@ -180,15 +198,14 @@ def _u_set_weight_version(u: Utilities, call: UtilityCall) -> List[Outbound]:
 def _u_gmock_stats(u: Utilities, call: UtilityCall) -> List[Outbound]:
     """gmock_engine's own method (not vLLM's): the books and the engine's
     counters, with runtime figures, for the bench driver and test harnesses."""
-    engine = u.engine
     stats: Dict[str, Any] = {
-        "rank": engine.rank,
-        "active": len(engine.scheduler.running),
-        "waiting": len(engine.scheduler.waiting),
-        "counters": dict(engine.counters),
-        "ledger": engine.ledger.summary(),
+        "rank": u.rank,
+        "active": len(u.scheduler.running),
+        "waiting": len(u.scheduler.waiting),
+        "counters": dict(u.scheduler.counters),
+        "ledger": u.ledger.summary(),
     }
-    stats.update(engine.stats_provider())
+    stats.update(u.stats_provider())
     return [u.reply(call, stats)]
 
 
