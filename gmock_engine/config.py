@@ -310,6 +310,18 @@ def build_parser() -> configargparse.ArgumentParser:
         default=("generate",),
         help="comma-separated answer to get_supported_tasks",
     )
+    gen.add_argument(
+        "--logprobs-top1",
+        type=_float_in(0.01, 0.99),
+        default=0.6,
+        help="synthetic logprobs: mean probability of each position's top-1 token (higher: a more peaked distribution)",
+    )
+    gen.add_argument(
+        "--logprobs-sampled-top1",
+        type=_float_in(0.0, 1.0),
+        default=0.75,
+        help="synthetic logprobs: share of sampled tokens that are their position's top-1 (the rest rank lower)",
+    )
 
     lat = parser.add_argument_group("latency model (all off by default: steps back to back, instant prefill)")
     lat.add_argument(

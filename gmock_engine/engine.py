@@ -39,6 +39,7 @@ from .kv_cache_manager import KVCacheManager
 from .latency import LatencyModel
 from .ledger import Ledger
 from .lengths import OutputLengths
+from .logprobs import LogprobModel
 from .logs import Throttle, short
 from .outbox import COORDINATOR, STATS_INTERVAL_S, LedgerViolation, Outbound, Outbox, StatsCadence
 from .protocol import (
@@ -57,7 +58,7 @@ from .prefix_cache import PrefixCache
 from .request import MAX_XARGS_TTFT_MS, MOCK_XARGS, Request, plan
 from .request_queue import FCFSRequestQueue
 from .scheduler import MOCK_FAILURE_MESSAGE, PauseState, Scheduler
-from .tokens import RandomTokens, TokenSource
+from .tokens import RandomTokens, TokenSource, request_seed
 from .utilities import PAUSE_MODES, SUPPORTED_UTILITIES, Utilities
 
 __all__ = [
@@ -111,6 +112,10 @@ class EngineSettings:
     max_num_batched_tokens: Optional[int] = None
     #: Prefix caching: prompt blocks seen before are not prefilled again.
     prefix_caching: bool = False
+    #: Synthetic logprobs (logprobs.py): the top-1 token's mean probability,
+    #: and how often the sampled token is the top-1.
+    logprobs_top1: float = 0.6
+    logprobs_sampled_top1: float = 0.75
     #: A ledger violation raises LedgerViolation (the process stops) instead of only being logged.
     strict_ledger: bool = False
     layout: WireLayout = field(default_factory=lambda: protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION])
@@ -144,6 +149,9 @@ class EngineCore:
         self.throttle = Throttle(self.log)
         #: The books on every request, checked against every message sent (ledger.py).
         self.ledger = Ledger()
+        low, span = (self.tokens.low, self.tokens.span) if isinstance(self.tokens, RandomTokens) else (0, settings.vocab_size)
+        #: the ids logprob alternatives are drawn from (the source's range)
+        self._logprob_span = span
         self.kv = KVCacheManager(settings.num_gpu_blocks, settings.block_size, settings.kv_blocks, settings.prefix_caching)
         self.scheduler = Scheduler(
             self.kv,
@@ -157,6 +165,7 @@ class EngineCore:
             settings.scheduling_policy,
             on_preempt=self._log_preempted,
             on_reject=lambda request: self._log_end(request.request_id, 0, FinishReason.ERROR),
+            logprob_model=LogprobModel(settings.logprobs_top1, settings.logprobs_sampled_top1, low, span),
         )
         self._cadence = StatsCadence()
         self.outbox = Outbox(self.rank, clock, self.ledger, self._stats_if_due, settings.has_coordinator, settings.strict_ledger, self.log)
@@ -312,6 +321,17 @@ class EngineCore:
             return self._answer_now(client, rid, FinishReason.LENGTH)
         entry.priority = request.priority
         entry.block_hashes = self.kv.hash_prompt(request.prompt_token_ids)
+        if request.logprobs is not None or request.prompt_logprobs is not None:
+            asked = max(request.logprobs or 0, request.prompt_logprobs or 0)
+            if asked + 1 > self._logprob_span:
+                reason = f"{asked} logprobs asked, but the engine makes only {self._logprob_span} distinct token ids"
+                self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
+                return self._answer_now(client, rid, FinishReason.ERROR, protocol.request_error("validation_error", reason))
+            entry.num_logprobs = request.logprobs
+            entry.num_prompt_logprobs = request.prompt_logprobs
+            entry.logprob_state = request_seed(settings.seed, self.rank, rid) ^ 0x5DEECE66D
+            if request.prompt_logprobs is not None:
+                entry.prompt_token_ids = request.prompt_token_ids
         self.scheduler.add_request(entry)
         return []
 

@@ -98,6 +98,9 @@ class WireLayout:
     outputs_fields: Tuple[str, ...]
     ready_response_keys: Tuple[str, ...]
     max_finish_reason: FinishReason
+    #: Elements of a LogprobsLists / LogprobsTensors tuple on the wire
+    #: (Appendix E): 4 since cu_num_generated_tokens, 3 before.
+    logprobs_arity: int = 4
 
     def output_position(self, name: str) -> int:
         return self.output_fields.index(name)
@@ -227,6 +230,10 @@ class EngineCoreRequest:
     all_stop_token_ids: Tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    #: SamplingParams.logprobs / prompt_logprobs: top-k alternatives asked
+    #: for each sampled / prompt token (0: the token's own only; None: none).
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
     #: SamplingParams.extra_args: what a client put in `vllm_xargs`.
     extra_args: Dict[str, Any] = field(default_factory=dict)
 
@@ -405,7 +412,9 @@ def _decode_stops(sampling: Dict[str, Any]) -> Dict[str, Any]:
     extra = sampling.get("extra_args") or {}
     if not isinstance(extra, dict):
         raise BadValue(f"extra_args is {type(extra).__name__}, not a map")
+    logprobs = {key: _num_logprobs(sampling, key) for key in ("logprobs", "prompt_logprobs")}
     return {
+        **logprobs,
         "stop_token_ids": _int_list(sampling, "stop_token_ids"),
         "eos_token_id": eos,
         "all_stop_token_ids": _int_list(sampling, "_all_stop_token_ids"),
@@ -413,6 +422,20 @@ def _decode_stops(sampling: Dict[str, Any]) -> Dict[str, Any]:
         "min_tokens": min_tokens,
         "extra_args": extra,
     }
+
+
+#: The most top-k alternatives per token the mock computes (vLLM's default
+#: --max-logprobs is 20; -1, the whole vocabulary, is refused).
+MAX_LOGPROBS = 1024
+
+
+def _num_logprobs(sampling: Dict[str, Any], key: str) -> Optional[int]:
+    value = sampling.get(key)
+    if value is None:
+        return None
+    if not _is_int(value) or not 0 <= value <= MAX_LOGPROBS:
+        raise BadValue(f"{key} {_cut(value)} is not an int in 0..{MAX_LOGPROBS} (-1, the whole vocabulary, is not supported)")
+    return value
 
 
 def decode_abort(payload: Any) -> AbortRequests:
@@ -577,6 +600,8 @@ def engine_core_output(
     events: Optional[List[Dict[str, Any]]] = None,
     prefill_stats: Optional[Dict[str, Any]] = None,
     stop_reason: Optional[int] = None,
+    new_logprobs: Optional[List[Any]] = None,
+    new_prompt_logprobs_tensors: Optional[List[Any]] = None,
 ) -> List[Any]:
     """An EngineCoreOutput array, as short as its content allows (§0, §4.3).
 
@@ -586,9 +611,17 @@ def engine_core_output(
     slots before them filled with their defaults (`num_nans_in_logits` must
     be an int, never nil).
     """
-    if finish_reason is None and events is None and error is None:
-        return [request_id, new_token_ids]  # the per-token path: keep it cheap
-    out: List[Any] = [request_id, new_token_ids, None, None, None, None if finish_reason is None else int(finish_reason)]
+    if finish_reason is None and events is None and error is None and new_prompt_logprobs_tensors is None:
+        # the per-token path: keep it cheap
+        return [request_id, new_token_ids] if new_logprobs is None else [request_id, new_token_ids, new_logprobs]
+    out: List[Any] = [
+        request_id,
+        new_token_ids,
+        new_logprobs,
+        new_prompt_logprobs_tensors,
+        None,
+        None if finish_reason is None else int(finish_reason),
+    ]
     for name, value in (("stop_reason", stop_reason), ("events", events), ("prefill_stats", prefill_stats), ("error", error)):
         if value is None or name not in layout.output_fields:
             continue
@@ -599,6 +632,47 @@ def engine_core_output(
     nans = layout.output_position("num_nans_in_logits")
     if len(out) > nans:
         out[nans] = 0
+    return out
+
+
+#: msgpack ext type of a raw array buffer inline in a message (§0, serial_utils'
+#: CUSTOM_TYPE_RAW_VIEW); both frontends also accept it above the 256-byte
+#: threshold at which vLLM itself moves buffers to extra frames (Appendix E).
+RAW_VIEW_EXT = 3
+
+
+def ndarray(dtype: str, shape: Sequence[int], data: bytes) -> List[Any]:
+    """An array on the wire: `[dtype, shape, ext 3 raw bytes]` (§0). The
+    dtype is numpy's string (`"<i4"`) for ndarray fields, torch's name
+    (`"int32"`) for tensor fields: the Python decoder looks it up by name."""
+    return [dtype, list(shape), msgpack.ExtType(RAW_VIEW_EXT, data)]
+
+
+def logprobs_lists(
+    rows: int,
+    columns: int,
+    token_ids: bytes,
+    logprobs: bytes,
+    ranks: bytes,
+    layout: Optional[WireLayout] = None,
+    tensors: bool = False,
+    ids_width: str = "i4",
+) -> List[Any]:
+    """A LogprobsLists (new_logprobs, numpy dtypes) or LogprobsTensors
+    (new_prompt_logprobs_tensors, torch dtype names): token ids int32
+    `[rows, columns]`, logprobs float32 `[rows, columns]`, ranks int64
+    `[rows]`, little-endian bytes (ids int64 when `ids_width` says so: an id
+    beyond int32); column 0 is the sampled (or prompt) token
+    (Appendix E). The 4th element, cu_num_generated_tokens, is nil: vllm-rs
+    rejects anything else in a per-request output."""
+    names = {"i4": "int32", "f4": "float32", "i8": "int64"} if tensors else {"i4": "<i4", "f4": "<f4", "i8": "<i8"}
+    out = [
+        ndarray(names[ids_width], (rows, columns), token_ids),
+        ndarray(names["f4"], (rows, columns), logprobs),
+        ndarray(names["i8"], (rows,), ranks),
+    ]
+    if (layout or _LAYOUT_0_33).logprobs_arity > 3:
+        out.append(None)
     return out
 
 

@@ -56,6 +56,10 @@ class Request:
         "ttft_ms",
         "block_hashes",
         "cached_tokens",
+        "num_logprobs",
+        "num_prompt_logprobs",
+        "logprob_state",
+        "prompt_token_ids",
     )
 
     def __init__(
@@ -91,6 +95,12 @@ class Request:
         #: Prefix caching: the prompt's chained block hashes, and its cached tokens.
         self.block_hashes: Tuple[int, ...] = ()
         self.cached_tokens = 0
+        #: SamplingParams logprobs / prompt_logprobs (None: not asked; logprobs.py)
+        self.num_logprobs: Optional[int] = None
+        self.num_prompt_logprobs: Optional[int] = None
+        self.logprob_state = 0
+        #: kept only for prompt logprobs (column 0 of each prompt row)
+        self.prompt_token_ids: Optional[List[int]] = None
 
     @property
     def num_tokens(self) -> int:

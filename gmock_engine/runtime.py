@@ -234,6 +234,8 @@ class EngineRunner:
                 prefix_caching=c.prefix_caching,
                 strict_ledger=c.strict_ledger,
                 output_lengths=lengths.from_config(c.output_len_dist, c.eos_probability),
+                logprobs_top1=c.logprobs_top1,
+                logprobs_sampled_top1=c.logprobs_sampled_top1,
                 token_source=tokens.make_source(
                     c.token_source,
                     c.vocab_size,

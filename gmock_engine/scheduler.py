@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 from . import protocol
 from .kv_cache_manager import KVCacheManager
 from .latency import LatencyModel
+from .logprobs import LogprobModel
 from .outbox import Outbox
 from .protocol import EngineCoreEventType, FinishReason, WireLayout
 from .request import Request
@@ -57,6 +58,7 @@ class Scheduler:
         policy: str,
         on_preempt: Callable[[Request], None] = lambda request: None,
         on_reject: Callable[[Request], None] = lambda request: None,
+        logprob_model: Optional[LogprobModel] = None,
     ) -> None:
         self.kv = kv
         self.tokens = tokens
@@ -78,6 +80,7 @@ class Scheduler:
         self.step_delay = 0.0
         #: steps, tokens, preemptions (the ledger counts requests)
         self.counters: Counter = Counter()
+        self.logprob_model = logprob_model or LogprobModel()
         #: --log-requests hooks of the engine
         self._on_preempt = on_preempt
         self._on_reject = on_reject
@@ -219,6 +222,7 @@ class Scheduler:
                 finish = request.finish
                 if request.last_token is not None and tokens:
                     tokens[-1] = request.last_token
+            new_logprobs = None if request.num_logprobs is None else self._logprobs(request, tokens)
             if events is not None or (finish is not None and finish is not FinishReason.LENGTH):
                 # §4.5: queue/prefill time and prompt tokens for the frontend's
                 # metrics; a STOP or ERROR end says why (stop_reason, error).
@@ -231,14 +235,16 @@ class Scheduler:
                     layout=self.layout,
                     events=events,
                     prefill_stats=protocol.prefill_stats(request.prompt_len, request.cached_tokens) if first else None,
+                    new_logprobs=new_logprobs,
+                    new_prompt_logprobs_tensors=self._prompt_logprobs(request) if first else None,
                 )
                 request.pending_events = None
-            elif finish is None:
+            elif finish is None and new_logprobs is None:
                 # protocol.engine_core_output's running shape, built inline on
                 # the per-token path (test_engine checks they are the same)
                 output = [request.request_id, tokens]
             else:
-                output = make_output(request.request_id, tokens, finish)
+                output = make_output(request.request_id, tokens, finish, new_logprobs=new_logprobs)
             batch.outputs.append(output)
             if finish is not None:
                 batch.finished.append(request.request_id)
@@ -247,6 +253,25 @@ class Scheduler:
         self.counters["tokens"] += emitted
         self.kv.tokens += emitted
         return done
+
+    def _logprobs(self, request: Request, tokens: List[int]) -> Optional[List[Any]]:
+        """new_logprobs for this output's tokens (logprobs.py, Appendix E);
+        none for an output without tokens, as vLLM."""
+        if not tokens:
+            return None
+        width, ids, lps, ranks, request.logprob_state = self.logprob_model.rows(request.logprob_state, tokens, request.num_logprobs)
+        return protocol.logprobs_lists(len(tokens), request.num_logprobs + 1, ids, lps, ranks, self.layout, ids_width=width)
+
+    def _prompt_logprobs(self, request: Request) -> Optional[List[Any]]:
+        """new_prompt_logprobs_tensors, once with the first output: a row per
+        prompt position after the first (the frontend puts None for that)."""
+        if request.num_prompt_logprobs is None or request.prompt_token_ids is None or request.prompt_len < 2:
+            return None
+        k = request.num_prompt_logprobs
+        prompt = request.prompt_token_ids[1:]
+        width, ids, lps, ranks, request.logprob_state = self.logprob_model.rows(request.logprob_state, prompt, k)
+        request.prompt_token_ids = None
+        return protocol.logprobs_lists(len(prompt), k + 1, ids, lps, ranks, self.layout, tensors=True, ids_width=width)
 
     def _admit(self, now: float, budget: Optional[int], outbox: Outbox) -> int:
         """Move waiting requests into the running batch while the batch limit,

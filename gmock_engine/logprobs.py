@@ -1,0 +1,103 @@
+"""Synthetic log-probabilities: the one place they are made; pure.
+
+A real engine reports, for each sampled token, its log-probability and rank
+and the top-K alternatives (PROTOCOL.md §4.3, Appendix E). A mock has no
+model, so the numbers are drawn, deterministically per (seed, engine rank,
+request id, position), and kept self-consistent the way a frontend, a
+client or an evaluation harness can check:
+
+* each position's distribution is geometric over the ranks: the top-1
+  token has probability p1 (around `--logprobs-top1`, varying per
+  position), rank r has p1 * q**(r-1) with q = 0.8 * (1 - p1), so the
+  probabilities of all ranks sum to less than 1;
+* the top-K columns hold K distinct ids with non-increasing logprobs <= 0;
+* column 0 is the sampled token (the id the token source made): the top-1
+  with probability `--logprobs-sampled-top1`, otherwise a lower rank. Its
+  logprob is its rank's, and when its rank is within K it appears in the
+  top-K at exactly that rank, so rank and logprob agree wherever it sits;
+* prompt positions get the same treatment, with the prompt's own id in
+  column 0.
+
+Ids come from the token source's range (`alternatives`), so they decode.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import List, Sequence, Tuple
+
+_MASK64 = (1 << 64) - 1
+_LCG_MUL = 6364136223846793005
+_LCG_INC = 1442695040888963407
+#: A sampled token that is not the top-1 sits at rank 2 + Geometric(this).
+_LOWER_RANK_CONTINUE = 0.5
+_MAX_RANK = 1 << 20
+_INT32_LIMIT = 1 << 31
+
+
+def _next(state: int) -> Tuple[int, float]:
+    state = (state * _LCG_MUL + _LCG_INC) & _MASK64
+    return state, (state >> 11) * (1.0 / (1 << 53))
+
+
+class LogprobModel:
+    """Draws the logprob rows of one engine (see the module docstring)."""
+
+    def __init__(self, top1: float = 0.6, sampled_top1: float = 0.75, low: int = 0, span: int = 32000) -> None:
+        if not 0.0 < top1 < 1.0 or not 0.0 <= sampled_top1 <= 1.0:
+            raise ValueError("top1 must be in (0, 1) and sampled_top1 in [0, 1]")
+        self.top1 = top1
+        self.sampled_top1 = sampled_top1
+        #: the ids alternatives are drawn from: the token source's range
+        self.low = low
+        self.span = span
+
+    def rows(self, state: int, sampled: Sequence[int], k: int) -> Tuple[str, bytes, bytes, bytes, int]:
+        """The rows for tokens `sampled` with `k` alternatives each: the ids'
+        width ("i4", or "i8" when an id does not fit int32), token ids
+        [n, k+1], logprobs float32 [n, k+1], ranks int64 [n] (as
+        little-endian bytes) and the state after them."""
+        ids: List[int] = []
+        lps: List[float] = []
+        ranks: List[int] = []
+        low, span, top1, sampled_top1 = self.low, self.span, self.top1, self.sampled_top1
+        for token in sampled:
+            state, u = _next(state)
+            p1 = min(0.98, max(0.02, top1 * (0.5 + u)))
+            log_p1, log_q = math.log(p1), math.log(0.8 * (1.0 - p1))
+            state, u = _next(state)
+            rank = 1
+            if u >= sampled_top1:
+                rank = 2
+                while rank < _MAX_RANK:
+                    state, u = _next(state)
+                    if u >= _LOWER_RANK_CONTINUE:
+                        break
+                    rank += 1
+            ids.append(token)
+            lps.append(log_p1 + (rank - 1) * log_q)
+            ranks.append(rank)
+            # the top-k: distinct ids, the sampled one at its own rank when it is within k
+            chosen = {token}
+            for position in range(1, k + 1):
+                if position == rank:
+                    ids.append(token)
+                else:
+                    while True:
+                        state, u = _next(state)
+                        candidate = low + int(u * span)
+                        if candidate not in chosen:
+                            break
+                    chosen.add(candidate)
+                    ids.append(candidate)
+                lps.append(log_p1 + (position - 1) * log_q)
+        n, columns = len(sampled), k + 1
+        wide = max(ids) >= _INT32_LIMIT if ids else False  # vLLM's vocabularies fit int32; a mock's may not
+        return (
+            "i8" if wide else "i4",
+            struct.pack(f"<{n * columns}{'q' if wide else 'i'}", *ids),
+            struct.pack(f"<{n * columns}f", *lps),
+            struct.pack(f"<{n}q", *ranks),
+            state,
+        )
