@@ -1,0 +1,160 @@
+"""Synthetic logprobs (logprobs.py) and their wire form (protocol.logprobs_lists):
+decoded here with the frontends' rules (Appendix E), and checked for the
+self-consistency a client or an evaluation harness can see."""
+
+import math
+import struct
+
+import msgpack
+import pytest
+
+from gmock_engine import protocol
+from gmock_engine.engine import EngineCore, EngineSettings
+from gmock_engine.logprobs import LogprobModel
+from gmock_engine.protocol import EngineCoreRequest, FinishReason, InvalidRequest
+
+SIZES = {"<i4": 4, "int32": 4, "<i8": 8, "int64": 8, "<f4": 4, "float32": 4}
+FORMATS = {"<i4": "i", "int32": "i", "<i8": "q", "int64": "q", "<f4": "f", "float32": "f"}
+
+
+def decode_array(wire, tensor):
+    """One [dtype, shape, ext 3] triple, as vllm-rs's decoder reads it."""
+    dtype, shape, data = wire
+    assert isinstance(data, msgpack.ExtType) and data.code == 3
+    allowed = ("int32", "int64", "float32") if tensor else ("<i4", "<i8", "<f4")
+    assert dtype in allowed, dtype  # Python looks tensor dtypes up in torch by name
+    count = 1
+    for n in shape:
+        count *= n
+    assert len(data.data) == count * SIZES[dtype]  # vllm-rs: byte length must match the shape
+    return shape, list(struct.unpack(f"<{count}{FORMATS[dtype]}", data.data))
+
+
+def decode_lists(wire, tensor=False):
+    """A LogprobsLists / LogprobsTensors 4-tuple -> rows of (ids, logprobs), ranks."""
+    assert len(wire) == 4 and wire[3] is None  # vllm-rs rejects a non-nil cu_num_generated_tokens
+    (rows, cols), ids = decode_array(wire[0], tensor)
+    shape, lps = decode_array(wire[1], tensor)
+    (nranks,), ranks = decode_array(wire[2], tensor)
+    assert shape == [rows, cols] and nranks == rows
+    assert all(r >= 1 for r in ranks)  # vllm-rs rejects rank 0
+    return [(ids[i * cols : (i + 1) * cols], lps[i * cols : (i + 1) * cols]) for i in range(rows)], ranks
+
+
+def check_row(ids, lps, rank):
+    sampled, top_ids, top_lps = ids[0], ids[1:], lps[1:]
+    assert len(set(top_ids)) == len(top_ids)  # distinct alternatives
+    assert all(lp <= 0 for lp in lps)
+    assert all(a >= b for a, b in zip(top_lps, top_lps[1:]))  # non-increasing
+    assert sum(math.exp(lp) for lp in {i: lp for i, lp in zip(ids, lps)}.values()) <= 1.0 + 1e-6
+    if rank <= len(top_ids):
+        assert top_ids[rank - 1] == sampled and top_lps[rank - 1] == lps[0]  # it sits at its own rank
+        assert sampled not in top_ids[: rank - 1] + top_ids[rank:]
+    else:
+        assert sampled not in top_ids and (not top_lps or lps[0] <= top_lps[-1])
+
+
+def engine(**settings):
+    return EngineCore(EngineSettings(rank=0, num_clients=1, **settings))
+
+
+def run(e):
+    outputs = []
+    while e.has_work:
+        for _, message in e.step():
+            msgpack.packb(message, use_bin_type=True)
+            outputs += message[1]
+    return outputs
+
+
+@pytest.mark.parametrize("k,chunk", [(0, 1), (1, 1), (5, 1), (20, 4), (3, 3)])
+def test_every_row_is_self_consistent_and_matches_the_tokens(k, chunk):
+    e = engine(output_token_chunk_size=chunk)
+    e.apply(EngineCoreRequest("r", 4, 40, True, logprobs=k))
+    outputs = run(e)
+    assert sum(len(o[1]) for o in outputs) == 40
+    for output in outputs:
+        rows, ranks = decode_lists(output[2])
+        assert [ids[0] for ids, _ in rows] == output[1]  # column 0: the sampled tokens
+        assert all(len(ids) == k + 1 for ids, _ in rows)
+        for (ids, lps), rank in zip(rows, ranks):
+            check_row(ids, lps, rank)
+
+
+def test_many_positions_stay_consistent_and_ranks_spread():
+    model = LogprobModel(top1=0.5, sampled_top1=0.6, low=0, span=1000)
+    state, ranks_seen = 1234, []
+    for step in range(500):
+        width, ids, lps, ranks, state = model.rows(state, [step % 1000], 4)
+        rows, ranks = decode_lists(protocol.logprobs_lists(1, 5, ids, lps, ranks, ids_width=width))
+        check_row(*rows[0], ranks[0])
+        ranks_seen += ranks
+    share_top1 = ranks_seen.count(1) / len(ranks_seen)
+    assert 0.5 < share_top1 < 0.7 and max(ranks_seen) > 5  # about --logprobs-sampled-top1, with a tail
+
+
+def test_the_options_shape_the_distribution():
+    def mean_top1_logprob(top1):
+        model, state, total = LogprobModel(top1=top1, sampled_top1=1.0), 7, 0.0
+        for _ in range(300):
+            _, _, lps, _, state = model.rows(state, [1], 1)
+            total += struct.unpack("<2f", lps)[1]
+        return total / 300
+
+    assert mean_top1_logprob(0.9) > mean_top1_logprob(0.5) > mean_top1_logprob(0.1)
+    for sampled_top1, expected in ((1.0, {1}), (0.0, None)):
+        model, state, ranks = LogprobModel(sampled_top1=sampled_top1), 9, set()
+        for _ in range(200):
+            _, _, _, packed, state = model.rows(state, [3], 2)
+            ranks.add(struct.unpack("<q", packed)[0])
+        assert ranks == expected if expected else 1 not in ranks
+
+
+def test_logprobs_are_deterministic_per_seed_rank_and_request():
+    def first_rows(seed, rank, rid):
+        e = EngineCore(EngineSettings(rank=rank, num_clients=1, seed=seed))
+        e.apply(EngineCoreRequest(rid, 4, 5, True, logprobs=3))
+        return [decode_lists(o[2]) for o in run(e)]
+
+    assert first_rows(1, 0, "a") == first_rows(1, 0, "a")
+    assert first_rows(1, 0, "a") != first_rows(1, 0, "b") != first_rows(2, 0, "b")
+    assert first_rows(1, 0, "a") != first_rows(1, 1, "a")
+
+
+def test_prompt_logprobs_once_with_the_first_output():
+    e = engine()
+    prompt = [11, 12, 13, 14, 15]
+    e.apply(EngineCoreRequest("p", 5, 3, True, prompt_token_ids=prompt, prompt_logprobs=2))
+    outputs = run(e)
+    first, later = outputs[0], outputs[1:]
+    rows, ranks = decode_lists(first[3], tensor=True)
+    assert [ids[0] for ids, _ in rows] == prompt[1:]  # one row per position after the first
+    for (ids, lps), rank in zip(rows, ranks):
+        check_row(ids, lps, rank)
+    assert all(len(o) < 4 or o[3] is None for o in later)
+    assert all(len(o) < 3 or o[2] is None for o in outputs)  # no sample logprobs were asked
+
+
+def test_requests_that_ask_for_nothing_get_nothing():
+    e = engine()
+    e.apply(EngineCoreRequest("plain", 4, 5, True))
+    outputs = run(e)
+    assert all(o[2] is None for o in outputs if len(o) > 2) and len(outputs[1]) == 2  # running shape [id, tokens]
+
+
+def test_ids_beyond_int32_go_as_int64():
+    model = LogprobModel(low=2**32 - 100, span=100)
+    width, ids, lps, ranks, _ = model.rows(5, [2**32 - 1], 2)
+    rows, _ = decode_lists(protocol.logprobs_lists(1, 3, ids, lps, ranks, ids_width=width))
+    assert width == "i8" and rows[0][0][0] == 2**32 - 1
+
+
+def test_bad_logprob_counts_are_refused():
+    frames = [b"\x00", msgpack.packb(["r", [1], None, {"logprobs": -1}, None] + [None] * 6 + [0])]
+    message = protocol.decode_input(frames, protocol.WIRE_LAYOUTS["0.33"])
+    assert isinstance(message, InvalidRequest) and "logprobs -1" in message.reason
+    frames = [b"\x00", msgpack.packb(["r", [1], None, {"prompt_logprobs": 5000}, None] + [None] * 6 + [0])]
+    assert "prompt_logprobs 5000" in protocol.decode_input(frames, protocol.WIRE_LAYOUTS["0.33"]).reason
+    e = engine(vocab_size=10)
+    [(_, message)] = e.apply(EngineCoreRequest("big", 4, 5, True, logprobs=10))
+    assert message[1][0][5] == FinishReason.ERROR and "only 10 distinct token ids" in message[1][0][18]["message"]
