@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import List, Sequence, Tuple
+from typing import AbstractSet, List, Optional, Sequence, Tuple
 
 _MASK64 = (1 << 64) - 1
 _LCG_MUL = 6364136223846793005
@@ -34,6 +34,13 @@ _LCG_INC = 1442695040888963407
 _LOWER_RANK_CONTINUE = 0.5
 _MAX_RANK = 1 << 20
 _INT32_LIMIT = 1 << 31
+#: The top-1 probability of a token forced by logit_bias +100.
+_FORCED_P1 = 1.0 - 1e-6
+#: The logprob of an alternative the request could not emit (vLLM's API
+#: floor for -inf, which JSON cannot carry).
+_IMPOSSIBLE = -9999.0
+#: Random picks of an alternative before taking the first free id in order.
+_PICK_ATTEMPTS = 64
 
 
 def _next(state: int) -> Tuple[int, float]:
@@ -53,26 +60,43 @@ class LogprobModel:
         self.low = low
         self.span = span
 
-    def rows(self, state: int, sampled: Sequence[int], k: int) -> Tuple[str, bytes, bytes, bytes, int]:
+    def rows(
+        self,
+        state: int,
+        sampled: Sequence[int],
+        k: int,
+        pool: Optional[Sequence[int]] = None,
+        banned: Optional[AbstractSet[int]] = None,
+        forced: bool = False,
+    ) -> Tuple[str, bytes, bytes, bytes, int]:
         """The rows for tokens `sampled` with `k` alternatives each: the ids'
         width ("i4", or "i8" when an id does not fit int32), token ids
         [n, k+1], logprobs float32 [n, k+1], ranks int64 [n] (as
-        little-endian bytes) and the state after them."""
+        little-endian bytes) and the state after them.
+
+        The sampling controls of the request (request.plan) keep the numbers
+        consistent with what it may emit: alternatives come from `pool`
+        (allowed_token_ids, or the forced ids of a logit_bias +100) and never
+        from `banned`; once the pool is used up, further alternatives are ids
+        it could not emit, at -9999 (the finite floor vLLM's API puts on
+        -inf); a forced token is the top-1 with a probability of almost 1.
+        """
         ids: List[int] = []
         lps: List[float] = []
         ranks: List[int] = []
         low, span, top1, sampled_top1 = self.low, self.span, self.top1, self.sampled_top1
+        limit = len(pool) if pool is not None else _MAX_RANK
         for token in sampled:
             state, u = _next(state)
-            p1 = min(0.98, max(0.02, top1 * (0.5 + u)))
+            p1 = _FORCED_P1 if forced else min(0.98, max(0.02, top1 * (0.5 + u)))
             log_p1, log_q = math.log(p1), math.log(0.8 * (1.0 - p1))
             state, u = _next(state)
             rank = 1
-            if u >= sampled_top1:
+            if u >= sampled_top1 and not forced and limit > 1:
                 rank = 2
                 while rank < _MAX_RANK:
                     state, u = _next(state)
-                    if u >= _LOWER_RANK_CONTINUE:
+                    if u >= _LOWER_RANK_CONTINUE or rank >= limit:
                         break
                     rank += 1
             ids.append(token)
@@ -80,18 +104,17 @@ class LogprobModel:
             ranks.append(rank)
             # the top-k: distinct ids, the sampled one at its own rank when it is within k
             chosen = {token}
+            impossible = False  # from here on, alternatives the request could not emit
             for position in range(1, k + 1):
+                impossible = impossible or position > limit
                 if position == rank:
                     ids.append(token)
                 else:
-                    while True:
-                        state, u = _next(state)
-                        candidate = low + int(u * span)
-                        if candidate not in chosen:
-                            break
+                    state, candidate, fits = _alternative(state, chosen, pool, banned, impossible, low, span)
+                    impossible = impossible or not fits
                     chosen.add(candidate)
                     ids.append(candidate)
-                lps.append(log_p1 + (position - 1) * log_q)
+                lps.append(_IMPOSSIBLE if impossible and position != rank else log_p1 + (position - 1) * log_q)
         n, columns = len(sampled), k + 1
         wide = max(ids) >= _INT32_LIMIT if ids else False  # vLLM's vocabularies fit int32; a mock's may not
         return (
@@ -101,3 +124,35 @@ class LogprobModel:
             struct.pack(f"<{n}q", *ranks),
             state,
         )
+
+
+def _alternative(
+    state: int,
+    chosen: AbstractSet[int],
+    pool: Optional[Sequence[int]],
+    banned: Optional[AbstractSet[int]],
+    impossible: bool,
+    low: int,
+    span: int,
+) -> Tuple[int, int, bool]:
+    """One more distinct alternative: from the pool (or the range) and not
+    banned, or, when `impossible`, an id the request could not emit. Random
+    picks first; in a crowded range (few ids left), the first id in order
+    that is not taken yet, marked as not fitting (its logprob is then the
+    floor). Returns the state, the id and whether it fits."""
+    from_pool = pool is not None and not impossible
+    for _ in range(_PICK_ATTEMPTS):
+        state, u = _next(state)
+        candidate = pool[int(u * len(pool))] if from_pool else low + int(u * span)
+        if candidate in chosen:
+            continue
+        if impossible:
+            if pool is None or candidate not in pool:
+                return state, candidate, False
+        elif banned is None or candidate not in banned:
+            return state, candidate, True
+    # k + 1 <= span was checked at admission, so an id that is not taken exists
+    for candidate in range(low, low + span):
+        if candidate not in chosen:
+            return state, candidate, False
+    raise ValueError("no distinct alternative left")  # unreachable after the admission check

@@ -234,6 +234,11 @@ class EngineCoreRequest:
     #: for each sampled / prompt token (0: the token's own only; None: none).
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    #: Sampling controls a mock can honour (§3.3): the ids it may draw from,
+    #: tokenized bad words, and logit_bias (-100 bans an id, +100 forces it).
+    allowed_token_ids: Optional[Tuple[int, ...]] = None
+    bad_words_token_ids: Tuple[Tuple[int, ...], ...] = ()
+    logit_bias: Dict[int, float] = field(default_factory=dict)
     #: SamplingParams.extra_args: what a client put in `vllm_xargs`.
     extra_args: Dict[str, Any] = field(default_factory=dict)
 
@@ -413,8 +418,24 @@ def _decode_stops(sampling: Dict[str, Any]) -> Dict[str, Any]:
     if not isinstance(extra, dict):
         raise BadValue(f"extra_args is {type(extra).__name__}, not a map")
     logprobs = {key: _num_logprobs(sampling, key) for key in ("logprobs", "prompt_logprobs")}
+    allowed = sampling.get("allowed_token_ids")
+    if allowed is not None:
+        if not isinstance(allowed, list) or not allowed or not all(_is_int(t) and 0 <= t < TOKEN_ID_LIMIT for t in allowed):
+            raise BadValue(f"allowed_token_ids {_cut(allowed)} is not a non-empty array of token ids (ints in 0..2**32-1)")
+        allowed = tuple(allowed)
+    bad_words = sampling.get("_bad_words_token_ids") or []
+    if not isinstance(bad_words, list) or not all(isinstance(w, list) and w and all(_is_int(t) for t in w) for w in bad_words):
+        raise BadValue(f"_bad_words_token_ids {_cut(bad_words)} is not an array of non-empty arrays of ints")
+    bias = sampling.get("logit_bias") or {}
+    if not isinstance(bias, dict) or not all(
+        _is_int(k) and isinstance(v, (int, float)) and not isinstance(v, bool) and v == v for k, v in bias.items()
+    ):
+        raise BadValue(f"logit_bias {_cut(bias)} is not a map of token ids to numbers")
     return {
         **logprobs,
+        "allowed_token_ids": allowed,
+        "bad_words_token_ids": tuple(tuple(w) for w in bad_words),
+        "logit_bias": bias,
         "stop_token_ids": _int_list(sampling, "stop_token_ids"),
         "eos_token_id": eos,
         "all_stop_token_ids": _int_list(sampling, "_all_stop_token_ids"),

@@ -60,6 +60,10 @@ class Request:
         "num_prompt_logprobs",
         "logprob_state",
         "prompt_token_ids",
+        "pool",
+        "alternatives",
+        "banned",
+        "forced",
     )
 
     def __init__(
@@ -101,6 +105,13 @@ class Request:
         self.logprob_state = 0
         #: kept only for prompt logprobs (column 0 of each prompt row)
         self.prompt_token_ids: Optional[List[int]] = None
+        #: Sampling controls (see `plan`): the ids its tokens are drawn from
+        #: (None: the token source's own), the ids logprob alternatives come
+        #: from, the ids never emitted, and logit_bias +100 (a forced token).
+        self.pool: Optional[Tuple[int, ...]] = None
+        self.alternatives: Optional[Tuple[int, ...]] = None
+        self.banned: Optional[frozenset] = None
+        self.forced = False
 
     @property
     def num_tokens(self) -> int:
@@ -131,8 +142,10 @@ def plan(
     last token. `mock_finish` = stop | error | length changes how the
     request ends at its length; `mock_stop_token_id` makes a STOP end on that
     id, reported as stop_reason. Random tokens never hit a stop id; when the
-    stop ids cover every id the source could emit, the request stops on its
-    first token (after min_tokens), as vLLM's would.
+    stop ids cover every id the request could emit, the request stops on its
+    first token (after min_tokens), as vLLM's would. The sampling controls
+    shape which ids are drawn: `allowed_token_ids` is the pool, a logit_bias
+    of +100 forces its ids, -100 and bad words ban theirs.
 
     A vllm_xargs value of the wrong type or out of range raises BadValue
     naming the key and the value: nothing is coerced.
@@ -165,11 +178,33 @@ def plan(
     if eos_possible:
         stoppers.update(core_request.all_stop_token_ids)
         stoppers.add(eos)
-    # Stop ids covering every id the source can emit: a real engine stops on
+    # Sampling controls: logit_bias -100 and the last id of each bad word
+    # are never drawn (stricter than vLLM for multi-token bad words, which it
+    # bans only after their prefix); +100 forces its ids; allowed_token_ids
+    # is the pool everything else is drawn from.
+    bias = core_request.logit_bias
+    banned = {word[-1] for word in core_request.bad_words_token_ids} | {t for t, b in bias.items() if b <= -100}
+    forced = sorted(t for t, b in bias.items() if b >= 100 and 0 <= t < TOKEN_ID_LIMIT and t not in banned)
+    pool: Optional[List[int]] = None
+    if forced:
+        pool = forced
+    elif core_request.allowed_token_ids is not None:
+        allowed = set(core_request.allowed_token_ids)
+        # banning every allowed id bans none: an equal bias on all of them cancels out
+        pool = sorted(allowed - banned) or sorted(allowed)
+    elif banned and tokens.only_emits(request.rng_state, banned):
+        banned = set()  # a bias on every id the source makes cancels out, as in vLLM
+    request.forced = bool(forced)
+    request.banned = frozenset(banned) if banned else None
+    # Stop ids covering every id the request can emit: a real engine stops on
     # its first token that may stop (vLLM's check_stop, after min_tokens).
     first_stop: Optional[int] = None
-    if stoppers and tokens.only_emits(request.rng_state, stoppers):
+    if pool is not None:
+        if stoppers and all(t in stoppers for t in pool):
+            first_stop = pool[tokens.draw(request.rng_state, 1)[0][0] % len(pool)]
+    elif stoppers and tokens.only_emits(request.rng_state, stoppers):
         first_stop = tokens.draw(request.rng_state, 1)[0][0]
+    if first_stop is not None:
         at = max(core_request.min_tokens, 1)
         natural = at if natural is None else min(natural, at)
     if natural is None and output_lengths is not None and eos_possible:
@@ -192,8 +227,16 @@ def plan(
             request.stop_reason = first_stop if first_stop in core_request.stop_token_ids and first_stop != eos else None
         else:
             request.last_token = eos
+    if pool is not None:
+        # drawn from the pool without its stop ids (nothing left to avoid then)
+        free = tuple(t for t in pool if t not in stop_ids)
+        request.pool = free or tuple(pool)
+        request.alternatives = tuple(pool)
+        request.stop_ids = None
+        return
+    avoid = stop_ids | banned
     # nothing is left to avoid when every id stops
-    request.stop_ids = frozenset(stop_ids) if stop_ids and first_stop is None else None
+    request.stop_ids = frozenset(avoid) if avoid and first_stop is None else None
 
 
 def cut(value: Any, limit: int = 60) -> str:

@@ -211,7 +211,10 @@ class Scheduler:
             remaining = request.max_tokens - request.num_output_tokens
             n = chunk if chunk < remaining else remaining
             tokens, request.rng_state = draw(request.rng_state, n)
-            if request.stop_ids is not None and not request.stop_ids.isdisjoint(tokens):
+            if request.pool is not None:  # allowed_token_ids / logit_bias +100 (request.plan)
+                pool = request.pool
+                tokens = [pool[t % len(pool)] for t in tokens]
+            elif request.stop_ids is not None and not request.stop_ids.isdisjoint(tokens):
                 tokens = tokens_source.avoid(tokens, request.stop_ids)
             first = request.num_output_tokens == 0
             events = request.pending_events
@@ -259,7 +262,9 @@ class Scheduler:
         none for an output without tokens, as vLLM."""
         if not tokens:
             return None
-        width, ids, lps, ranks, request.logprob_state = self.logprob_model.rows(request.logprob_state, tokens, request.num_logprobs)
+        width, ids, lps, ranks, request.logprob_state = self.logprob_model.rows(
+            request.logprob_state, tokens, request.num_logprobs, request.alternatives, request.banned, request.forced
+        )
         return protocol.logprobs_lists(len(tokens), request.num_logprobs + 1, ids, lps, ranks, self.layout, ids_width=width)
 
     def _prompt_logprobs(self, request: Request) -> Optional[List[Any]]:
@@ -269,7 +274,7 @@ class Scheduler:
             return None
         k = request.num_prompt_logprobs
         prompt = request.prompt_token_ids[1:]
-        width, ids, lps, ranks, request.logprob_state = self.logprob_model.rows(request.logprob_state, prompt, k)
+        width, ids, lps, ranks, request.logprob_state = self.logprob_model.rows(request.logprob_state, prompt, k, banned=request.banned)
         request.prompt_token_ids = None
         return protocol.logprobs_lists(len(prompt), k + 1, ids, lps, ranks, self.layout, tensors=True, ids_width=width)
 

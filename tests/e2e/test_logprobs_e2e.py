@@ -138,3 +138,29 @@ def test_the_openai_client(stack):
     completion = client.completions.create(model=h.MODEL_NAME, prompt="hello there", max_tokens=3, logprobs=2)
     lp = completion.choices[0].logprobs
     assert len(lp.tokens) == 3 and all(v <= 0 for v in lp.token_logprobs) and all(1 <= len(t) <= 3 for t in lp.top_logprobs)
+
+
+def _token_ids(logprobs: dict) -> list[int]:
+    """Token ids from completions logprobs with return_tokens_as_token_ids."""
+    return [int(t.split(":", 1)[1]) for t in logprobs["tokens"]]
+
+
+def test_allowed_token_ids_and_logit_bias_shape_the_tokens(stack):
+    r = stack.post(
+        COMPLETIONS,
+        completion_body(30, stream=False, allowed_token_ids=[100, 101, 102], logprobs=2, return_tokens_as_token_ids=True),
+    )
+    assert r.status_code == 200, r.text[:500]
+    logprobs = r.json()["choices"][0]["logprobs"]
+    assert set(_token_ids(logprobs)) <= {100, 101, 102} and len(logprobs["tokens"]) == 30
+    alternatives = {int(k.split(":", 1)[1]) for top in logprobs["top_logprobs"] for k in top}
+    assert alternatives <= {100, 101, 102}  # consistent with what may be drawn
+    r = stack.post(COMPLETIONS, completion_body(8, stream=False, logit_bias={"500": 100}, logprobs=0, return_tokens_as_token_ids=True))
+    assert r.status_code == 200, r.text[:500]
+    logprobs = r.json()["choices"][0]["logprobs"]
+    assert _token_ids(logprobs) == [500] * 8 and all(v > -1e-3 for v in logprobs["token_logprobs"])  # forced: almost certain
+    banned = {str(i): -100 for i in range(100, 31000)}  # everything but 31000..31998 and EOS
+    r = stack.post(COMPLETIONS, completion_body(40, stream=False, logit_bias=banned, logprobs=0, return_tokens_as_token_ids=True))
+    assert r.status_code == 200, r.text[:500]
+    ids = _token_ids(r.json()["choices"][0]["logprobs"])
+    assert len(ids) == 40 and not any(100 <= i < 31000 for i in ids)

@@ -158,3 +158,60 @@ def test_bad_logprob_counts_are_refused():
     e = engine(vocab_size=10)
     [(_, message)] = e.apply(EngineCoreRequest("big", 4, 5, True, logprobs=10))
     assert message[1][0][5] == FinishReason.ERROR and "only 10 distinct token ids" in message[1][0][18]["message"]
+
+
+# -- sampling controls: allowed_token_ids, bad words, logit_bias ---------------------
+
+
+def tokens_and_rows(request, **settings):
+    e = engine(**settings)
+    e.apply(request)
+    outputs = run(e)
+    tokens = [t for o in outputs for t in o[1]]
+    rows = [r for o in outputs if len(o) > 2 and o[2] for r in zip(*decode_lists(o[2]))]
+    return tokens, rows, outputs
+
+
+def test_allowed_token_ids_are_the_only_ids_drawn_and_the_alternatives_come_from_them():
+    allowed = (1, 2, 3)
+    tokens, rows, _ = tokens_and_rows(EngineCoreRequest("a", 4, 200, True, allowed_token_ids=allowed, logprobs=5))
+    assert len(tokens) == 200 and set(tokens) == set(allowed)  # all three show up, nothing else
+    for (ids, lps), rank in rows:
+        check_row(ids, lps, rank)
+        top = ids[1:]
+        assert set(top[:3]) == set(allowed) and all(lp == -9999.0 for lp in lps[4:])  # the rest: impossible ids
+        assert not set(top[3:]) & set(allowed)
+
+
+def test_allowed_ids_without_the_stop_ids_and_eos():
+    tokens, _, outputs = tokens_and_rows(
+        EngineCoreRequest("a", 4, 50, True, allowed_token_ids=(5, 6, 7), stop_token_ids=(6,), eos_token_id=7, all_stop_token_ids=(7,))
+    )
+    assert set(tokens) == {5} and outputs[-1][5] == FinishReason.LENGTH
+    tokens, _, outputs = tokens_and_rows(EngineCoreRequest("b", 4, 50, True, allowed_token_ids=(6, 7), stop_token_ids=(6,), eos_token_id=7))
+    assert len(tokens) == 1 and outputs[-1][5] == FinishReason.STOP  # every allowed id stops: the first token stops
+
+
+def test_logit_bias_minus_100_and_bad_words_ban_and_plus_100_forces():
+    tokens, _, _ = tokens_and_rows(
+        EngineCoreRequest("b", 4, 500, True, logit_bias={i: -100.0 for i in range(5)}, bad_words_token_ids=((8, 9), (7,))),
+        vocab_size=12,
+    )
+    assert set(tokens) == {5, 6, 8, 10, 11}  # 0-4 biased away, 7 and the last id of (8, 9) banned
+    tokens, rows, _ = tokens_and_rows(EngineCoreRequest("f", 4, 20, True, logit_bias={17: 100.0, 3: 5.0}, logprobs=2))
+    assert set(tokens) == {17}
+    for (ids, lps), rank in rows:
+        assert rank == 1 and ids[0] == ids[1] == 17 and lps[0] > -1e-5  # almost certain
+        check_row(ids, lps, rank)
+
+
+def test_a_bias_on_every_id_cancels_out():
+    tokens, _, _ = tokens_and_rows(EngineCoreRequest("c", 4, 300, True, logit_bias={i: -100.0 for i in range(20)}), vocab_size=20)
+    assert len(tokens) == 300 and len(set(tokens)) > 10  # as vLLM: equal biases change nothing
+
+
+def test_banned_ids_never_appear_among_the_alternatives():
+    _, rows, _ = tokens_and_rows(EngineCoreRequest("d", 4, 100, True, logit_bias={i: -100.0 for i in range(40)}, logprobs=10), vocab_size=60)
+    for (ids, lps), rank in rows:
+        check_row(ids, lps, rank)
+        assert not set(ids) & set(range(40))
