@@ -28,6 +28,7 @@ import struct
 from typing import AbstractSet, List, Optional, Sequence, Tuple
 
 _MASK64 = (1 << 64) - 1
+_UNIT = 1.0 / (1 << 53)
 _LCG_MUL = 6364136223846793005
 _LCG_INC = 1442695040888963407
 #: A sampled token that is not the top-1 sits at rank 2 + Geometric(this).
@@ -41,6 +42,12 @@ _FORCED_P1 = 1.0 - 1e-6
 _IMPOSSIBLE = -9999.0
 #: Random picks of an alternative before taking the first free id in order.
 _PICK_ATTEMPTS = 64
+
+
+def _level(p1: float) -> Tuple[float, float, List[float]]:
+    """log p1, log q = log(0.8 (1 - p1)), and the ladder of logprobs by rank."""
+    log_p1, log_q = math.log(p1), math.log(0.8 * (1.0 - p1))
+    return log_p1, log_q, [log_p1]
 
 
 def _next(state: int) -> Tuple[int, float]:
@@ -59,6 +66,11 @@ class LogprobModel:
         #: the ids alternatives are drawn from: the token source's range
         self.low = low
         self.span = span
+        # Each position's top-1 probability p1 is one of 256 levels around
+        # top1 (0.5x..1.5x); per level: log p1, log q, and the logprobs by
+        # rank (extended as larger k are asked).
+        self._levels = [_level(min(0.98, max(0.02, top1 * (0.5 + (i + 0.5) / 256)))) for i in range(256)]
+        self._forced = _level(_FORCED_P1)
 
     def rows(
         self,
@@ -84,26 +96,43 @@ class LogprobModel:
         ids: List[int] = []
         lps: List[float] = []
         ranks: List[int] = []
-        low, span, top1, sampled_top1 = self.low, self.span, self.top1, self.sampled_top1
+        low, span, sampled_top1 = self.low, self.span, self.sampled_top1
         limit = len(pool) if pool is not None else _MAX_RANK
+        plain = pool is None and banned is None  # the common case: no sampling controls
         for token in sampled:
-            state, u = _next(state)
-            p1 = _FORCED_P1 if forced else min(0.98, max(0.02, top1 * (0.5 + u)))
-            log_p1, log_q = math.log(p1), math.log(0.8 * (1.0 - p1))
-            state, u = _next(state)
+            # the LCG inline (the per-token path of a request with logprobs)
+            state = (state * _LCG_MUL + _LCG_INC) & _MASK64
+            log_p1, log_q, ladder = self._forced if forced else self._levels[state >> 56]
+            if len(ladder) <= k:
+                ladder.extend(log_p1 + r * log_q for r in range(len(ladder), k + 1))
+            state = (state * _LCG_MUL + _LCG_INC) & _MASK64
             rank = 1
-            if u >= sampled_top1 and not forced and limit > 1:
+            if (state >> 11) * _UNIT >= sampled_top1 and not forced and limit > 1:
                 rank = 2
-                while rank < _MAX_RANK:
-                    state, u = _next(state)
-                    if u >= _LOWER_RANK_CONTINUE or rank >= limit:
+                while rank < limit:
+                    state = (state * _LCG_MUL + _LCG_INC) & _MASK64
+                    if (state >> 11) * _UNIT >= _LOWER_RANK_CONTINUE:
                         break
                     rank += 1
             ids.append(token)
-            lps.append(log_p1 + (rank - 1) * log_q)
+            lps.append(ladder[rank - 1] if rank <= k else log_p1 + (rank - 1) * log_q)
             ranks.append(rank)
             # the top-k: distinct ids, the sampled one at its own rank when it is within k
             chosen = {token}
+            if plain:
+                for position in range(1, k + 1):
+                    if position == rank:
+                        ids.append(token)
+                        continue
+                    while True:  # k + 1 <= span was checked at admission
+                        state = (state * _LCG_MUL + _LCG_INC) & _MASK64
+                        candidate = low + (((state >> 32) * span) >> 32)
+                        if candidate not in chosen:
+                            break
+                    chosen.add(candidate)
+                    ids.append(candidate)
+                lps.extend(ladder[:k])
+                continue
             impossible = False  # from here on, alternatives the request could not emit
             for position in range(1, k + 1):
                 impossible = impossible or position > limit
@@ -114,7 +143,7 @@ class LogprobModel:
                     impossible = impossible or not fits
                     chosen.add(candidate)
                     ids.append(candidate)
-                lps.append(_IMPOSSIBLE if impossible and position != rank else log_p1 + (position - 1) * log_q)
+                lps.append(_IMPOSSIBLE if impossible and position != rank else ladder[position - 1])
         n, columns = len(sampled), k + 1
         wide = max(ids) >= _INT32_LIMIT if ids else False  # vLLM's vocabularies fit int32; a mock's may not
         return (

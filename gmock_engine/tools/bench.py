@@ -141,13 +141,23 @@ class Driver:
         sampling = {"temperature": 1.0, "max_tokens": args.max_tokens}
         prompt = list(range(args.prompt_len))
         self.templates = [RequestTemplate(prompt, sampling, client) for client in range(self.clients)]
+        # --logprobs-share: that share of the requests asks for --logprobs alternatives per token
+        with_logprobs = {**sampling, "logprobs": args.logprobs}
+        self.logprob_templates = [RequestTemplate(prompt, with_logprobs, client) for client in range(self.clients)]
+        self._logprob_credit = 0.0
         #: UtilityOutputs by call id, as run() sees them.
         self.replies: Dict[int, List[Any]] = {}
 
     def add(self, rank: int, now: float, measure: bool) -> None:
         rid = f"bench-{next(self.ids)}"
         client = rank % self.clients
-        request = self.templates[client].request(rid)
+        templates = self.templates
+        if self.args.logprobs_share:
+            self._logprob_credit += self.args.logprobs_share
+            if self._logprob_credit >= 1.0:
+                self._logprob_credit -= 1.0
+                templates = self.logprob_templates
+        request = templates[client].request(rid)
         self.fe.inputs[client].send_multipart([self.identities[rank], *add_frames(request, self.fe.pack)])
         self.inflight[rid] = rank
         self.per_engine[rank] += 1
@@ -352,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rate", type=float, default=0.0, help="open loop: requests per second over all engines (0: closed loop)")
     parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens of every request")
     parser.add_argument("--prompt-len", type=int, default=16, help="prompt length in tokens")
+    parser.add_argument("--logprobs", type=int, default=5, help="logprobs asked by the --logprobs-share of the requests")
+    parser.add_argument("--logprobs-share", type=float, default=0.0, help="share of the requests that ask for logprobs (0..1)")
     parser.add_argument("--itl-ms", type=float, default=0.0, help="gmock --itl-ms (fixed step interval)")
     parser.add_argument("--duration", type=float, default=5.0, help="measured window, seconds")
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured load before the window, seconds")
