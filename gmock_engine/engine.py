@@ -329,6 +329,7 @@ class EngineCore:
                 return self._answer_now(client, rid, FinishReason.ERROR, protocol.request_error("validation_error", reason))
             entry.num_logprobs = request.logprobs
             entry.num_prompt_logprobs = request.prompt_logprobs
+            entry.shaped = True
             entry.logprob_state = request_seed(settings.seed, self.rank, rid) ^ 0x5DEECE66D
             if request.prompt_logprobs is not None:
                 entry.prompt_token_ids = request.prompt_token_ids

@@ -64,6 +64,7 @@ class Request:
         "alternatives",
         "banned",
         "forced",
+        "shaped",
     )
 
     def __init__(
@@ -112,6 +113,8 @@ class Request:
         self.alternatives: Optional[Tuple[int, ...]] = None
         self.banned: Optional[frozenset] = None
         self.forced = False
+        #: A pool or logprobs: its tokens take the scheduler's slower path.
+        self.shaped = False
 
     @property
     def num_tokens(self) -> int:
@@ -233,6 +236,7 @@ def plan(
         request.pool = free or tuple(pool)
         request.alternatives = tuple(pool)
         request.stop_ids = None
+        request.shaped = True
         return
     avoid = stop_ids | banned
     # nothing is left to avoid when every id stops

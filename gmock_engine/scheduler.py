@@ -211,9 +211,9 @@ class Scheduler:
             remaining = request.max_tokens - request.num_output_tokens
             n = chunk if chunk < remaining else remaining
             tokens, request.rng_state = draw(request.rng_state, n)
-            if request.pool is not None:  # allowed_token_ids / logit_bias +100 (request.plan)
-                pool = request.pool
-                tokens = [pool[t % len(pool)] for t in tokens]
+            new_logprobs = None
+            if request.shaped:  # sampling controls or logprobs: off the common path
+                tokens, new_logprobs = self._shape(request, tokens, n == remaining)
             elif request.stop_ids is not None and not request.stop_ids.isdisjoint(tokens):
                 tokens = tokens_source.avoid(tokens, request.stop_ids)
             first = request.num_output_tokens == 0
@@ -225,7 +225,6 @@ class Scheduler:
                 finish = request.finish
                 if request.last_token is not None and tokens:
                     tokens[-1] = request.last_token
-            new_logprobs = None if request.num_logprobs is None else self._logprobs(request, tokens)
             if events is not None or (finish is not None and finish is not FinishReason.LENGTH):
                 # §4.5: queue/prefill time and prompt tokens for the frontend's
                 # metrics; a STOP or ERROR end says why (stop_reason, error).
@@ -256,6 +255,19 @@ class Scheduler:
         self.counters["tokens"] += emitted
         self.kv.tokens += emitted
         return done
+
+    def _shape(self, request: Request, tokens: List[int], last: bool) -> "tuple[List[int], Optional[List[Any]]]":
+        """Tokens of a request with sampling controls (drawn from its pool)
+        or logprobs, and their new_logprobs (computed on the final ids,
+        the planned last token included)."""
+        if request.pool is not None:  # allowed_token_ids / logit_bias +100 (request.plan)
+            pool = request.pool
+            tokens = [pool[t % len(pool)] for t in tokens]
+        elif request.stop_ids is not None and not request.stop_ids.isdisjoint(tokens):
+            tokens = self.tokens.avoid(tokens, request.stop_ids)
+        if last and request.last_token is not None and tokens:
+            tokens[-1] = request.last_token
+        return tokens, None if request.num_logprobs is None else self._logprobs(request, tokens)
 
     def _logprobs(self, request: Request, tokens: List[int]) -> Optional[List[Any]]:
         """new_logprobs for this output's tokens (logprobs.py, Appendix E);
