@@ -6,6 +6,12 @@ cuts, splices, repeated bytes), well-formed messages with wrong types and
 lengths in every field, and huge size headers. The only acceptable reaction
 to a bad frame is ProtocolError (logged and dropped by the runtime); nothing
 is ever unpickled. Deterministic (seeded), so a failure can be replayed.
+
+Every message the engine returns is also packed (as the runtime's sender
+does) and checked with wire_rules against what the real frontends decode: a
+value that reaches the packer as an int beyond 64 bits, or a token id that
+does not fit vllm-rs's u32, is a failure here, not only a frame that crashes
+the decoder.
 """
 
 import json
@@ -17,6 +23,7 @@ import gevent
 import msgpack
 import pytest
 
+import wire_rules
 from gmock_engine import protocol
 from gmock_engine.engine import EngineCore, EngineSettings
 from gmock_engine.protocol import AbortRequests, EngineCoreRequest, ProtocolError, UtilityCall
@@ -31,7 +38,7 @@ with open(DATA) as _f:
     ]
 
 WEIRD_VALUES = [
-    None, True, -1, 0, 2**63, -(2**63), 2**64 - 1, 1.5, float("nan"), float("inf"), "", "x" * 1000, b"\x00\x01",
+    None, True, -1, 0, 2**63, -(2**63), 2**64 - 1, 1.5, 1e300, -1e300, float("nan"), float("inf"), "", "stop", "x" * 1000, b"\x00\x01",
     [], [1, "a"], {}, {"k": [None]}, {1: 2}, msgpack.ExtType(3, b"raw"), [[[[]]]],
 ]  # fmt: skip
 XARGS_KEYS = ["mock_output_len", "mock_fail_after", "mock_finish", "mock_ttft_ms", "mock_stop_token_id"]
@@ -77,6 +84,7 @@ def structured(rng):
             if target < len(request):
                 request[target] = random_value(rng)
             elif isinstance(request[3], dict):
+                request[3] = dict(request[3])  # it may be one of WEIRD_VALUES' maps: never grow a shared one
                 key = rng.choice(SAMPLING_KEYS)
                 request[3][key] = {k: random_value(rng) for k in rng.sample(XARGS_KEYS, 2)} if key == "extra_args" else random_value(rng)
         return [b"\x00", msgpack.packb(request[: rng.randrange(4, len(request) + 1)])]
@@ -100,9 +108,33 @@ def frames_for(rng):
     return rng.choice([[b"\x00"], [], [b"\x00", msgpack.packb(msgpack.ExtType(1, b"cos\nsystem\n(S'echo'\ntR."))], [b"\x00", b"\x00" * 1_000_000]])
 
 
+class WireCheck:
+    """Packs and checks every message the engine returns (wire_rules);
+    keeps the first example of each broken rule."""
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+        self.messages = 0
+        self.broken = {}
+
+    def __call__(self, out):
+        for _client, message in out:
+            self.messages += 1
+            _, problems = wire_rules.pack_and_check(message, LAYOUT, engine_index=self.rank)
+            for problem in problems:
+                self.broken.setdefault(wire_rules.rule_of(problem), f"{problem}\n    in {message!r:.400}")
+        return out
+
+    def report(self) -> str:
+        return f"{len(self.broken)} wire rule(s) broken in {self.messages} messages:\n" + "\n".join(
+            f"  [{rule}] {example}" for rule, example in sorted(self.broken.items())
+        )
+
+
 def test_decoder_and_engine_survive_100k_fuzzed_frames():
     rng = random.Random(20261129)
     engine = EngineCore(EngineSettings(rank=0, num_clients=1, max_model_len=4096))
+    wire = WireCheck()
     outcomes = {"decoded": 0, "rejected": 0}
     for i in range(100_000):
         frames = frames_for(rng)
@@ -112,23 +144,25 @@ def test_decoder_and_engine_survive_100k_fuzzed_frames():
             outcomes["rejected"] += 1
             continue
         outcomes["decoded"] += 1
-        engine.apply(message)  # must not raise, whatever the values
-        if i % 100 == 0:
-            engine.step()
+        wire(engine.apply(message))  # must not raise, whatever the values
+        if i % 10 == 0:  # often enough that fuzzed requests reach their last output
+            wire(engine.step())
         if len(engine.active) + len(engine.waiting) > 200:
-            engine.apply(AbortRequests(list(engine.active) + list(engine.waiting)))
-    engine.apply(AbortRequests(list(engine.active) + list(engine.waiting)))
-    print(f"fuzz: {outcomes}")
+            wire(engine.apply(AbortRequests(list(engine.active) + list(engine.waiting))))
+    wire(engine.apply(AbortRequests(list(engine.active) + list(engine.waiting))))
+    print(f"fuzz: {outcomes}, {wire.messages} messages checked")
     assert outcomes["decoded"] > 10_000 and outcomes["rejected"] > 30_000
     assert engine.ledger.summary()["violations"] == 0
+    assert not wire.broken, wire.report()
     # and the engine still serves a normal request (fuzzed utility calls may
     # have paused it or put it to sleep, as a frontend could: wake it first)
-    engine.apply(UtilityCall(0, 1, "wake_up", [None]))
-    engine.apply(EngineCoreRequest("after-fuzz", 3, 5, True))
+    wire(engine.apply(UtilityCall(0, 1, "wake_up", [None])))
+    wire(engine.apply(EngineCoreRequest("after-fuzz", 3, 5, True)))
     tokens = []
     while engine.has_work:
-        tokens += [t for _, m in engine.step() for o in m[1] if o[0] == "after-fuzz" for t in o[1]]
+        tokens += [t for _, m in wire(engine.step()) for o in m[1] if o[0] == "after-fuzz" for t in o[1]]
     assert len(tokens) == 5
+    assert not wire.broken, wire.report()
 
 
 def test_nothing_is_ever_unpickled(monkeypatch):
@@ -162,15 +196,19 @@ def test_a_running_engine_survives_a_flood_of_fuzzed_frames():
                 gevent.sleep(0)
         call_id = frontend.utility(0, "wake_up", [None])  # fuzzed calls may have paused it
         frontend.add(0, "after-flood", max_tokens=4)
+        broken = {}  # every message the frontend got, checked as a real frontend decodes it
         with gevent.Timeout(60):
             while True:
                 message = frontend.recv(0, timeout=60)
+                for problem in wire_rules.check_message(message, LAYOUT, engine_index=0):
+                    broken.setdefault(wire_rules.rule_of(problem), f"{problem} in {message!r:.300}")
                 done = [o for o in message[1] if o[0] == "after-flood" and len(o) > 5 and o[5] is not None]
                 if done:
                     break
         counts = app.counters()[0]
         assert counts["bad_frames"] > 5_000 and counts["violations"] == 0
         assert app.supervisor.failure is None
+        assert not broken, f"wire rules broken: {broken}"
     finally:
         app.stop()
         assert waiter.get(timeout=10) == 0
