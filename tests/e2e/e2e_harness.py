@@ -562,6 +562,18 @@ class Stack:
 # --------------------------------------------------------------------------- SSE / metrics
 
 
+def hard_close(conn) -> None:
+    """Close an http.client connection the way a client that goes away
+    does: shut the socket down at once (the server sees EOF mid-stream)."""
+    sock = conn.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+    conn.close()
+
+
 def sse_data(resp: requests.Response) -> Iterator[str]:
     """The `data:` payloads of a server-sent-event stream, in order."""
     for raw in resp.iter_lines(decode_unicode=False):

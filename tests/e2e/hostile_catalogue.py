@@ -341,13 +341,7 @@ class Cancel:
 
 
 def _hard_close(conn: http.client.HTTPConnection) -> None:
-    sock = conn.sock
-    if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-    conn.close()
+    h.hard_close(conn)
 
 
 @dataclass

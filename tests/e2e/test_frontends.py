@@ -11,7 +11,6 @@ import collections
 import http.client
 import json
 import re
-import socket
 import subprocess
 import threading
 import time
@@ -350,13 +349,7 @@ def stream_then_disconnect(stack: h.Stack, while_open=None):
         if while_open is not None:
             result = while_open()
     finally:
-        sock = conn.sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        conn.close()
+        h.hard_close(conn)
     return result, time.monotonic()
 
 
