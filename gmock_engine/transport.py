@@ -5,7 +5,8 @@ The frontend binds every socket; an engine only connects (PROTOCOL.md §1).
 Per engine identity this module connects the handshake DEALER, sends HELLO,
 takes INIT, connects one DEALER per input address (sending the ready response
 on each) and one PUSH per output address, passes the coordinator gate when
-INIT names a coordinator (§2.6), and sends READY (§2.1).
+INIT names a coordinator (§2.6), sends READY (§2.1) and closes the
+handshake DEALER (the frontend closes its end once every engine is ready).
 
 Then exactly one greenlet owns each socket direction (runtime.py spawns
 them): a `Reader` loop per input socket (frames -> decoded messages -> the
@@ -36,6 +37,9 @@ WAIT_LOG_INTERVAL_S = 10.0
 #: Linger of the output PUSH sockets at close: long enough for the last
 #: outputs to leave, short enough for the 1 s shutdown budget.
 OUTPUT_LINGER_MS = 300
+#: Linger of the handshake DEALER, closed once READY is sent (as vLLM's
+#: engine does, with 5 s): READY goes out over the connection INIT came on.
+HANDSHAKE_LINGER_MS = 1000
 #: Requests the sender answered with ERROR (an output would not encode) and
 #: whose later outputs it still holds back; bounded, as they end by themselves.
 MAX_CUT_REQUESTS = 4096
@@ -49,7 +53,10 @@ class EngineSockets:
     """One engine's connected sockets; list position = client index (§2.4)."""
 
     rank: int
-    handshake: Any
+    #: Only until READY is sent: both frontends close their handshake ROUTER
+    #: once every engine is ready, and an open DEALER would try to reconnect
+    #: to it for ever (~7 refused connections a second per engine).
+    handshake: Optional[Any]
     inputs: List[Any] = field(default_factory=list)
     outputs: List[Any] = field(default_factory=list)
     coordinator_input: Optional[Any] = None
@@ -144,6 +151,8 @@ def join_frontend(
             log.debug("coordinator READY received")
 
         handshake.send(protocol.pack(ready_message(init)))
+        handshake.close(linger=HANDSHAKE_LINGER_MS)
+        sockets.handshake = None
         log.info(
             "engine {} joined the frontend: {} client(s){}",
             rank,

