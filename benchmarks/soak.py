@@ -51,6 +51,8 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 import e2e_harness as h  # noqa: E402
 import requests  # noqa: E402
 
+from gmock_engine.stats import summarize  # noqa: E402
+from gmock_engine.tools import report  # noqa: E402
 from gmock_engine.tools.procfs import process_tree, tree_rss_bytes  # noqa: E402
 
 
@@ -76,6 +78,11 @@ class Load:
         self.failures: List[str] = []
         self.stop = threading.Event()
         self.tickets = threading.Semaphore(0)
+        #: client-side latencies since the last take_latencies(), seconds: time
+        #: to the first data chunk, and per completed request its mean gap
+        #: between chunks (inter-token latency)
+        self.ttft: List[float] = []
+        self.itl: List[float] = []
         self.threads = [threading.Thread(target=self._worker, daemon=True) for _ in range(workers)]
 
     def start(self) -> None:
@@ -102,17 +109,20 @@ class Load:
     def _one(self, max_tokens: int, abort_after) -> None:
         body = {"model": h.MODEL_NAME, "prompt": "soak", "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
+        sent = time.monotonic()
         try:
             with requests.post(self.stack.url("/v1/completions"), json=body, timeout=(5, 60), stream=True) as r:
                 if r.status_code != 200:
                     raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
                 if abort_after is not None:
                     for i, _ in enumerate(h.sse_data(r)):
+                        if i == 0:
+                            self._first_chunk(time.monotonic() - sent)
                         if i + 1 >= abort_after:
                             break
                     outcome = "aborted_by_client"  # closing the response aborts the request
                 else:
-                    chunks, done = h.read_stream(r)
+                    chunks, done = _timed_read(r, sent, self)
                     usage = chunks[-1].get("usage") if chunks else None
                     if not done or not usage or usage["completion_tokens"] != max_tokens:
                         raise RuntimeError(f"stream ended badly: done={done} usage={usage}")
@@ -125,10 +135,60 @@ class Load:
         with self.lock:
             self.outcomes[outcome] += 1
 
+    def _first_chunk(self, seconds: float) -> None:
+        with self.lock:
+            self.ttft.append(seconds)
+
+    def take_latencies(self) -> Dict[str, Optional[float]]:
+        """TTFT and ITL p50/p99 in ms over the requests since the last call."""
+        with self.lock:
+            ttft, itl, self.ttft, self.itl = self.ttft, self.itl, [], []
+        out: Dict[str, Optional[float]] = {}
+        for name, values in (("ttft", ttft), ("itl", itl)):
+            summary = summarize(values, scale=1e3) if values else None
+            out[f"{name}_p50_ms"] = round(summary["p50"], 3) if summary else None
+            out[f"{name}_p99_ms"] = round(summary["p99"], 3) if summary else None
+        return out
+
     def finish(self, timeout: float = 90) -> None:
         self.stop.set()
         for t in self.threads:
             t.join(timeout=timeout)
+
+
+def _timed_read(resp, sent: float, load: Load):
+    """h.read_stream, also timing the chunks: the first one is the TTFT, the
+    mean gap between token chunks the request's ITL (to load.ttft / load.itl)."""
+    chunks, done, times = [], False, []
+    for data in h.sse_data(resp):
+        if done:
+            raise AssertionError(f"data after [DONE]: {data[:200]}")
+        if data == "[DONE]":
+            done = True
+            continue
+        chunk = json.loads(data)
+        chunks.append(chunk)
+        if chunk.get("choices"):
+            times.append(time.monotonic())
+            if len(times) == 1:
+                load._first_chunk(times[0] - sent)
+    if len(times) > 1:
+        with load.lock:
+            load.itl.append((times[-1] - times[0]) / (len(times) - 1))
+    return chunks, done
+
+
+def engine_lateness_us(metrics_port: int) -> Dict[str, float]:
+    """Step lateness p50/p99 in µs (recent steps, worst engine) from gmock's /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    out: Dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r'^gmock_step_lateness_seconds\{[^}]*quantile="([\d.]+)"[^}]*\} (\S+)$', line)
+        if match:
+            key = {"0.5": "late_p50_us", "0.99": "late_p99_us"}.get(match.group(1))
+            if key:
+                out[key] = max(out.get(key, 0.0), round(float(match.group(2)) * 1e6, 1))
+    return out
 
 
 def engine_books(metrics_port: int) -> Dict[str, float]:
@@ -248,7 +308,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine-arg", action="append", default=[], help="extra gmock_engine flag (repeatable)")
     parser.add_argument("--json", help="write the samples and the verdict to this file")
+    parser.add_argument("--report", metavar="FILE.html", help="also write a self-contained HTML report with charts (needs the `report` extra: matplotlib)")
     options = parser.parse_args()
+    if options.report and report.missing():
+        parser.error(report.missing())
 
     frontends = h.install_frontends()
     work = Path(tempfile.mkdtemp(prefix="gmock-soak-"))
@@ -279,9 +342,14 @@ def main() -> int:
                 "violations": books.get("gmock_ledger_violations", 0),
                 **{k: v for k, v in load.outcomes.items()},
                 **{k[len("gmock_faults_injected_"):]: v for k, v in books.items() if k.startswith("gmock_faults_injected_")},
+                # for --report (and --json): engine tokens and finish reasons, latencies
+                "output_tokens": books.get("gmock_output_tokens", 0),
+                **{k[len("gmock_requests_"):]: v for k, v in books.items() if k.startswith("gmock_requests_finished_")},
+                **engine_lateness_us(metrics_port),
+                **load.take_latencies(),
             }
             samples.append(sample)
-            print("soak: " + " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in sample.items()), flush=True)
+            print("soak: " + " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in sample.items() if v is not None), flush=True)
         load.finish()
         h.wait_until(lambda: engine_books(metrics_port).get("gmock_requests_running", 1) == 0
                      and engine_books(metrics_port).get("gmock_requests_waiting", 1) == 0, 60, "the engine to go idle")  # fmt: skip
@@ -296,6 +364,11 @@ def main() -> int:
     print("soak verdict: " + json.dumps(verdict), flush=True)
     if options.json:
         Path(options.json).write_text(json.dumps({"samples": samples, "verdict": verdict}, indent=1))
+    if options.report:
+        meta = {k: v for k, v in vars(options).items() if k not in ("report", "json")}
+        warmup = options.warmup if options.warmup is not None else options.duration / 5
+        report.soak_report(options.report, samples, verdict, meta, warmup)
+        print(f"soak report: {options.report}", flush=True)
     return 0 if verdict.get("verdict") == "PASS" else 1
 
 

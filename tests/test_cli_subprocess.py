@@ -356,3 +356,20 @@ def test_run_sh_bench_loads_both_targets():
     assert set(rows) == {"gmock", "reference"}, result.stdout
     assert all(float(row[1].replace(",", "")) > 0 for row in rows.values()), result.stdout  # tokens/s
     assert "ratio gmock/reference CPU per token:" in result.stdout
+
+
+def test_run_sh_bench_writes_a_report(tmp_path):
+    # `./run.sh bench --report FILE.html`: the run as usual, then one HTML file
+    # with its charts embedded as PNG data URIs (tools/report.py, matplotlib).
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.html"
+    result = subprocess.run(
+        [RUN_SH, "bench", "--duration", "2", "--warmup", "0.2", "--idle", "0.1", "--concurrency", "16", "--max-tokens", "32",
+         "--report", str(path)],
+        cwd=REPO_DIR, env=clean_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"report: {path}" in result.stdout
+    text = path.read_text()
+    assert text.count('<img alt="') == text.count('src="data:image/png;base64,') == 6
+    assert "gmock / reference CPU per token:" in text and "Tokens per second over the window" in text

@@ -36,12 +36,13 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import msgpack
 import zmq
 
 from ..stats import summarize
+from . import report
 from .frontend import RequestTemplate, abort_frames, add_frames, identity, utility_frames
 from .procfs import process_tree, tree_cpu_seconds, tree_rss_bytes
 
@@ -122,6 +123,9 @@ class Load:
     engine_cpu: float = 0.0
     driver_cpu: float = 0.0
     peak_rss: int = 0
+    #: (seconds since the window opened, output tokens so far), about once a
+    #: second: taken in the poll loop, not per token (the report's time series)
+    ticks: List[Tuple[float, int]] = field(default_factory=list)
 
 
 class Driver:
@@ -185,6 +189,7 @@ class Driver:
                 while self.per_engine[rank] < concurrency:
                     self.add(rank, start, measure)
         next_rss = start
+        next_tick = start + 1.0
         while True:
             now = time.monotonic()
             if now >= end:
@@ -196,6 +201,11 @@ class Driver:
                 timeout = max(0.0, min(next_send, end) - now) * 1000
             else:
                 timeout = max(0.0, end - now) * 1000
+            if measure:
+                if now >= next_tick:
+                    load.ticks.append((now - start, load.tokens))
+                    next_tick += 1.0
+                timeout = min(timeout, max(0.0, next_tick - now) * 1000)
             if measure and now >= next_rss:
                 load.peak_rss = max(load.peak_rss, tree_rss_bytes(self.pids))
                 next_rss = now + 0.5
@@ -226,6 +236,8 @@ class Driver:
                             if keep_loading and not args.rate:
                                 self.add(rank, received, measure)
         load.seconds = time.monotonic() - start
+        if measure:
+            load.ticks.append((load.seconds, load.tokens))
         load.engine_cpu = tree_cpu_seconds(self.pids) - cpu0
         load.driver_cpu = time.process_time() - drv0
         return load
@@ -330,6 +342,8 @@ def run_target(target: str, args: argparse.Namespace) -> Dict[str, Any]:
                 * 1024
                 / max(1, args.concurrency * args.engines),
                 "tokens": load.tokens,
+                # [t, tokens/s over the second before t] through the window
+                "tokens_per_s_series": tokens_series(load.ticks),
             }
         )
     finally:
@@ -342,6 +356,16 @@ def run_target(target: str, args: argparse.Namespace) -> Dict[str, Any]:
                 proc.wait()
         fe.close()
     return result
+
+
+def tokens_series(ticks: List[Tuple[float, int]]) -> List[List[float]]:
+    """Cumulative (t, tokens) ticks -> [t, tokens/s since the previous tick]."""
+    series, last_t, last_n = [], 0.0, 0
+    for t, n in ticks:
+        if t - last_t > 1e-3:
+            series.append([round(t, 3), (n - last_n) / (t - last_t)])
+            last_t, last_n = t, n
+    return series
 
 
 # -- the command ---------------------------------------------------------------------
@@ -374,6 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--engine-arg", action="append", default=[], help="extra gmock flag (repeatable), e.g. --engine-arg=--seed=3")
     parser.add_argument("--json", metavar="FILE", help="also append the results as one JSON line to FILE")
+    parser.add_argument(
+        "--report", metavar="FILE.html", help="also write a self-contained HTML report with charts (needs the `report` extra: matplotlib)"
+    )
     return parser
 
 
@@ -413,6 +440,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if getattr(args, name) < 1:
             print(f"gmock-engine bench: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    if args.report:
+        problem = report.missing()
+        if problem:
+            print(f"gmock-engine bench: error: {problem}", file=sys.stderr)
+            return 2
     targets = ["gmock", "reference"] if args.target == "both" else [args.target]
     mode = f"rate {args.rate:g}/s" if args.rate else f"concurrency {args.concurrency}/engine"
     print(
@@ -433,6 +465,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.json:
         with open(args.json, "a") as handle:
             handle.write(json.dumps({"args": vars(args), "results": results}) + "\n")
+    if args.report:
+        report.bench_report(args.report, results, vars(args))
+        print(f"report: {args.report}")
     return 0
 
 

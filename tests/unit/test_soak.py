@@ -104,3 +104,15 @@ def test_the_other_checks_still_hold():
 def test_abort_check_directly():
     assert soak.abort_check(7140, 7140, 0, {}) is None
     assert soak.abort_check(7140, 7139, 0, {}) == "7139 engine aborts != 7140 client disconnects"
+
+
+def test_report_without_matplotlib_stops_at_start(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    monkeypatch.setattr(sys, "argv", ["soak.py", "--duration", "10s", "--report", "never.html"])
+    monkeypatch.setattr(soak.h, "install_frontends", lambda *a, **k: pytest.fail("nothing may start without matplotlib"))
+    with pytest.raises(SystemExit) as stopped:
+        soak.main()
+    assert stopped.value.code == 2
+    assert "--report needs matplotlib" in capsys.readouterr().err
