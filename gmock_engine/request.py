@@ -64,6 +64,7 @@ class Request:
         "alternatives",
         "banned",
         "forced",
+        "sampler",
     )
 
     def __init__(
@@ -112,6 +113,9 @@ class Request:
         self.alternatives: Optional[Tuple[int, ...]] = None
         self.banned: Optional[frozenset] = None
         self.forced = False
+        #: The scheduler's Sampler at its ADD (its token source and logprob
+        #: model): a reload changes those for new requests only.
+        self.sampler: Any = None
 
     @property
     def num_tokens(self) -> int:
