@@ -4,6 +4,7 @@ whole) and the log sink's new level (logs.set_level). How the engine takes
 it: test_reconfigure.py."""
 
 import io
+import os
 import re
 
 import pytest
@@ -11,6 +12,8 @@ from loguru import logger
 
 from gmock_engine import logs, reload
 from gmock_engine.config import build_parser, parse_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class Config:
@@ -48,6 +51,34 @@ def test_every_reloadable_name_is_an_option_and_the_fixed_ones_are_the_rest():
                  "log_level", "summary_interval", "logprobs_top1", "max_num_seqs", "max_num_batched_tokens"):  # fmt: skip
         assert name in reload.RELOADABLE, name
     assert set(reload.WORKER_COMMAND_LINE) <= fixed
+
+
+def test_readme_names_every_reloadable_flag_in_its_section():
+    text = open(os.path.join(REPO, "README.md")).read()
+    section = text.split("## Live reconfiguration", 1)[1].split("\n## ", 1)[0]
+    for action in build_parser()._actions:
+        if action.dest in reload.RELOADABLE and not action.dest.startswith("fault_"):
+            flag = next(o for o in action.option_strings if not o.startswith("--no-"))
+            assert f"`{flag}`" in section, flag
+    assert "`--fault-*`" in section and "`--num-gpu-blocks`" in section
+
+
+def test_readme_example_lines_are_what_a_reload_logs(tmp_path, monkeypatch):
+    section = open(os.path.join(REPO, "README.md")).read().split("## Live reconfiguration", 1)[1].split("\n## ", 1)[0]
+    monkeypatch.chdir(tmp_path)  # the README's file is ./soak.ini
+    argv = ["--config", "soak.ini"]
+    (tmp_path / "soak.ini").write_text("[gmock_engine]\nengine-count = 4\n")
+    current = parse_config(argv, env={})
+    (tmp_path / "soak.ini").write_text(
+        "[gmock_engine]\nengine-count = 4\nitl-ms = 20\nmax-num-seqs = 64\nvocab-size = 64000\n"
+        "fault-error-mid-stream = rate=0.01 ranks=1\n"
+    )
+    found = reload.check(current, lambda: parse_config(argv, env={}))
+    assert f"INFO     {found.line(2, 'engines 0..3')}\n" in section
+    assert f"WARNING  {reload.fixed_line(found.fixed)}\n" in section
+    (tmp_path / "soak.ini").write_text("[gmock_engine]\nengine-count = 4\nitl-ms = fast\n")
+    found = reload.check(current, lambda: parse_config(argv, env={}))
+    assert f"ERROR    {found.refused_line(2, 'engines 0..3')}\n" in section
 
 
 # -- what a reload finds ----------------------------------------------------------------
