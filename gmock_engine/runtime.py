@@ -332,16 +332,17 @@ class EngineRunner:
         started = 0.0  # when the last step started
         try:
             while True:
+                if not flowing.is_set():
+                    flowing.wait()
                 if self._pending is not None:
-                    # A reload, between two steps: the next step is timed
-                    # by the new latency model (and fault layer).
+                    # A reload, between two steps (a hung engine takes it
+                    # when the hang is over): the next step is timed by the
+                    # new latency model and fault layer.
                     self._reconfigure()
                     stretched = self.injector.next_step_at
                     paced = engine.latency.paced
                     if next_step_at is not None:
                         next_step_at = stretched(started, engine.next_step_time(started))
-                if not flowing.is_set():
-                    flowing.wait()
                 # Apply everything queued before the next step, so an ABORT
                 # or a new request takes effect at once.
                 self._drain_input()

@@ -375,9 +375,12 @@ def scrape(port):
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")}
 
 
-def gaps(collected, rid):
+def paced(collected, rid, itl):
+    """rid's steps `itl` apart: a lower bound on their sum and median, not on
+    each gap (a step the OS held up looks late, the next one close to it)."""
     stamps = [m[3] for m in collected.messages if any(o[0] == rid and o[1] for o in m[1])]
-    return [b - a for a, b in zip(stamps, stamps[1:])]
+    gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
+    return sum(gaps) >= (len(gaps) - 1) * itl * 0.95 and gaps[len(gaps) // 2] >= itl * 0.9
 
 
 def gmock_stats(frontend, rank):
@@ -402,7 +405,8 @@ def test_sighup_rereads_the_config_file_through_run_sh(tmp_path):
         started_at = samples["gmock_config_last_reload_timestamp_seconds"]
         path.write_text("[gmock_engine]\nitl-ms = 20\nttft-ms = 500\nvocab-size = 100\nfault-error-mid-stream = every=1\n")
         proc.send_signal(signal.SIGHUP)
-        text = wait_for_log(log, "config reload (generation 2, engines 0..0)")
+        wait_for_log(log, "config reload (generation 2, engines 0..0)")
+        text = wait_for_log(log, "cannot change while running")  # the warning comes after the change line
         where = f"config file {path}"
         assert (
             f"config reload (generation 2, engines 0..0): --itl-ms 0 -> 20 ({where}, key itl-ms); "
@@ -413,7 +417,7 @@ def test_sighup_rereads_the_config_file_through_run_sh(tmp_path):
         frontend.add(0, "after", max_tokens=10)
         collected = frontend.collect(["after"])
         assert len(collected.tokens("after")) == 5 and collected.terminal["after"] == FinishReason.ERROR
-        assert min(gaps(collected, "after")) >= 0.018
+        assert paced(collected, "after", 0.020)
         assert all(t < 32000 for t in collected.tokens("after"))  # the vocabulary in force
         samples = scrape(port)
         assert samples["gmock_config_generation"] == 2 and samples['gmock_engine_config_generation{engine="0"}'] == 2
@@ -429,7 +433,7 @@ def test_sighup_rereads_the_config_file_through_run_sh(tmp_path):
         ) in text
         frontend.add(0, "still", max_tokens=4)
         collected = frontend.collect(["still"])
-        assert collected.terminal["still"] == FinishReason.ERROR and min(gaps(collected, "still")) >= 0.018
+        assert collected.terminal["still"] == FinishReason.ERROR and paced(collected, "still", 0.020)
         samples = scrape(port)
         assert samples["gmock_config_generation"] == 2 and samples['gmock_config_reloads_total{result="refused"}'] == 1
         proc.send_signal(signal.SIGTERM)
@@ -464,7 +468,7 @@ def test_sighup_with_processes_reaches_every_worker(tmp_path):
             frontend.add(rank, f"paced-{rank}", max_tokens=6)
         collected = frontend.collect([f"paced-{r}" for r in range(4)])
         for rank in range(4):
-            assert len(collected.tokens(f"paced-{rank}")) == 6 and min(gaps(collected, f"paced-{rank}")) >= 0.0045
+            assert len(collected.tokens(f"paced-{rank}")) == 6 and paced(collected, f"paced-{rank}", 0.005)
         # a bad file is refused by the supervisor, once, and not passed on
         path.write_text("[gmock_engine]\nengine-count = 4\nitl-ms = -1\n")
         proc.send_signal(signal.SIGHUP)

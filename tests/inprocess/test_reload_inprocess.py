@@ -7,6 +7,7 @@ at least its ITL), so a slow machine cannot make these fail.
 """
 
 import contextlib
+import time
 
 import gevent
 from loguru import logger
@@ -78,6 +79,19 @@ def read_until(frontend, collected, predicate, timeout=10):
             collected.add(frontend.recv())
 
 
+def stamps_of(messages, rid, after=float("-inf"), until=float("inf")):
+    """Engine timestamps (time.monotonic) of the messages carrying rid's tokens, in a window."""
+    return [m[3] for m in messages if after < m[3] < until and any(o[0] == rid and o[1] for o in m[1])]
+
+
+def paced(gaps, itl):
+    """Steps `itl` apart. A lower bound on the whole and on the median, not on
+    each gap: a message's timestamp is taken after its step's work, so a step
+    the OS held up looks late and the next one (on time) close to it."""
+    gaps = sorted(gaps)
+    return sum(gaps) >= (len(gaps) - 1) * itl * 0.95 and gaps[len(gaps) // 2] >= itl * 0.9
+
+
 def step_gaps(messages, rid):
     """Gaps between the engine timestamps of the messages carrying rid's tokens."""
     stamps = [m[3] for m in messages if any(o[0] == rid and o[1] for o in m[1])]
@@ -91,19 +105,23 @@ def test_itl_0_to_20_and_back_shows_in_the_timestamps_and_the_stream_stays_exact
         frontend.add(0, "long", max_tokens=10**6)
         collected = Collected()
         read_until(frontend, collected, lambda c: len(c.tokens("long")) >= 50)
+        asked = time.monotonic()  # the engine clock of the message timestamps
         live.write("itl-ms = 20\n")
         reload_and_wait(app, frontend, 2)
+        taken = time.monotonic()
         assert any(f"config reload (generation 2, engines 0..0): --itl-ms 0 -> 20 (config file {live.path}, key itl-ms)" in l for l in lines)
-        # what was stepped before the reload is still on its way; then the steps come 20 ms apart
-        read_until(frontend, collected, lambda c: sum(g >= 0.018 for g in step_gaps(c.messages, "long")) >= 8)
-        gaps = step_gaps(collected.messages, "long")
-        first_paced = next(i for i, g in enumerate(gaps) if g >= 0.018)
-        assert max(gaps[:first_paced]) < 0.018 and min(gaps[:first_paced]) < 0.005  # unpaced before
-        assert min(gaps[first_paced:]) >= 0.018, gaps[first_paced:]  # every step after it paced
-        paced_at = len(collected.tokens("long"))
+        # what was stepped before the reload is still on its way; every step after it is 20 ms from the last
+        read_until(frontend, collected, lambda c: len(stamps_of(c.messages, "long", after=taken)) >= 8)
+        before = stamps_of(collected.messages, "long", until=asked)
+        assert min(b - a for a, b in zip(before, before[1:])) < 0.005  # unpaced
+        after = stamps_of(collected.messages, "long", after=taken)
+        assert paced([b - a for a, b in zip(after, after[1:])], 0.020), after
         live.write("itl-ms = 0\n")
         reload_and_wait(app, frontend, 3)
-        read_until(frontend, collected, lambda c: len(c.tokens("long")) >= paced_at + 300)  # 300 x 20 ms would be 6 s
+        unpaced_from = time.monotonic()
+        count = len(collected.tokens("long"))
+        read_until(frontend, collected, lambda c: len(c.tokens("long")) >= count + 300)
+        assert time.monotonic() - unpaced_from < 3.0  # 300 steps of 20 ms would take 6 s
         frontend.abort(0, ["long"])
         frontend.collect(["long"], into=collected)
         tokens = collected.tokens("long")
@@ -159,7 +177,7 @@ def test_a_bad_file_is_refused_without_disturbing_a_running_stream(tmp_path):
         frontend.collect(["steady"], into=collected)
         assert collected.tokens("steady") == expected_tokens("steady", 60)
         assert collected.terminal["steady"] == FinishReason.LENGTH
-        assert min(step_gaps(collected.messages, "steady")) >= 0.0045  # still paced at 5 ms
+        assert paced(step_gaps(collected.messages, "steady"), 0.005)  # still paced at 5 ms
         assert app.generation == 1 and app.runners[0].generation == 1 and app.config.itl_ms == 5.0
         refusal = [l for l in lines if "config reload refused" in l]
         assert len(refusal) == 1 and "nothing changed (generation 1 stays, engines 0..0): argument --max-num-seqs: 'lots' is not an integer" in refusal[0]
@@ -212,7 +230,7 @@ def test_a_reload_during_the_handshake_is_what_the_engine_starts_with(tmp_path):
         frontend.add(0, "first", max_tokens=6)
         collected = frontend.collect(["first"])
         assert collected.terminal["first"] == FinishReason.ERROR and len(collected.tokens("first")) == 3
-        assert min(step_gaps(collected.messages, "first")) >= 0.018
+        assert paced(step_gaps(collected.messages, "first"), 0.020)
     finally:
         app.stop()
         assert waiter.get(timeout=5) == 0
@@ -240,3 +258,36 @@ def test_the_summary_interval_and_the_metrics(tmp_path):
         assert samples[("gmock_config_reloads_total", (("result", "applied"),))] == 1
         assert samples[("gmock_config_reloads_total", (("result", "refused"),))] == 0
         assert samples[("gmock_engine_config_generation", (("engine", "0"),))] == 2
+
+
+def test_a_timed_fault_brought_by_a_reload_counts_from_the_reload_and_a_hung_engine_takes_it_after(tmp_path):
+    live = LiveConfig(tmp_path, "itl-ms = 5\n")
+    frontend = FakeFrontend(num_clients=1, dp=1)
+    with reloadable(frontend, live) as (app, lines):
+        frontend.add(0, "steady", max_tokens=400)
+        collected = Collected()
+        read_until(frontend, collected, lambda c: len(c.tokens("steady")) >= 5)
+        gevent.sleep(0.3)  # at=0.3s from the join would be over by now
+        live.write("itl-ms = 5\nfault-hang = at=0.3s duration=0.4s\n")
+        asked = time.monotonic()
+        reload_and_wait(app, frontend, 2)
+        runner = app.runners[0]
+        with gevent.Timeout(5):
+            while not runner.injector.hung:
+                gevent.sleep(0.01)
+        assert time.monotonic() - asked >= 0.3  # at= counts from the reload, not the join
+        # a reload while hung waits for the hang to end (the stepper takes it between two steps)
+        live.write("itl-ms = 1\nfault-hang = at=0.3s duration=0.4s\n")
+        app.request_reload()
+        with gevent.Timeout(5):
+            while app.generation < 3:
+                gevent.sleep(0.005)
+        assert runner.generation == 2 and runner.injector.hung
+        with gevent.Timeout(5):
+            while runner.generation != 3:
+                gevent.sleep(0.005)
+        assert not runner.injector.hung
+        frontend.collect(["steady"], into=collected)
+        assert collected.tokens("steady") == expected_tokens("steady", 400)
+        assert max(step_gaps(collected.messages, "steady")) >= 0.35  # the hang
+        assert app.counters()[0]["fault_hang"] == 1  # at= fires once, and the unchanged spec did not fire again
