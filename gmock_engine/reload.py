@@ -99,6 +99,7 @@ class Reload:
         return any(c.dest in wanted for c in self.changes)
 
     def fixed_among(self, dests: Iterable[str]) -> List[Change]:
+        """The fixed options among these that changed (the supervisor's share)."""
         wanted = set(dests)
         return [c for c in self.fixed if c.dest in wanted]
 
@@ -123,6 +124,7 @@ def fixed_line(changes: List[Change]) -> str:
 
 
 def refused(reason: str) -> Reload:
+    """A reload that changes nothing, and why."""
     return Reload(None, error=reason)
 
 
