@@ -2,6 +2,8 @@
 
 Exit status: 0 after SIGINT/SIGTERM, 1 when any greenlet failed, 2 for a bad
 configuration (nothing was connected then). A second signal exits at once.
+SIGUSR1 logs every engine's books; SIGHUP reads the configuration again and
+applies what may change while requests run (reload.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ def _msgpack_is_compiled() -> bool:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run gmock_engine until a signal or a failure; return the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Until the reload handler is installed (below, or in processes.py), a
+    # SIGHUP is dropped instead of ending the process (its default action).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         config = parse_config(argv)
     except ConfigError as exc:
@@ -63,7 +69,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if config.processes > 1:
         from .processes import run_workers
 
-        return run_workers(config, list(sys.argv[1:] if argv is None else argv))
+        return run_workers(config, argv)
 
     # Each step allocates thousands of short-lived, acyclic lists that
     # reference counting frees at once; with CPython's default thresholds the
@@ -73,7 +79,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # benchmarks/README.md). Freeze what startup built and collect rarely.
     gc.freeze()
     gc.set_threshold(GC_THRESHOLD, 50, 100)
-    app = App(config)
+    # A reload reads the same command line and the environment again.
+    app = App(config, load=lambda: parse_config(argv, os.environ))
     signals_seen = []
 
     def on_signal(signum: int) -> None:
@@ -87,6 +94,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     handlers = [gevent.signal_handler(s, on_signal, s) for s in (signal.SIGINT, signal.SIGTERM)]
     # On demand during a long run: kill -USR1 <pid> logs every engine's books.
     handlers.append(gevent.signal_handler(signal.SIGUSR1, app.log_summary))
+    # kill -HUP <pid>: the handler only asks; the reload runs in its own greenlet.
+    handlers.append(gevent.signal_handler(signal.SIGHUP, app.request_reload))
     try:
         try:
             app.start()

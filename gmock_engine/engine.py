@@ -27,6 +27,7 @@ events and prefill stats (§4.5, §7).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
@@ -57,7 +58,7 @@ from .protocol import (
 from .prefix_cache import PrefixCache
 from .request import MAX_XARGS_TTFT_MS, MOCK_XARGS, Request, plan
 from .request_queue import FCFSRequestQueue
-from .scheduler import MOCK_FAILURE_MESSAGE, PauseState, Scheduler
+from .scheduler import MOCK_FAILURE_MESSAGE, PauseState, Sampler, Scheduler
 from .tokens import RandomTokens, TokenSource, request_seed
 from .utilities import PAUSE_MODES, SUPPORTED_UTILITIES, Utilities
 
@@ -75,6 +76,7 @@ __all__ = [
     "LedgerViolation",
     "Outbound",
     "PauseState",
+    "RELOADABLE_SETTINGS",
 ]
 
 
@@ -121,6 +123,20 @@ class EngineSettings:
     layout: WireLayout = field(default_factory=lambda: protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION])
 
 
+#: The EngineSettings a reload (SIGHUP, reload.py) may change while requests
+#: run (`EngineCore.reconfigure`); every other one is fixed at start.
+RELOADABLE_SETTINGS = (
+    "latency",
+    "output_lengths",
+    "token_source",
+    "logprobs_top1",
+    "logprobs_sampled_top1",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "log_requests",
+    "strict_ledger",
+)
+
 
 @dataclass
 class Drain:
@@ -141,7 +157,6 @@ class EngineCore:
         self.clock = clock
         self.layout = settings.layout
         self.chunk = settings.output_token_chunk_size
-        self.tokens: TokenSource = settings.token_source or RandomTokens(settings.vocab_size, settings.seed, settings.rank)
         self.latency = settings.latency
         self.log = logger.bind(engine=self.rank)
         #: Warnings a client can cause (bad values, duplicates, unknown
@@ -149,13 +164,11 @@ class EngineCore:
         self.throttle = Throttle(self.log)
         #: The books on every request, checked against every message sent (ledger.py).
         self.ledger = Ledger()
-        low, span = (self.tokens.low, self.tokens.span) if isinstance(self.tokens, RandomTokens) else (0, settings.vocab_size)
-        #: the ids logprob alternatives are drawn from (the source's range)
-        self._logprob_span = span
+        sampler = self._sampler(settings)
         self.kv = KVCacheManager(settings.num_gpu_blocks, settings.block_size, settings.kv_blocks, settings.prefix_caching)
         self.scheduler = Scheduler(
             self.kv,
-            self.tokens,
+            sampler.tokens,
             self.latency,
             random.Random(f"{settings.seed}/{settings.rank}/latency"),
             self.layout,
@@ -165,7 +178,7 @@ class EngineCore:
             settings.scheduling_policy,
             on_preempt=self._log_preempted,
             on_reject=lambda request: self._log_end(request.request_id, 0, FinishReason.ERROR),
-            logprob_model=LogprobModel(settings.logprobs_top1, settings.logprobs_sampled_top1, low, span),
+            logprob_model=sampler.logprobs,
         )
         self._cadence = StatsCadence()
         self.outbox = Outbox(self.rank, clock, self.ledger, self._stats_if_due, settings.has_coordinator, settings.strict_ledger, self.log)
@@ -177,7 +190,42 @@ class EngineCore:
         #: scheduler's), utility calls, inputs dropped for a bad client index.
         self.counters = self.scheduler.counters
 
+    def _sampler(self, settings: EngineSettings) -> Sampler:
+        """The token source and logprob model of new requests; logprob
+        alternatives come from the source's range, so they decode."""
+        tokens = settings.token_source or RandomTokens(settings.vocab_size, settings.seed, settings.rank)
+        low, span = (tokens.low, tokens.span) if isinstance(tokens, RandomTokens) else (0, settings.vocab_size)
+        #: the distinct ids logprob alternatives can be drawn from
+        self._logprob_span = span
+        return Sampler(tokens, LogprobModel(settings.logprobs_top1, settings.logprobs_sampled_top1, low, span))
+
+    def reconfigure(self, settings: EngineSettings) -> None:
+        """Take the RELOADABLE_SETTINGS of `settings` (a reload, SIGHUP); the
+        others stay as they were. The runtime calls this between two steps,
+        so no step runs half on the old settings. The latency model and the
+        scheduler's limits apply from the next step; output lengths, the
+        token source and the logprob settings to the requests that arrive
+        from now on (a request keeps the end it was planned and the sampler
+        of its ADD). A token source that is the same object keeps the
+        sampler, so running requests stay on the fast path."""
+        current = self.scheduler.sampler
+        new = dataclasses.replace(self.settings, **{name: getattr(settings, name) for name in RELOADABLE_SETTINGS})
+        same = (
+            new.token_source is self.settings.token_source
+            and (new.logprobs_top1, new.logprobs_sampled_top1) == (self.settings.logprobs_top1, self.settings.logprobs_sampled_top1)
+        )
+        sampler = current if same else self._sampler(new)
+        self.settings = new
+        self.latency = new.latency
+        self.scheduler.reconfigure(new.latency, sampler, new.max_num_seqs, new.max_num_batched_tokens)
+        self.outbox.strict_ledger = new.strict_ledger
+
     # -- queries ---------------------------------------------------------
+
+    @property
+    def tokens(self) -> TokenSource:
+        """The token source of new requests."""
+        return self.scheduler.sampler.tokens
 
     @property
     def active(self) -> Dict[str, Request]:
@@ -299,11 +347,13 @@ class EngineCore:
             self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
             return self._answer_now(client, rid, FinishReason.ERROR, protocol.request_error("validation_error", reason))
         max_tokens = request.max_tokens or 0
-        entry = Request(rid, client, max_tokens, self.tokens.initial_state(rid, request.prompt_token_ids), request.prompt_len, self.clock())
+        sampler = self.scheduler.sampler
+        entry = Request(rid, client, max_tokens, sampler.tokens.initial_state(rid, request.prompt_token_ids), request.prompt_len, self.clock())
+        entry.sampler = sampler
         entry.pending_events = [protocol.engine_core_event(EngineCoreEventType.QUEUED, entry.queued_at)]
         settings = self.settings
         try:
-            plan(entry, request, self.tokens, settings.max_model_len, settings.output_lengths, settings.seed, self.rank)
+            plan(entry, request, sampler.tokens, settings.max_model_len, settings.output_lengths, settings.seed, self.rank)
         except BadValue as exc:
             reason = f"{str(exc):.200}"
             self.throttle.warning("invalid request", "ADD {}: bad vllm_xargs ({}); answered with ERROR", short(rid), reason)

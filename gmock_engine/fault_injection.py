@@ -21,6 +21,12 @@ With no fault configured for an engine, `for_engine` gives `NoFaults`, a
 null object whose answers are pass-throughs and whose gates never close,
 so the serving path has no fault branches and pays nothing per token.
 
+A reload (SIGHUP) rebuilds the layer with `rebuild`, between two steps:
+the new specs (faults.Faults carries over the state of the unchanged ones),
+and whatever is under way goes on in the new layer: the same gates (a hang
+or a stall ends when it was due to), the requests marked for a wire fault,
+slow steps.
+
 The request ledger sees the messages before `on_outputs` rewrites them
 (engine.py keeps the books of what a correct engine sends); the injected
 faults are counted beside it (`Faults.injected`), so a run with faults
@@ -78,6 +84,11 @@ class NoFaults:
         """The batch, to queue as it is."""
         return messages
 
+    @property
+    def under_way(self) -> bool:
+        """Never: nothing for a rebuilt layer to take over."""
+        return False
+
     def next_step_at(self, started: float, due: Optional[float]) -> Optional[float]:
         """The step time the latency model asked for."""
         return due
@@ -121,6 +132,17 @@ class FaultInjector:
     def hung(self) -> bool:
         """A hang is on: nothing the engine holds can be waited for."""
         return not self.flowing.is_set()
+
+    @property
+    def under_way(self) -> bool:
+        """A fault is still acting (a gate closed, a marked request, slow
+        steps): a rebuilt layer must go on with it (`rebuild`)."""
+        return (
+            not self.flowing.is_set()
+            or not self.outputs_flowing.is_set()
+            or bool(self.marked)
+            or self.slow_factor != 1.0
+        )
 
     def joined(self, engine: EngineCore, now: float) -> Optional[Callable[[], None]]:
         """The engine joined its frontend at `now`: `at=` counts from here,
@@ -266,6 +288,43 @@ def for_engine(
     if not decider:
         return NoFaults(decider)
     return FaultInjector(decider, rank, log, spawn, put, vanish)
+
+
+def rebuild(
+    previous: Injector,
+    specs: Sequence[FaultSpec],
+    rank: int,
+    seed: int,
+    log: Any,
+    spawn: Callable[..., gevent.Greenlet],
+    put: Callable[[Outbound], None],
+    vanish: Callable[[], None],
+    now: float,
+    engine: Optional[EngineCore] = None,
+) -> Tuple[Injector, Optional[Callable[[], None]]]:
+    """The fault layer of engine `rank` after a reload (SIGHUP), in place of
+    `previous`: the new `specs` (faults.Faults carries over the state of the
+    unchanged ones; a new or changed at= counts from `now`), going on with
+    what `previous` has under way: the same gates, the requests it marked,
+    slow steps. `NoFaults` only when no spec applies and nothing is under
+    way. With `engine` (it joined already) also the loop that fires the
+    timed faults, for the runtime to spawn in place of the previous one
+    (None: no timed fault)."""
+    decider = Faults(specs, rank, seed, previous.faults, now)
+    if not decider and not previous.under_way:
+        layer: Injector = NoFaults(decider)
+    else:
+        layer = FaultInjector(decider, rank, log, spawn, put, vanish)
+        if isinstance(previous, FaultInjector):
+            layer.marked = previous.marked
+            layer.slow_factor, layer.slow_until = previous.slow_factor, previous.slow_until
+    # The readers, the stepper and the sender wait at these very gates, and
+    # a timed hang or stall under way opens them when it is over.
+    layer.flowing, layer.outputs_flowing = previous.flowing, previous.outputs_flowing
+    if engine is None or isinstance(layer, NoFaults):
+        return layer, None
+    layer._engine = engine
+    return layer, (layer._fault_timer if decider.timed() else None)
 
 
 def _for(duration: Optional[float]) -> str:

@@ -195,15 +195,33 @@ def parse_spec(kind: str, text: str) -> FaultSpec:
 
 class Faults:
     """One engine's faults: decides on each occasion which of them fire, and
-    counts what was injected. The caller applies them (fault_injection.py)."""
+    counts what was injected. The caller applies them (fault_injection.py).
 
-    def __init__(self, specs: Sequence[FaultSpec], rank: int, seed: int) -> None:
+    After a reload (SIGHUP) the engine gets a new `Faults` built with the
+    `previous` one: a spec that did not change goes on where it was (its
+    random sequence, its every= count, its limit= used, its at= clock); a
+    new or changed spec starts afresh at `now` (its at= counts from the
+    reload); the injected totals carry over, so counters never go back."""
+
+    def __init__(
+        self, specs: Sequence[FaultSpec], rank: int, seed: int, previous: Optional["Faults"] = None, now: float = 0.0
+    ) -> None:
         self.specs = [s for s in specs if s.applies_to(rank)]
         self._rngs = {s.kind: random.Random(f"{seed}/{rank}/fault/{s.kind}") for s in self.specs}
         self._occasions: Counter = Counter()
         #: Fired faults by kind (what the summary, gmock_stats and /metrics show).
         self.injected: Counter = Counter()
-        self._joined_at = 0.0
+        #: Firings of the current spec of each kind (what limit= counts).
+        self._fired: Counter = Counter()
+        #: Where each spec's at= counts from: the join (or the reload that brought it).
+        self._since: Dict[str, float] = {s.kind: now for s in self.specs}
+        if previous is not None:
+            self.injected.update(previous.injected)
+            for kind in [s.kind for s in self.specs if s in previous.specs]:
+                self._rngs[kind] = previous._rngs[kind]
+                self._occasions[kind] = previous._occasions[kind]
+                self._fired[kind] = previous._fired[kind]
+                self._since[kind] = previous._since[kind]
         self._on_request = [s for s in self.specs if s.scope == REQUEST or (s.scope == ENGINE and s.at is None)]
         self._on_utility = [s for s in self.specs if s.scope == UTILITY]
 
@@ -212,11 +230,11 @@ class Faults:
 
     def joined(self, now: float) -> None:
         """The engine joined its frontend: `at=` counts from here."""
-        self._joined_at = now
+        self._since = {s.kind: now for s in self.specs}
 
     def timed(self) -> List[Tuple[float, FaultSpec]]:
         """Engine faults with `at=`: (engine clock when due, spec), in order."""
-        return sorted(((self._joined_at + s.at, s) for s in self.specs if s.scope == ENGINE and s.at is not None), key=lambda t: t[0])
+        return sorted(((self._since[s.kind] + s.at, s) for s in self.specs if s.scope == ENGINE and s.at is not None), key=lambda t: t[0])
 
     def on_request(self, now: float) -> List[FaultSpec]:
         """A request arrived: the faults that fire for it (engine faults
@@ -233,7 +251,7 @@ class Faults:
 
     def _fires(self, spec: FaultSpec, now: float) -> bool:
         if spec.at is not None:
-            fires = now - self._joined_at >= spec.at
+            fires = now - self._since[spec.kind] >= spec.at
         elif spec.every is not None:
             self._occasions[spec.kind] += 1
             fires = self._occasions[spec.kind] % spec.every == 0
@@ -245,14 +263,17 @@ class Faults:
         """Count one firing of `spec` (e.g. a timed fault that is due); False
         when its limit is used up."""
         limit = spec.max_fires
-        if limit is not None and self.injected[spec.kind] >= limit:
+        if limit is not None and self._fired[spec.kind] >= limit:
             return False
+        self._fired[spec.kind] += 1
         self.injected[spec.kind] += 1
         return True
 
     def summary(self) -> Dict[str, int]:
-        """Fired faults as `fault_<kind>` counters (only kinds configured here)."""
-        return {"fault_" + s.kind.replace("-", "_"): self.injected[s.kind] for s in self.specs}
+        """Fired faults as `fault_<kind>` counters: the kinds configured here,
+        and those a reload turned off after they fired."""
+        shown = {s.kind for s in self.specs} | {kind for kind, n in self.injected.items() if n}
+        return {"fault_" + kind.replace("-", "_"): self.injected[kind] for kind in KINDS if kind in shown}
 
 
 def fail_after(max_tokens: Optional[int]) -> int:

@@ -13,6 +13,10 @@ _TEXT_FORMAT = (
 )
 
 
+#: The sink setup_logging added: (loguru handler id, sink), for set_level.
+_configured: list = []
+
+
 def setup_logging(level: str = "INFO", json: bool = False, sink=None) -> None:
     """Replace loguru's default sink with one stderr sink.
 
@@ -21,8 +25,12 @@ def setup_logging(level: str = "INFO", json: bool = False, sink=None) -> None:
     """
     logger.remove()
     logger.configure(extra={"engine": "-"})
-    logger.add(
-        sink or sys.stderr,
+    _configured[:] = [(_add_sink(sink or sys.stderr, level, json), sink or sys.stderr)]
+
+
+def _add_sink(sink, level: str, json: bool) -> int:
+    return logger.add(
+        sink,
         level=level,
         format=_TEXT_FORMAT,
         serialize=json,
@@ -31,6 +39,22 @@ def setup_logging(level: str = "INFO", json: bool = False, sink=None) -> None:
         backtrace=False,
         diagnose=False,
     )
+
+
+def set_level(level: str, json: bool) -> bool:
+    """A reload (--log-level, --log-json): the sink of setup_logging, again
+    with these settings (loguru cannot change a sink's level in place; other
+    sinks, e.g. a test's, stay). False when setup_logging made none (an App
+    run in-process): then the caller's logging is left alone."""
+    if not _configured:
+        return False
+    handler, sink = _configured[0]
+    try:
+        logger.remove(handler)
+    except ValueError:  # removed by someone else meanwhile: add it afresh
+        pass
+    _configured[:] = [(_add_sink(sink, level, json), sink)]
+    return True
 
 
 #: Characters of a client-chosen string (a request id) that a log line keeps.

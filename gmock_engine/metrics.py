@@ -10,7 +10,7 @@ server, a supervised greenlet like every other.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, List
+from typing import Any, Iterable, List, Optional
 
 import gevent
 from gevent.pywsgi import WSGIServer
@@ -48,9 +48,13 @@ class EngineCollector(Collector):
             "gmock_step_lateness_seconds", "step lateness against the latency model, recent steps", labels=["engine", "quantile"]
         )
         faults = CounterMetricFamily("gmock_faults_injected", "faults injected (--fault-*), by kind", labels=["engine", "kind"])
+        generation = GaugeMetricFamily(
+            "gmock_engine_config_generation", "configuration generation the engine runs with (its stepper took it)", labels=["engine"]
+        )
         for runner in self.runners:
             for kind, count in runner.faults.injected.items():
                 faults.add_metric([str(runner.rank), kind], count)
+            generation.add_metric([str(runner.rank)], runner.generation)
             engine = runner.engine
             if engine is None:
                 continue
@@ -73,22 +77,48 @@ class EngineCollector(Collector):
             summary = runner.step_lateness.summary()
             lateness.add_metric([rank, "0.5"], summary["p50"])
             lateness.add_metric([rank, "0.99"], summary["p99"])
-        yield from (running, waiting, started, finished, tokens, steps, preemptions, violations, bad_frames, utility, kv, queues, lateness, faults)
+        yield from (running, waiting, started, finished, tokens, steps, preemptions, violations, bad_frames, utility, kv, queues, lateness, faults, generation)
 
 
-def registry(runners: List[Any]) -> CollectorRegistry:
-    """gmock_* metrics plus the process (RSS, open fds, CPU), GC and platform ones."""
+class ConfigCollector(Collector):
+    """The process's configuration: its generation (1 as started, +1 per
+    reload that took: SIGHUP), when it was read, and reloads by result."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def collect(self) -> Iterable[Any]:
+        app = self.app
+        yield GaugeMetricFamily(
+            "gmock_config_generation", "configuration generation: 1 as started, +1 per reload that took (SIGHUP)", value=app.generation
+        )
+        yield GaugeMetricFamily(
+            "gmock_config_last_reload_timestamp_seconds",
+            "when the configuration in force was read (unix time; the start for generation 1)",
+            value=app.loaded_at,
+        )
+        reloads = CounterMetricFamily("gmock_config_reloads", "reloads (SIGHUP) by result", labels=["result"])
+        for result in ("applied", "refused"):
+            reloads.add_metric([result], app.reloads[result])
+        yield reloads
+
+
+def registry(runners: List[Any], app: Optional[Any] = None) -> CollectorRegistry:
+    """gmock_* metrics (with `app`, its configuration's too) plus the process
+    (RSS, open fds, CPU), GC and platform ones."""
     reg = CollectorRegistry(auto_describe=True)
     reg.register(EngineCollector(runners))
+    if app is not None:
+        reg.register(ConfigCollector(app))
     for collector in (PROCESS_COLLECTOR, GC_COLLECTOR, PLATFORM_COLLECTOR):
         reg.register(collector)
     return reg
 
 
-def server(host: str, port: int, runners: List[Any]) -> WSGIServer:
+def server(host: str, port: int, runners: List[Any], app: Optional[Any] = None) -> WSGIServer:
     """The /metrics endpoint (any path answers); bound now, so a port in use
     fails at start; the caller runs `serve_forever` in a supervised greenlet."""
-    wsgi = WSGIServer((host, port), make_wsgi_app(registry(runners)), log=None, error_log=None)
+    wsgi = WSGIServer((host, port), make_wsgi_app(registry(runners, app)), log=None, error_log=None)
     wsgi.init_socket()
     logger.info("metrics at http://{}:{}/metrics", host, wsgi.server_port)
     return wsgi

@@ -6,7 +6,9 @@ program, each with its slice of ranks (`--data-parallel-start-rank`,
 on its own stops the whole run with a clear message and status 1 (except
 a crash injected by --fault-crash: the other workers go on, as the other
 engines of a real deployment would); SIGINT or SIGTERM is passed on to every
-worker, which then have a bounded time to exit.
+worker, which then have a bounded time to exit. SIGHUP (a reload) is checked
+here and passed on: each worker reads the configuration again and applies
+it to its engines (reload.py).
 """
 
 from __future__ import annotations
@@ -40,7 +42,11 @@ def split_ranks(first: int, count: int, processes: int) -> List[Tuple[int, int]]
 
 def _worker_preexec() -> None:
     """In the worker, before exec: die with the parent (Linux PR_SET_PDEATHSIG),
-    so a SIGKILLed parent leaves no engines behind."""
+    so a SIGKILLed parent leaves no engines behind. SIGHUP is ignored until
+    the worker installs its own handler (cli.py): the default action of a
+    SIGHUP passed on while it starts would end it (an ignored signal stays
+    ignored across exec)."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
     except (OSError, AttributeError):
@@ -68,6 +74,31 @@ def worker_command(
         str(dp_size),
         *extra,
     ]
+
+
+def reload_workers(config: Any, argv: Sequence[str], workers: Sequence[Any]) -> Any:
+    """SIGHUP in the supervisor: read the configuration as the workers will
+    (a bad file is refused here, once, and not passed on); name the options
+    the workers cannot see change because their command lines fix them
+    (worker_command); then pass the signal on to every live worker, which
+    logs and applies its own changes. Returns the configuration in force."""
+    from . import logs, reload
+    from .config import parse_config
+
+    found = reload.check(config, lambda: parse_config(argv))
+    if found.error is not None:
+        logger.error("{} (not passed on to the workers)", found.refused_line(engines="supervisor"))
+        return config
+    mine = found.fixed_among(name for name in reload.WORKER_COMMAND_LINE if name != "metrics_port" or config.metrics_port)
+    if mine:
+        logger.warning(reload.fixed_line(mine))
+    if found.changed(("log_level", "log_json")):
+        logs.set_level(found.config.log_level, found.config.log_json)
+    live = [w for w in workers if w.poll() is None]
+    logger.info("SIGHUP received; passed on to {} worker(s)", len(live))
+    for worker in live:
+        worker.send_signal(signal.SIGHUP)
+    return found.config
 
 
 def run_workers(config: Any, argv: Sequence[str]) -> int:
@@ -122,6 +153,23 @@ def run_workers(config: Any, argv: Sequence[str]) -> int:
         stop.set()
 
     handlers = [gevent.signal_handler(s, on_signal, s) for s in (signal.SIGINT, signal.SIGTERM)]
+    reload_wanted = gevent.event.Event()
+    # The handler only asks; the check and the passing on run in a greenlet.
+    handlers.append(gevent.signal_handler(signal.SIGHUP, reload_wanted.set))
+
+    def reloader() -> None:
+        current = config
+        while True:
+            reload_wanted.wait()
+            reload_wanted.clear()
+            if stop.is_set():
+                continue
+            try:
+                current = reload_workers(current, argv, workers)
+            except Exception:  # noqa: BLE001 - a reload must not end the run; say why
+                logger.exception("config reload failed in the supervisor; the workers go on as they are")
+
+    watchers.append(gevent.spawn(reloader))
     try:
         stop.wait()
         for worker in workers:

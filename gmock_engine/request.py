@@ -65,6 +65,7 @@ class Request:
         "banned",
         "forced",
         "shaped",
+        "sampler",
     )
 
     def __init__(
@@ -115,6 +116,9 @@ class Request:
         self.forced = False
         #: A pool or logprobs: its tokens take the scheduler's slower path.
         self.shaped = False
+        #: The scheduler's Sampler at its ADD (its token source and logprob
+        #: model): a reload changes those for new requests only.
+        self.sampler: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -23,6 +23,13 @@ Every greenlet runs in the `Supervisor`'s group: an exception anywhere is
 logged with its traceback and stops the whole process with a non-zero
 status, never a half-alive engine.
 
+A reload (SIGHUP: cli.py sets `App.request_reload`; reload.py decides
+what changed) runs in the App's `config-reloader` greenlet. It builds every
+engine's new settings first (so a token file that cannot be read refuses
+the reload before anything changed), then hands each runner a
+`Reconfiguration`, which its stepper takes between two steps: the engine's
+settings and, when the --fault-* specs changed, a rebuilt fault layer.
+
 Fault injection (--fault-*) is a layer of its own (fault_injection.py),
 asked between the stages: the stepper hands it each input
 (`on_input`) and each batch of outputs (`on_outputs`) and lets it stretch
@@ -37,6 +44,8 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 import gevent
@@ -46,8 +55,9 @@ import gevent.queue
 import zmq.green as zmq
 from loguru import logger
 
-from . import fault_injection, faults, lengths, protocol, tokens, transport
+from . import fault_injection, faults, lengths, logs, protocol, reload, tokens, transport
 from .engine import Drain, EngineCore, EngineSettings, LedgerViolation, Outbound
+from .faults import FaultSpec
 from .latency import LatencyModel
 from .logs import Throttle
 from .protocol import InitMessage, WireLayout
@@ -99,6 +109,20 @@ class Supervisor:
         self.stop_event.set()
 
 
+@dataclass
+class Reconfiguration:
+    """A reload, for one engine: the stepper takes it between two steps."""
+
+    #: The configuration generation it makes (App.generation).
+    generation: int
+    #: The configuration in force from now on (reload.Reload.config).
+    config: Any
+    #: The engine's new settings (None: not joined yet; its handshake builds them from `config`).
+    settings: Optional[EngineSettings]
+    #: The new --fault-* specs; None: unchanged (the fault layer stays as it is).
+    faults: Optional[List[FaultSpec]]
+
+
 class EngineRunner:
     """One engine: its handshake, sockets, queues and three kinds of greenlet."""
 
@@ -145,6 +169,10 @@ class EngineRunner:
         self._on_crash = on_crash
         #: Set by --fault-crash: this engine is gone.
         self.crashed = False
+        #: The configuration generation this engine runs with (1: as started).
+        self.generation = 1
+        #: A reload waiting for the stepper (taken between two steps).
+        self._pending: Optional[Reconfiguration] = None
 
     @property
     def bad_frames(self) -> int:
@@ -205,56 +233,60 @@ class EngineRunner:
             parallel_config_hash=self.config.parallel_config_hash,
         )
 
-    def _handshake(self) -> None:
-        self.sockets, init = transport.join_frontend(
-            self.ctx, self.rank, self.config.handshake_address, self.ready_response, self.ready_message
-        )
-        c = self.config
+    def engine_settings(
+        self, c: Any, num_clients: int, has_coordinator: bool, token_source: Optional[tokens.TokenSource] = None
+    ) -> EngineSettings:
+        """The engine's settings from configuration `c` (at the handshake, and
+        for a reload); `token_source` given: that one, else made from `c`
+        (a token file is read here: OSError or ValueError if it cannot be)."""
 
         def enforced(name: str) -> bool:
             return c.sources[name].kind != "default"
 
-        self.engine = EngineCore(
-            EngineSettings(
-                rank=self.rank,
-                num_clients=len(init.outputs),
-                output_token_chunk_size=c.output_token_chunk_size,
-                vocab_size=c.vocab_size,
-                seed=c.seed,
-                log_requests=c.log_requests,
-                supported_tasks=tuple(c.supported_tasks),
-                num_gpu_blocks=c.num_gpu_blocks,
-                block_size=c.block_size,
-                has_coordinator=init.has_coordinator,
-                # A limit is enforced only when configured (default: only reported).
-                max_num_seqs=c.max_num_seqs if enforced("max_num_seqs") else None,
-                kv_blocks=c.num_gpu_blocks if enforced("num_gpu_blocks") else None,
-                max_num_batched_tokens=c.max_num_batched_tokens if enforced("max_num_batched_tokens") else None,
-                scheduling_policy=c.scheduling_policy,
-                prefix_caching=c.prefix_caching,
-                strict_ledger=c.strict_ledger,
-                output_lengths=lengths.from_config(c.output_len_dist, c.eos_probability),
-                logprobs_top1=c.logprobs_top1,
-                logprobs_sampled_top1=c.logprobs_sampled_top1,
-                token_source=tokens.make_source(
-                    c.token_source,
-                    c.vocab_size,
-                    c.seed,
-                    self.rank,
-                    (c.token_id_range.low, c.token_id_range.high) if c.token_id_range else None,
-                ),
-                max_model_len=c.max_model_len,
-                latency=LatencyModel(
-                    itl_ms=c.itl_ms,
-                    itl_ms_per_request=c.itl_ms_per_request,
-                    ttft_ms=c.ttft_ms,
-                    prefill_ms_per_token=c.prefill_ms_per_token,
-                    jitter=c.jitter,
-                    time_scale=c.time_scale,
-                ),
-                layout=self.layout,
-            )
+        if token_source is None:
+            id_range = (c.token_id_range.low, c.token_id_range.high) if c.token_id_range else None
+            token_source = tokens.make_source(c.token_source, c.vocab_size, c.seed, self.rank, id_range)
+        return EngineSettings(
+            rank=self.rank,
+            num_clients=num_clients,
+            output_token_chunk_size=c.output_token_chunk_size,
+            vocab_size=c.vocab_size,
+            seed=c.seed,
+            log_requests=c.log_requests,
+            supported_tasks=tuple(c.supported_tasks),
+            num_gpu_blocks=c.num_gpu_blocks,
+            block_size=c.block_size,
+            has_coordinator=has_coordinator,
+            # A limit is enforced only when configured (default: only reported).
+            max_num_seqs=c.max_num_seqs if enforced("max_num_seqs") else None,
+            kv_blocks=c.num_gpu_blocks if enforced("num_gpu_blocks") else None,
+            max_num_batched_tokens=c.max_num_batched_tokens if enforced("max_num_batched_tokens") else None,
+            scheduling_policy=c.scheduling_policy,
+            prefix_caching=c.prefix_caching,
+            strict_ledger=c.strict_ledger,
+            output_lengths=lengths.from_config(c.output_len_dist, c.eos_probability),
+            logprobs_top1=c.logprobs_top1,
+            logprobs_sampled_top1=c.logprobs_sampled_top1,
+            token_source=token_source,
+            max_model_len=c.max_model_len,
+            latency=LatencyModel(
+                itl_ms=c.itl_ms,
+                itl_ms_per_request=c.itl_ms_per_request,
+                ttft_ms=c.ttft_ms,
+                prefill_ms_per_token=c.prefill_ms_per_token,
+                jitter=c.jitter,
+                time_scale=c.time_scale,
+            ),
+            layout=self.layout,
         )
+
+    def _handshake(self) -> None:
+        self.sockets, init = transport.join_frontend(
+            self.ctx, self.rank, self.config.handshake_address, self.ready_response, self.ready_message
+        )
+        # From here to the end no greenlet runs in between: a reload meanwhile
+        # found this engine not joined and changed `config` and the injector.
+        self.engine = EngineCore(self.engine_settings(self.config, len(init.outputs), init.has_coordinator))
         self.engine.stats_provider = self.runtime_stats
         spawn = self.supervisor.spawn
         injector = self.injector  # its gates: closed during a hang or a stall
@@ -291,16 +323,26 @@ class EngineRunner:
         come sooner: the engine counts from the actual start.
         """
         engine, wake = self.engine, self.wake
-        flowing = self.injector.flowing  # closed by a hang (--fault-hang)
+        flowing = self.injector.flowing  # closed by a hang (--fault-hang); the same after a reload
         stretched = self.injector.next_step_at  # slow-steps (--fault-slow-steps)
         paced = engine.latency.paced
         clock = time.monotonic
         timer = StepTimer(wake.set)
         next_step_at: Optional[float] = None
+        started = 0.0  # when the last step started
         try:
             while True:
                 if not flowing.is_set():
                     flowing.wait()
+                if self._pending is not None:
+                    # A reload, between two steps (a hung engine takes it
+                    # when the hang is over): the next step is timed by the
+                    # new latency model and fault layer.
+                    self._reconfigure()
+                    stretched = self.injector.next_step_at
+                    paced = engine.latency.paced
+                    if next_step_at is not None:
+                        next_step_at = stretched(started, engine.next_step_time(started))
                 # Apply everything queued before the next step, so an ABORT
                 # or a new request takes effect at once.
                 self._drain_input()
@@ -319,6 +361,7 @@ class EngineRunner:
                     continue  # input may have arrived: drain, then check the time
                 if paced and next_step_at is not None:
                     self.step_lateness.add(now - next_step_at)
+                started = now
                 try:
                     out = engine.step()
                 except LedgerViolation:
@@ -333,6 +376,58 @@ class EngineRunner:
                 gevent.sleep(0)
         finally:
             timer.close()
+
+    # -- reloads (SIGHUP) ----------------------------------------------------------
+
+    def reconfigure(self, change: Reconfiguration) -> None:
+        """Hand this engine a reload. Joined, its stepper takes it between two
+        steps (a hung engine when the hang is over); still in its handshake,
+        it starts with the new configuration; crashed, nothing is left to
+        change. A later reload before the stepper took this one replaces it
+        (each carries the whole configuration)."""
+        if self.crashed:
+            return
+        self.config = change.config
+        if self.engine is None:
+            if change.faults is not None:
+                self.injector, _ = fault_injection.rebuild(
+                    self.injector, change.faults, self.rank, change.config.seed, self.log,
+                    self.supervisor.spawn, self.out_queue.put, self._vanish, time.monotonic(),
+                )  # fmt: skip
+                self.faults = self.injector.faults
+            self.generation = change.generation
+            return
+        if self._pending is not None and self._pending.faults is not None and change.faults is None:
+            # the one waiting rebuilds the fault layer; this one keeps the specs it brought
+            change = Reconfiguration(change.generation, change.config, change.settings, self._pending.faults)
+        self._pending = change
+        self.wake.set()
+
+    def token_source(self) -> Optional[tokens.TokenSource]:
+        """The token source of new requests, or of the reload waiting for the
+        stepper (None: not joined)."""
+        if self._pending is not None and self._pending.settings is not None:
+            return self._pending.settings.token_source
+        return self.engine.settings.token_source if self.engine is not None else None
+
+    def _reconfigure(self) -> None:
+        """The stepper takes the pending reload (between two steps)."""
+        change, self._pending = self._pending, None
+        assert change is not None and change.settings is not None and self.engine is not None
+        self.engine.reconfigure(change.settings)
+        if change.faults is not None:
+            self.injector, fire_timed = fault_injection.rebuild(
+                self.injector, change.faults, self.rank, change.config.seed, self.log,
+                self.supervisor.spawn, self.out_queue.put, self._vanish, time.monotonic(), self.engine,
+            )  # fmt: skip
+            self.faults = self.injector.faults
+            if self.fault_timer is not None:
+                self.fault_timer.kill(block=False)  # it sleeps until its next at=; the new one takes over
+            self.fault_timer = None
+            if fire_timed is not None:
+                self.fault_timer = self.supervisor.spawn(f"engine-{self.rank}-fault-timer", fire_timed)
+        self.generation = change.generation
+        self.log.debug("engine {} runs configuration generation {}", self.rank, change.generation)
 
     def _drain_input(self) -> None:
         in_queue, apply, emit = self.in_queue, self.engine.apply, self._emit
@@ -388,6 +483,7 @@ class EngineRunner:
             "input_queue": self.in_queue.qsize(),
             "output_queue": self.out_queue.qsize(),
             "faults": self.faults.summary(),
+            "config_generation": self.generation,
         }
 
     def _emit(self, messages: List[Outbound]) -> None:
@@ -449,14 +545,26 @@ class EngineRunner:
 
 
 class App:
-    """All engines of this process, their supervisor and the ZMQ context."""
+    """All engines of this process, their supervisor and the ZMQ context.
 
-    def __init__(self, config: Any) -> None:
+    `load` reads the configuration again for a reload (SIGHUP): cli.py gives
+    config.parse_config with the process's command line and environment."""
+
+    def __init__(self, config: Any, load: Optional[Callable[[], Any]] = None) -> None:
         self.config = config
+        self.load = load
         self.layout = protocol.WIRE_LAYOUTS[config.protocol_version]
         self.ctx = zmq.Context()
         self.supervisor = Supervisor()
         self.metrics_server: Optional[Any] = None
+        #: The configuration generation: 1 as started, +1 per reload that took.
+        self.generation = 1
+        #: When the configuration in force was read (time.time()).
+        self.loaded_at = time.time()
+        #: Reloads by result: "applied" or "refused".
+        self.reloads: Counter = Counter()
+        self._reload_wanted = gevent.event.Event()
+        self.summary: Optional[gevent.Greenlet] = None
         first = config.data_parallel_start_rank
         self.runners = [
             EngineRunner(self.ctx, self.supervisor, rank, config, self.layout, self._on_crash)
@@ -476,17 +584,95 @@ class App:
         if c.metrics_port is not None:
             from . import metrics  # prometheus_client only when asked for
 
-            self.metrics_server = metrics.server(c.metrics_host, c.metrics_port, self.runners)
+            self.metrics_server = metrics.server(c.metrics_host, c.metrics_port, self.runners, self)
             self.supervisor.spawn("metrics-server", self.metrics_server.serve_forever)
         for runner in self.runners:
             runner.start()
-        if c.summary_interval:
-            from .metrics import summary_loop
-
-            self.supervisor.spawn("summary", summary_loop, self, c.summary_interval)
+        self._start_summary(c.summary_interval)
+        self.supervisor.spawn("config-reloader", self._reloader)
         trim = _malloc_trim()
         if trim is not None:
             self.supervisor.spawn("heap-trim", _trim_heap, trim, HEAP_TRIM_INTERVAL_S)
+
+    def _start_summary(self, interval: float) -> None:
+        if interval:
+            from .metrics import summary_loop
+
+            self.summary = self.supervisor.spawn("summary", summary_loop, self, interval)
+
+    # -- reloads (SIGHUP) ----------------------------------------------------------
+
+    def request_reload(self) -> None:
+        """Ask for a reload (cli.py's SIGHUP handler: it only sets this)."""
+        self._reload_wanted.set()
+
+    def _reloader(self) -> None:
+        while True:
+            self._reload_wanted.wait()
+            self._reload_wanted.clear()
+            self.reload()
+
+    def reload(self) -> bool:
+        """Read the configuration again and apply what may change (reload.py).
+
+        One log line names every change (old -> new, source); one warning the
+        options that cannot change. A bad file or value changes nothing: an
+        error line says why, and the engines go on as they were. Every
+        engine's settings are built before any is handed over, so a reload
+        is refused whole or taken whole; each engine's stepper takes its
+        share between two steps. True when it took."""
+        if self.load is None:
+            logger.warning("config reload: this process has no configuration to read again")
+            return False
+        found = reload.check(self.config, self.load)
+        if found.error is None:
+            try:
+                plans = self._plan(found)
+            except (OSError, ValueError) as exc:  # e.g. a token file gone since the check
+                found = reload.refused(f"{type(exc).__name__}: {exc}")
+        first = self.config.data_parallel_start_rank
+        engines = f"engines {first}..{first + self.config.engine_count - 1}"
+        if found.error is not None:
+            self.reloads["refused"] += 1
+            logger.error(found.refused_line(self.generation, engines))
+            return False
+        generation = self.generation + 1
+        logger.info(found.line(generation, engines))
+        if found.fixed:
+            logger.warning(reload.fixed_line(found.fixed))
+        new = found.config
+        if found.changed(("log_level", "log_json")):
+            logs.set_level(new.log_level, new.log_json)
+        if found.changed(("summary_interval",)):
+            if self.summary is not None:
+                self.summary.kill(block=False)
+                self.summary = None
+            self._start_summary(new.summary_interval)
+        self.config = new
+        self.generation = generation
+        self.loaded_at = time.time()
+        self.reloads["applied"] += 1
+        specs = list(new.faults) if found.changed(reload.FAULTS) else None
+        for runner, settings in plans:
+            runner.reconfigure(Reconfiguration(generation, new, settings, specs))
+        return True
+
+    def _plan(self, found: "reload.Reload") -> List[Any]:
+        """(runner, its new EngineSettings or None if not joined) for every
+        engine not crashed. A token source is made afresh only when its
+        options changed, so that running requests keep the fast path."""
+        new_tokens = found.changed(("token_source", "token_id_range"))
+        plans = []
+        for runner in self.runners:
+            if runner.crashed:
+                continue
+            settings = None
+            if runner.engine is not None:
+                known = runner.engine.settings
+                source = None if new_tokens else runner.token_source()
+                settings = runner.engine_settings(found.config, known.num_clients, known.has_coordinator, source)
+            plans.append((runner, settings))
+        return plans
 
     def log_summary(self) -> None:
         """One line per engine: its ledger and counters (shutdown, SIGUSR1, --summary-interval)."""

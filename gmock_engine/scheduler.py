@@ -10,12 +10,18 @@ waiting requests are what the frontends show as `num_requests_waiting`.
 
 Timing is the latency model's (latency.py): the step asks its successor to
 wait `step_delay`, and a request's first token comes at its `ready_at`.
+
+A reload (SIGHUP, reload.py) reaches the scheduler between steps, through
+`reconfigure`: the latency model and the limits apply from the next step;
+a request draws its tokens and logprobs from the `Sampler` of its ADD, so a
+new token source or logprob setting is for the requests that come after.
 """
 
 from __future__ import annotations
 
 import enum
 import random
+import sys
 from collections import Counter
 from typing import Any, Callable, Dict, List, Optional
 
@@ -42,6 +48,21 @@ class PauseState(enum.Enum):
     PAUSED_ALL = "paused_all"
 
 
+class Sampler:
+    """Where a request's tokens and logprobs come from: the token source
+    (tokens.py) and the logprob model (logprobs.py) of its ADD. A request
+    keeps its sampler to its end: its generator state belongs to that
+    source, so a reload that changes --token-source or the logprob settings
+    changes them for new requests only (vLLM's sampler is one per engine;
+    here a request's tokens stay deterministic per its arrival settings)."""
+
+    __slots__ = ("tokens", "logprobs")
+
+    def __init__(self, tokens: TokenSource, logprobs: LogprobModel) -> None:
+        self.tokens = tokens
+        self.logprobs = logprobs
+
+
 class Scheduler:
     """The running batch, the waiting queue, and the step."""
 
@@ -61,7 +82,8 @@ class Scheduler:
         logprob_model: Optional[LogprobModel] = None,
     ) -> None:
         self.kv = kv
-        self.tokens = tokens
+        #: The sampler of new requests (running ones keep their own: Sampler).
+        self.sampler = Sampler(tokens, logprob_model or LogprobModel())
         self.latency = latency
         self._rng = rng
         self.layout = layout
@@ -80,10 +102,41 @@ class Scheduler:
         self.step_delay = 0.0
         #: steps, tokens, preemptions (the ledger counts requests)
         self.counters: Counter = Counter()
-        self.logprob_model = logprob_model or LogprobModel()
         #: --log-requests hooks of the engine
         self._on_preempt = on_preempt
         self._on_reject = on_reject
+
+    @property
+    def tokens(self) -> TokenSource:
+        """The token source of new requests."""
+        return self.sampler.tokens
+
+    @property
+    def logprob_model(self) -> LogprobModel:
+        """The logprob model of new requests."""
+        return self.sampler.logprobs
+
+    def reconfigure(
+        self,
+        latency: LatencyModel,
+        sampler: Sampler,
+        max_num_seqs: Optional[int],
+        max_num_batched_tokens: Optional[int],
+    ) -> None:
+        """New settings from a reload, between two steps (never within one).
+
+        The latency model times the next step at once (the delay the last
+        step asked for is recomputed with it); requests already waiting for
+        their first token keep the time they were given. A lower
+        --max-num-seqs admits nothing until the batch is below it (nobody is
+        preempted); a lifted token budget lets the chunked prefills finish
+        in the next step."""
+        if latency != self.latency:
+            self.latency = latency
+            self.step_delay = latency.step_seconds(len(self.running), 0, self._rng) if latency.paced else 0.0
+        self.sampler = sampler
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
 
     # -- queries ---------------------------------------------------------------
 
@@ -177,6 +230,8 @@ class Scheduler:
             budget -= (len(self.running) - len(self.prefilling)) * self.chunk
             if self.chunking:
                 prefill_tokens, budget = self._continue_prefills(now, budget)
+        elif self.chunking:  # a reload lifted the budget: what was chunked is prefilled now
+            prefill_tokens, _ = self._continue_prefills(now, sys.maxsize)
         if not preempted:
             prefill_tokens += self._admit(now, budget, outbox)
         done = self._emit(now, outbox)
@@ -190,8 +245,8 @@ class Scheduler:
     def _emit(self, now: float, outbox: Outbox) -> List[Request]:
         """The per-token path: each ready running request's next tokens."""
         chunk = self.chunk
-        tokens_source = self.tokens
-        draw = tokens_source.draw
+        sampler = self.sampler
+        draw = sampler.tokens.draw
         make_output = protocol.engine_core_output
         prefilling = self.prefilling
         batches = outbox.batches
@@ -210,12 +265,15 @@ class Scheduler:
                 batch = new_batch(request.client_index)
             remaining = request.max_tokens - request.num_output_tokens
             n = chunk if chunk < remaining else remaining
-            tokens, request.rng_state = draw(request.rng_state, n)
+            if request.sampler is sampler:
+                tokens, request.rng_state = draw(request.rng_state, n)
+            else:  # a request from before a reload draws from the source of its ADD
+                tokens, request.rng_state = request.sampler.tokens.draw(request.rng_state, n)
             new_logprobs = None
             if request.shaped:  # sampling controls or logprobs: off the common path
                 tokens, new_logprobs = self._shape(request, tokens, n == remaining)
             elif request.stop_ids is not None and not request.stop_ids.isdisjoint(tokens):
-                tokens = tokens_source.avoid(tokens, request.stop_ids)
+                tokens = request.sampler.tokens.avoid(tokens, request.stop_ids)
             first = request.num_output_tokens == 0
             events = request.pending_events
             request.num_output_tokens += n
@@ -264,7 +322,7 @@ class Scheduler:
             pool = request.pool
             tokens = [pool[t % len(pool)] for t in tokens]
         elif request.stop_ids is not None and not request.stop_ids.isdisjoint(tokens):
-            tokens = self.tokens.avoid(tokens, request.stop_ids)
+            tokens = request.sampler.tokens.avoid(tokens, request.stop_ids)
         if last and request.last_token is not None and tokens:
             tokens[-1] = request.last_token
         return tokens, None if request.num_logprobs is None else self._logprobs(request, tokens)
@@ -274,7 +332,7 @@ class Scheduler:
         none for an output without tokens, as vLLM."""
         if not tokens:
             return None
-        width, ids, lps, ranks, request.logprob_state = self.logprob_model.rows(
+        width, ids, lps, ranks, request.logprob_state = request.sampler.logprobs.rows(
             request.logprob_state, tokens, request.num_logprobs, request.alternatives, request.banned, request.forced
         )
         return protocol.logprobs_lists(len(tokens), request.num_logprobs + 1, ids, lps, ranks, self.layout, ids_width=width)
@@ -286,7 +344,7 @@ class Scheduler:
             return None
         k = request.num_prompt_logprobs
         prompt = request.prompt_token_ids[1:]
-        width, ids, lps, ranks, request.logprob_state = self.logprob_model.rows(request.logprob_state, prompt, k, banned=request.banned)
+        width, ids, lps, ranks, request.logprob_state = request.sampler.logprobs.rows(request.logprob_state, prompt, k, banned=request.banned)
         request.prompt_token_ids = None
         return protocol.logprobs_lists(len(prompt), k + 1, ids, lps, ranks, self.layout, tensors=True, ids_width=width)
 

@@ -373,3 +373,125 @@ def test_run_sh_bench_writes_a_report(tmp_path):
     text = path.read_text()
     assert text.count('<img alt="') == text.count('src="data:image/png;base64,') == 6
     assert "gmock / reference CPU per token:" in text and "Tokens per second over the window" in text
+
+
+# -- live reconfiguration: SIGHUP -------------------------------------------------------
+
+
+def wait_for_log(log, text, count=1, timeout=15):
+    with gevent.Timeout(timeout):
+        while log_text(log).count(text) < count:
+            gevent.sleep(0.05)
+    return log_text(log)
+
+
+def scrape(port):
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def paced(collected, rid, itl):
+    """rid's steps `itl` apart: a lower bound on their sum and median, not on
+    each gap (a step the OS held up looks late, the next one close to it)."""
+    stamps = [m[3] for m in collected.messages if any(o[0] == rid and o[1] for o in m[1])]
+    gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
+    return sum(gaps) >= (len(gaps) - 1) * itl * 0.95 and gaps[len(gaps) // 2] >= itl * 0.9
+
+
+def gmock_stats(frontend, rank):
+    return frontend.utility_result(frontend.utility(rank, "gmock_stats"))[2][1]
+
+
+def test_sighup_rereads_the_config_file_through_run_sh(tmp_path):
+    from gmock_engine.protocol import FinishReason
+
+    path = tmp_path / "live.ini"
+    path.write_text("[gmock_engine]\nitl-ms = 0\nttft-ms = 0\n")
+    frontend = FakeFrontend(num_clients=1, dp=1)
+    port = free_port()
+    # the command line keeps its precedence over the file: --ttft-ms 0 stays
+    args = ["--config", str(path), "--handshake-address", frontend.handshake_address, "--metrics-port", str(port), "--ttft-ms", "0"]
+    with engine_process(tmp_path, args, frontend) as (proc, log):
+        frontend.accept_engines(timeout=60)
+        frontend.add(0, "before", max_tokens=10)
+        assert len(frontend.collect(["before"]).tokens("before")) == 10
+        samples = scrape(port)
+        assert samples["gmock_config_generation"] == 1 and samples['gmock_engine_config_generation{engine="0"}'] == 1
+        started_at = samples["gmock_config_last_reload_timestamp_seconds"]
+        path.write_text("[gmock_engine]\nitl-ms = 20\nttft-ms = 500\nvocab-size = 100\nfault-error-mid-stream = every=1\n")
+        proc.send_signal(signal.SIGHUP)
+        wait_for_log(log, "config reload (generation 2, engines 0..0)")
+        text = wait_for_log(log, "cannot change while running")  # the warning comes after the change line
+        where = f"config file {path}"
+        assert (
+            f"config reload (generation 2, engines 0..0): --itl-ms 0 -> 20 ({where}, key itl-ms); "
+            f"--fault-error-mid-stream unset -> every=1 ({where}, key fault-error-mid-stream)\n"
+        ) in text
+        assert f"config reload: cannot change while running, left as they are: --vocab-size 32000 -> 100 ({where}, key vocab-size)\n" in text
+        assert "ttft-ms" not in text.split("config reload (generation 2, engines 0..0)")[1]
+        frontend.add(0, "after", max_tokens=10)
+        collected = frontend.collect(["after"])
+        assert len(collected.tokens("after")) == 5 and collected.terminal["after"] == FinishReason.ERROR
+        assert paced(collected, "after", 0.020)
+        assert all(t < 32000 for t in collected.tokens("after"))  # the vocabulary in force
+        samples = scrape(port)
+        assert samples["gmock_config_generation"] == 2 and samples['gmock_engine_config_generation{engine="0"}'] == 2
+        assert samples["gmock_config_last_reload_timestamp_seconds"] > started_at
+        assert samples['gmock_config_reloads_total{result="applied"}'] == 1
+        # a bad file: refused whole, said why; the engine goes on as it was
+        path.write_text("[gmock_engine]\nitl-ms = 0\nfault-error-mid-stream = sometimes\n")
+        proc.send_signal(signal.SIGHUP)
+        text = wait_for_log(log, "config reload refused")
+        assert (
+            "config reload refused, nothing changed (generation 2 stays, engines 0..0): argument --fault-error-mid-stream: "
+            f"'sometimes' is not key=value (from {where}, key fault-error-mid-stream)"
+        ) in text
+        frontend.add(0, "still", max_tokens=4)
+        collected = frontend.collect(["still"])
+        assert collected.terminal["still"] == FinishReason.ERROR and paced(collected, "still", 0.020)
+        samples = scrape(port)
+        assert samples["gmock_config_generation"] == 2 and samples['gmock_config_reloads_total{result="refused"}'] == 1
+        proc.send_signal(signal.SIGTERM)
+        assert wait_exit(proc, 10) == 0
+        text = log_text(log)
+    assert "Traceback" not in text and "violations=0" in text
+
+
+def test_sighup_with_processes_reaches_every_worker(tmp_path):
+    path = tmp_path / "live.ini"
+    path.write_text("[gmock_engine]\nengine-count = 4\nitl-ms = 0\n")
+    frontend = FakeFrontend(num_clients=1, dp=4)
+    args = ["--config", str(path), "--handshake-address", frontend.handshake_address, "--processes", "2"]
+    with engine_process(tmp_path, args, frontend) as (proc, log):
+        frontend.accept_engines(timeout=60)
+        path.write_text("[gmock_engine]\nengine-count = 8\nitl-ms = 5\n")
+        proc.send_signal(signal.SIGHUP)
+        text = wait_for_log(log, "config reload (generation 2, engines", count=2)
+        assert "SIGHUP received; passed on to 2 worker(s)" in text
+        for engines in ("0..1", "2..3"):
+            assert f"config reload (generation 2, engines {engines}): --itl-ms 0 -> 5 (config file {path}, key itl-ms)\n" in text
+        # engine-count: the supervisor says so (the workers' own command lines fix it)
+        assert text.count("cannot change while running") == 1
+        assert (
+            f"left as they are: --engine-count 4 -> 8 (config file {path}, key engine-count); "
+            "--data-parallel-size 4 -> 8 (default = start rank + engine count)\n"
+        ) in text
+        with gevent.Timeout(10):
+            while not all(gmock_stats(frontend, rank)["config_generation"] == 2 for rank in range(4)):
+                gevent.sleep(0.05)
+        for rank in range(4):
+            frontend.add(rank, f"paced-{rank}", max_tokens=6)
+        collected = frontend.collect([f"paced-{r}" for r in range(4)])
+        for rank in range(4):
+            assert len(collected.tokens(f"paced-{rank}")) == 6 and paced(collected, f"paced-{rank}", 0.005)
+        # a bad file is refused by the supervisor, once, and not passed on
+        path.write_text("[gmock_engine]\nengine-count = 4\nitl-ms = -1\n")
+        proc.send_signal(signal.SIGHUP)
+        text = wait_for_log(log, "config reload refused")
+        assert "config reload refused, nothing changed (supervisor): argument --itl-ms: -1.0 is less than 0.0" in text
+        assert "(not passed on to the workers)" in text and text.count("SIGHUP received") == 1
+        assert all(gmock_stats(frontend, rank)["config_generation"] == 2 for rank in range(4))
+        proc.send_signal(signal.SIGTERM)
+        assert wait_exit(proc, 15) == 0

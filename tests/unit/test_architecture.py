@@ -22,6 +22,7 @@ PURE = [
     "faults",
     "latency",
     "lengths",
+    "reload",
 ]
 
 
