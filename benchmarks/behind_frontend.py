@@ -42,7 +42,7 @@ def main() -> int:
 
     frontends = h.install_frontends()
     work = Path(tempfile.mkdtemp(prefix="gmock-p2-"))
-    model_dir = h.make_model_dir(frontends.python, work / "model")
+    model_dir = h.make_model_dir(work / "model")
     stack = h.Stack(h.Topology("python", dp=options.dp, api_servers=options.api_servers), frontends, model_dir, work,
                     engine_args=options.engine_arg)
     stack.start()

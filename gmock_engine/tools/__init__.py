@@ -9,7 +9,9 @@ must work from an installed copy; benchmarks/ and tests/ use it too.
 * frontend.py: the frontend's side of the input socket (EngineCoreRequest
   arrays and the ADD / ABORT / UTILITY frames), pure; tests/fake_frontend.py
   sends with it too;
-* procfs.py: CPU and RSS of a process tree, from /proc.
+* procfs.py: CPU and RSS of a process tree, from /proc;
+* model_dir.py: the weightless model directory a real frontend serves
+  (config and a byte-level BPE tokenizer written from rules, no download).
 
 Like the package `__init__`, this imports nothing (STYLE.md pitfall 1).
 """

@@ -29,6 +29,8 @@ from typing import Callable, Iterator, Optional
 
 import requests
 
+from gmock_engine.tools import model_dir
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 RUN_SH = REPO / "run.sh"
@@ -96,21 +98,16 @@ def install_frontends(timeout: float = 1800.0) -> Frontends:
     return fe
 
 
-#: Context length written into the model dir. Far above make_model_dir.py's default
+#: Context length written into the model dir. Far above the model-dir writer's default
 #: 8192 so that a request can ask for more tokens than the mock produces before a
 #: client disconnect reaches it (the mock streams tens of thousands of tokens/s).
 #: gmock_engine reports max_model_len 1048576 too; the frontend takes the minimum.
 MODEL_MAX_LEN = 1048576
 
 
-def make_model_dir(python: Path, dest: Path, timeout: float = 120.0) -> Path:
-    """Write the weightless model dir (tokenizer built in code; needs `tokenizers`)."""
-    if not ((dest / "config.json").exists() and (dest / "tokenizer.json").exists()):
-        subprocess.run(
-            [str(python), str(HERE / "make_model_dir.py"), str(dest), "--max-model-len", str(MODEL_MAX_LEN)],
-            check=True, timeout=timeout,
-        )
-    return dest
+def make_model_dir(dest: Path, max_model_len: int = MODEL_MAX_LEN) -> Path:
+    """The weightless model dir (gmock_engine/tools/model_dir.py, as `./run.sh serve` writes it)."""
+    return model_dir.ensure_model_dir(dest, max_model_len=max_model_len)
 
 
 # --------------------------------------------------------------------------- ports
@@ -619,7 +616,7 @@ if __name__ == "__main__":  # manual smoke use: python tests/e2e/e2e_harness.py 
     topo = next(t for t in TOPOLOGIES if t.id == wanted)
     fe = install_frontends()
     tmp = Path(tempfile.mkdtemp(prefix="gmock-e2e-"))
-    md = make_model_dir(fe.python, tmp / "model")
+    md = make_model_dir(tmp / "model")
     stack = Stack(topo, fe, md, tmp / topo.id, with_engine="--no-engine" not in sys.argv)
     try:
         stack.start()
