@@ -48,7 +48,7 @@ def main() -> int:
     stack.start()
     try:
         command = [
-            str(frontends.python), str(ROOT / "tests" / "e2e" / "vllm_cli.py"), "bench", "serve",
+            str(frontends.python), str(h.VLLM_CLI), "bench", "serve",
             "--backend", "openai", "--base-url", stack.base_url, "--model", h.MODEL_NAME,
             "--tokenizer", str(model_dir), "--dataset-name", "random",
             "--random-input-len", str(options.input_len), "--random-output-len", str(options.output_len),
