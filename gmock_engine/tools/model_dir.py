@@ -34,6 +34,8 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 #: The smallest vocabulary: the 256 byte symbols, the specials and one merge.
 MIN_VOCAB_SIZE = 256 + len(SPECIALS) + 1
+#: The largest the rules below make: bytes, 95*95 pairs, the distinct triples, specials.
+MAX_VOCAB_SIZE = 866659
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -66,11 +68,18 @@ def byte_symbols() -> List[str]:
     return [chr(table[b]) for b in range(256)]
 
 
+def check_vocab_size(vocab_size: int) -> None:
+    """ValueError unless the rules make a vocabulary of this size."""
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"a vocabulary of {vocab_size} ids is too small (at least {MIN_VOCAB_SIZE})")
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise ValueError(f"a vocabulary of {vocab_size} ids is too large (at most {MAX_VOCAB_SIZE})")
+
+
 def vocabulary(vocab_size: int) -> Tuple[Dict[str, int], List[Tuple[str, str]]]:
     """(token -> id, merges in rank order) for a vocabulary of `vocab_size`
     ids, specials last. ValueError when the rules cannot fill it."""
-    if vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(f"a vocabulary of {vocab_size} ids is too small (at least {MIN_VOCAB_SIZE})")
+    check_vocab_size(vocab_size)
     sym = byte_symbols()
     printable = [sym[b] for b in range(0x20, 0x7F)]  # 95 symbols, space is 'Ġ'
     vocab = {s: i for i, s in enumerate(sym)}
@@ -97,8 +106,7 @@ def vocabulary(vocab_size: int) -> Tuple[Dict[str, int], List[Tuple[str, str]]]:
     while len(vocab) < budget and i < len(pairs) * len(printable):
         add(pairs[i % len(pairs)], printable[(i // len(pairs) * 7 + i) % len(printable)])
         i += 1
-    if len(vocab) < budget:
-        raise ValueError(f"a vocabulary of {vocab_size} ids is too large: the rules make at most {len(vocab) + len(SPECIALS)}")
+    assert len(vocab) == budget, "MAX_VOCAB_SIZE is more than the rules make"
     for s in SPECIALS:
         vocab[s] = len(vocab)
     return vocab, merges

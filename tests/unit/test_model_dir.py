@@ -22,13 +22,22 @@ def test_vocabulary_layout():
     assert merges[0] == ("Ġ", "Ġ")  # two spaces: the first printable pair
 
 
-@pytest.mark.parametrize("size", [model_dir.MIN_VOCAB_SIZE, 1000, 9284, 50000])
+@pytest.mark.parametrize("size", [model_dir.MIN_VOCAB_SIZE, 1000, 9284, 50000, model_dir.MAX_VOCAB_SIZE])
 def test_any_size_in_range_is_filled_exactly(size):
     vocab, merges = model_dir.vocabulary(size)
     assert len(vocab) == size and len(merges) == size - 259
 
 
-@pytest.mark.parametrize("size, match", [(model_dir.MIN_VOCAB_SIZE - 1, "too small"), (900_000, "too large")])
+def test_the_largest_vocabulary_is_all_the_rules_make():
+    # one more three-symbol step finds no new token: MAX_VOCAB_SIZE is exact
+    vocab, _ = model_dir.vocabulary(model_dir.MAX_VOCAB_SIZE)
+    printable = [model_dir.byte_symbols()[b] for b in range(0x20, 0x7F)]
+    pairs = [a + b for a in printable for b in printable]
+    triples = {pairs[i % len(pairs)] + printable[(i // len(pairs) * 7 + i) % 95] for i in range(len(pairs) * 95)}
+    assert len(vocab) == 256 + len(pairs) + len(triples - set(pairs)) + 3
+
+
+@pytest.mark.parametrize("size, match", [(model_dir.MIN_VOCAB_SIZE - 1, "too small"), (model_dir.MAX_VOCAB_SIZE + 1, "too large")])
 def test_impossible_sizes_are_refused(size, match):
     with pytest.raises(ValueError, match=match):
         model_dir.vocabulary(size)
