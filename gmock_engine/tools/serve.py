@@ -220,6 +220,7 @@ class _Signals:
             raise KeyboardInterrupt(signal.Signals(signum).name)
         if self.received:
             procgroup.kill_all_now()
+            os.write(2, f"{PROG}: second {signal.Signals(signum).name}: killed the frontend and the engine at once\n".encode())
             os._exit(128 + signum)
         self.received.append(signum)
 
@@ -364,8 +365,9 @@ class Serve:
         elif status == EXIT_STARTUP_TIMEOUT:
             what = (f"handshake port {self.plan.handshake_port} to listen" if self.engine is None
                     else f"{self.plan.health_url} to answer 200")  # fmt: skip
+            stopped = "the frontend was stopped" if self.engine is None else "both were stopped"
             _say(f"not ready within --startup-timeout {self.plan.options.startup_timeout:g} s (waited for the frontend's "
-                 f"{what}); both were stopped; exit status {status}{self._tail(self.frontend)}{self._tail(self.engine)}")  # fmt: skip
+                 f"{what}); {stopped}; exit status {status}{self._tail(self.frontend)}{self._tail(self.engine)}")  # fmt: skip
         for problem in problems:
             _say(problem)
         if problems and status == EXIT_STOPPED:
