@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # gmock_engine launcher.
 #
-#   ./run.sh [engine options]     run the mock engine (e.g. ./run.sh --config conf/dp4.ini)
+#   ./run.sh serve [options]      a real vLLM frontend + the mock engines: an OpenAI-compatible
+#                                 endpoint in one command (./run.sh serve --help)
+#   ./run.sh [engine options]     run the mock engine alone, for your own frontend
+#                                 (e.g. ./run.sh --config conf/dp4.ini)
 #   ./run.sh test [pytest args]   run the whole test suite
 #   ./run.sh bench [options]      the load driver (gmock-engine bench --help)
 #   ./run.sh soak [options]       a real frontend + the engine under steady load, with a verdict
@@ -17,13 +20,14 @@ VENV="${GMOCK_VENV:-$HERE/.venv}"
 PYTHON="${PYTHON:-python3}"
 
 MODE=run
-if [[ "${1:-}" == "test" || "${1:-}" == "soak" ]]; then
+if [[ "${1:-}" == "test" || "${1:-}" == "soak" || "${1:-}" == "serve" ]]; then
   MODE="$1"
   shift
 fi
 EXTRA=""
 # the soak runner drives real frontends with the e2e harness: it needs the test extra
-if [[ "$MODE" != run ]]; then EXTRA="[test]"; fi
+# (serve needs nothing beyond the package: the standard library starts and watches)
+if [[ "$MODE" == test || "$MODE" == soak ]]; then EXTRA="[test]"; fi
 
 bootstrap() {
   if [[ ! -x "$VENV/bin/python" ]]; then
@@ -51,6 +55,10 @@ if [[ "$MODE" == test ]]; then
 fi
 if [[ "$MODE" == soak ]]; then
   exec "$VENV/bin/python" benchmarks/soak.py "$@"
+fi
+if [[ "$MODE" == serve ]]; then
+  # exec: SIGTERM/SIGINT reach serve, which stops the frontend, then the engine
+  exec "$VENV/bin/python" -m gmock_engine serve "$@"
 fi
 # exec, so that SIGTERM/SIGINT reach the engine itself. `bench` is passed
 # through as the first argument: `./run.sh bench` = `gmock-engine bench`.

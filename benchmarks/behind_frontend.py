@@ -42,13 +42,13 @@ def main() -> int:
 
     frontends = h.install_frontends()
     work = Path(tempfile.mkdtemp(prefix="gmock-p2-"))
-    model_dir = h.make_model_dir(frontends.python, work / "model")
+    model_dir = h.make_model_dir(work / "model")
     stack = h.Stack(h.Topology("python", dp=options.dp, api_servers=options.api_servers), frontends, model_dir, work,
                     engine_args=options.engine_arg)
     stack.start()
     try:
         command = [
-            str(frontends.python), str(ROOT / "tests" / "e2e" / "vllm_cli.py"), "bench", "serve",
+            str(frontends.python), str(h.VLLM_CLI), "bench", "serve",
             "--backend", "openai", "--base-url", stack.base_url, "--model", h.MODEL_NAME,
             "--tokenizer", str(model_dir), "--dataset-name", "random",
             "--random-input-len", str(options.input_len), "--random-output-len", str(options.output_len),

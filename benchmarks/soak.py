@@ -315,7 +315,7 @@ def main() -> int:
 
     frontends = h.install_frontends()
     work = Path(tempfile.mkdtemp(prefix="gmock-soak-"))
-    model_dir = h.make_model_dir(frontends.python, work / "model")
+    model_dir = h.make_model_dir(work / "model")
     metrics_port = h.free_ports(1)[0]
     engine_args = ["--itl-ms", "5", "--metrics-port", str(metrics_port), "--no-log-requests", "--summary-interval", "0"]
     stack = h.Stack(h.Topology(options.frontend, options.dp, options.api_servers), frontends, model_dir, work,

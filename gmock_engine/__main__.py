@@ -1,7 +1,9 @@
 """Entry point: `python -m gmock_engine` and the `gmock-engine` script.
 
 `gmock-engine bench ...` runs the load driver (tools/bench.py), a plain pyzmq
-program that starts the engine as a subprocess. Everything else is the
+program that starts the engine as a subprocess; `gmock-engine serve ...`
+(`./run.sh serve`) a real frontend and the engine behind it (tools/serve.py),
+plain Python that starts and watches processes. Everything else is the
 engine, which needs gevent's monkey-patching before anything else imports
 socket, threading or time-related modules (STYLE.md pitfall 1): it is the
 first thing the engine path does.
@@ -16,6 +18,10 @@ def main() -> None:
         from gmock_engine.tools.bench import main as bench_main
 
         sys.exit(bench_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["serve"]:
+        from gmock_engine.tools.serve import main as serve_main
+
+        sys.exit(serve_main(sys.argv[2:]))
 
     from gevent import monkey
 

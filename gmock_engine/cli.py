@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import signal
 import sys
 from typing import Optional, Sequence
@@ -24,6 +25,8 @@ from .runtime import App
 
 #: Allocations (net) between young-generation collections; CPython's default is 700.
 GC_THRESHOLD = 100_000
+#: How long the engines wait for INIT before they say, once, what they wait for.
+NO_FRONTEND_HINT_AFTER_S = 5.0
 
 
 def _msgpack_is_compiled() -> bool:
@@ -32,6 +35,42 @@ def _msgpack_is_compiled() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"engine {ranks[0]}" if len(ranks) == 1 else f"engines {ranks[0]}..{ranks[-1]}"
+
+
+def no_frontend_hint(address: str, waiting: Sequence[int], joined: Sequence[int], dp: int, after: float) -> str:
+    """What the engines still without INIT wait for, and how to start a frontend for them."""
+    if joined:
+        # Some ranks joined: a frontend is there, but it does not expect these.
+        return (f"{_ranks(waiting)} got no INIT from the frontend at {address} after {after:g} s, while "
+                f"{_ranks(joined)} joined: is the frontend's --data-parallel-size {dp}? "
+                "(another mock may also hold these ranks)")  # fmt: skip
+    text = (f"no frontend answered at {address} after {after:g} s: {_ranks(waiting)} sent HELLO and wait for INIT. "
+            "The frontend binds the handshake, the engine only connects; start one there with "
+            "--data-parallel-size-local 0")  # fmt: skip
+    tcp = re.match(r"^tcp://(.+):(\d+)$", address)
+    if tcp:
+        host, port = tcp.groups()
+        text += (f", e.g.\n  vllm-rs serve MODEL --data-parallel-size-local 0 --data-parallel-size {dp} --handshake-port {port}\n"
+                 f"  vllm serve MODEL --data-parallel-size-local 0 --data-parallel-size {dp} --data-parallel-address {host} "
+                 f"--data-parallel-rpc-port {port} --api-server-count 1\n")  # fmt: skip
+    else:
+        text += f" and --data-parallel-size {dp} (README, Pairing with a frontend)\n"
+    return text + f"or run ./run.sh serve --dp {dp}: a real frontend and the mock engines in one command"
+
+
+def _hint_if_no_frontend(app: App, config) -> None:
+    """Once per process: after NO_FRONTEND_HINT_AFTER_S, if engines still
+    wait for INIT, say what for and how to start a frontend (the per-engine
+    "still waiting" lines of transport.py only say that they wait)."""
+    gevent.sleep(NO_FRONTEND_HINT_AFTER_S)
+    waiting = [r.rank for r in app.runners if not r.joined.is_set()]
+    if waiting:
+        joined = [r.rank for r in app.runners if r.joined.is_set()]
+        logger.warning(no_frontend_hint(config.handshake_address, waiting, joined, config.data_parallel_size, NO_FRONTEND_HINT_AFTER_S))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -106,6 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 file=sys.stderr,
             )
             return 2
+        app.supervisor.spawn("no-frontend-hint", _hint_if_no_frontend, app, config)
         status = app.run_until_stopped()
     finally:
         for handler in handlers:

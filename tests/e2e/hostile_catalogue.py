@@ -30,7 +30,6 @@ import http.client
 import json
 import re
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -47,7 +46,7 @@ COMPLETIONS = "/v1/completions"
 MESSAGES = [{"role": "user", "content": "Say something about mock engines."}]
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
-#: The test model's context length (make_model_dir.py's default, as the brief's
+#: The test model's context length (the model-dir writer's default, as the brief's
 #: "test model"): these stacks use their own model dir with it, not the
 #: harness's 1048576, so that "near" and "beyond" max_model_len are cheap.
 MAX_MODEL_LEN = 8192
@@ -637,12 +636,9 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _ENGINE_TROUBLE = re.compile(r"^\S+ \S+ (WARNING|ERROR|CRITICAL)\b|^Traceback|^\w*(Error|Exception)\b")
 
 
-def make_model_dir(python: Path, dest: Path) -> Path:
+def make_model_dir(dest: Path) -> Path:
     """The weightless test model with max_model_len MAX_MODEL_LEN."""
-    if not (dest / "config.json").exists():
-        subprocess.run([str(python), str(h.HERE / "make_model_dir.py"), str(dest),
-                        "--max-model-len", str(MAX_MODEL_LEN)], check=True, timeout=120)
-    return dest
+    return h.make_model_dir(dest, max_model_len=MAX_MODEL_LEN)
 
 
 class Runner:
@@ -853,7 +849,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   if args.frontend in ("both", t.frontend)]
     fe = h.install_frontends()
     tmp = Path(tempfile.mkdtemp(prefix="gmock-hostile-"))
-    model = make_model_dir(fe.python, tmp / "model")
+    model = make_model_dir(tmp / "model")
     rows: List[Row] = []
     for topo in topologies:
         runner = Runner(topo, fe, model, tmp)

@@ -423,7 +423,7 @@ def test_vllm_bench_serve(stack, model_dir, frontends):
     """vLLM's own benchmark client: 200 random prompts at 50 req/s, none may fail."""
     if stack.topology.frontend != "python":
         pytest.skip("bench serve is run against the Python frontend only (issue matrix)")
-    argv = [str(frontends.python), str(h.HERE / "vllm_cli.py"), "bench", "serve", "--backend", "openai",
+    argv = [str(frontends.python), str(h.VLLM_CLI), "bench", "serve", "--backend", "openai",
             "--base-url", stack.base_url, "--model", h.MODEL_NAME, "--tokenizer", str(model_dir),
             "--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "32",
             "--num-prompts", str(BENCH_PROMPTS), "--request-rate", "50", "--ignore-eos"]

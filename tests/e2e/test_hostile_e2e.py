@@ -52,7 +52,7 @@ def _write_all(tmp_path_factory) -> tuple:
 @pytest.fixture(scope="module")
 def hostile_model_dir(frontends, tmp_path_factory) -> Path:
     """The test model with max_model_len 8192 (the harness's own has 1048576)."""
-    return hc.make_model_dir(frontends.python, tmp_path_factory.mktemp("hostile-model"))
+    return hc.make_model_dir(tmp_path_factory.mktemp("hostile-model"))
 
 
 @pytest.fixture(scope="module", params=TOPOLOGIES, ids=lambda t: t.id)

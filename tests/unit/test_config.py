@@ -124,7 +124,7 @@ def test_print_config_names_every_option_and_its_source(tmp_path):
     assert flags <= keys
 
 
-SHIPPED = {"dp1.ini": 1, "dp4.ini": 4, "all-options.ini": 1, "small-gpu.ini": 4, "large-gpu.ini": 8, "chaos.ini": 4}
+SHIPPED = {"dp1.ini": 1, "dp4.ini": 4, "all-options.ini": 1, "small-gpu.ini": 4, "large-gpu.ini": 8, "chaos.ini": 4, "serve.ini": 1}
 
 
 def test_every_shipped_config_file_is_tested():

