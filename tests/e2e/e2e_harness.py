@@ -23,6 +23,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import sys
 import threading
 import time
