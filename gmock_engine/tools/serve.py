@@ -212,8 +212,20 @@ class _Signals:
     def __init__(self) -> None:
         self.received: List[int] = []
         self.installing = True
+        #: SIGHUP's target once the engine runs: it re-reads its config (README, "Live reconfiguration")
+        self.engine_pid: Optional[int] = None
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
+        signal.signal(signal.SIGHUP, self._on_hup)
+
+    def _on_hup(self, signum: int, frame: object) -> None:
+        """Passed on to the engine, which reloads the --config file (the
+        frontend has no such reload); before the engine runs, ignored."""
+        if self.engine_pid is not None:
+            try:
+                os.kill(self.engine_pid, signal.SIGHUP)
+            except ProcessLookupError:
+                pass
 
     def _on_signal(self, signum: int, frame: object) -> None:
         if self.installing:
@@ -257,6 +269,7 @@ class Serve:
         env["PYTHONUNBUFFERED"] = "1"
         argv = [sys.executable, "-m", "gmock_engine", *self.plan.engine_argv]
         self.engine = procgroup.ProcessGroup("engine", argv, self.plan.log_dir / "engine.log", env=env, die_with_parent=True)
+        self.signals.engine_pid = self.engine.popen.pid
 
     def _exited(self) -> Optional[int]:
         """The exit status for a side that is gone, or None. The engine is

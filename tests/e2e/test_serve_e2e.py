@@ -278,3 +278,25 @@ def test_the_frontend_dying_ends_serve_with_status_4(run_serve, frontends, tmp_p
     assert run.wait(60) == EXIT_FRONTEND_EXITED, run.stderr()
     assert "the frontend was killed by SIGKILL while serving; the engine was stopped (it exited with status 0); exit status 4" in run.stderr()
     assert run.left_behind() == []
+
+
+def test_sighup_to_serve_reloads_the_engines_config(run_serve, frontends, tmp_path):
+    """Live reconfiguration under ./run.sh serve: SIGHUP to serve is passed on
+    to the engine, which re-reads the [gmock_engine] section of --config;
+    the frontend and serve go on."""
+    config = tmp_path / "live.ini"
+    config.write_text("[gmock_engine]\nitl-ms = 0\n")
+    run = run_serve(["--port", "0", "--log-dir", str(tmp_path), "--config", str(config)], h.frontends_home())
+    match = run.ready(timeout=120 * h.TIMEOUT_SCALE)
+    config.write_text("[gmock_engine]\nitl-ms = 2\n")
+    run.proc.send_signal(signal.SIGHUP)
+    log = tmp_path / "engine.log"
+    deadline = time.monotonic() + 20
+    while "config reload (generation 2" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "--itl-ms 0 -> 2" in log.read_text(), log.read_text()[-2000:]
+    assert run.proc.poll() is None
+    streaming_chat(match[1], match[3])
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait(60) == EXIT_STOPPED, run.stderr()
+    assert run.left_behind() == []
