@@ -207,20 +207,18 @@ class _Finder(argparse.ArgumentParser):
     error = _Parser.error
 
 
-def build_parser() -> configargparse.ArgumentParser:
-    """The one parser. Each option group is declared once, in the order of the
-    README's option table (which a unit test keeps in step): --help,
-    --print-config and conf/all-options.ini list the options in this order."""
+def _new_parser(
+    prog: str, description: str, epilog: str, ini_class: type, env_prefix: str, config_help: str
+) -> configargparse.ArgumentParser:
+    """A parser as every entry point of this package has one: options by
+    flag, `<env_prefix><FLAG>` variable or INI key (its section read by
+    `ini_class`), and `--config FILE`."""
     parser = _Parser(
-        prog="gmock-engine",
-        description="A model-free, GPU-free vLLM engine core that joins a real frontend's "
-        "handshake as N remote engines and streams token ids.",
-        epilog="Every option can also be set as environment variable GMOCK_<FLAG> "
-        "(e.g. GMOCK_ENGINE_COUNT=4) or as key <flag> in section [gmock_engine] of the "
-        "--config file (e.g. engine-count = 4). Precedence: command line > environment > "
-        "config file > default.",
-        config_file_parser_class=_IniSection,
-        auto_env_var_prefix=ENV_PREFIX,
+        prog=prog,
+        description=description,
+        epilog=epilog,
+        config_file_parser_class=ini_class,
+        auto_env_var_prefix=env_prefix,
         ignore_unknown_config_file_keys=False,
         formatter_class=configargparse.ArgumentDefaultsHelpFormatter,
         # An abbreviation (--max-num-s) is an error: configargparse's own check
@@ -228,12 +226,26 @@ def build_parser() -> configargparse.ArgumentParser:
         # from overriding it) matches whole flags only.
         allow_abbrev=False,
     )
-    parser.add_argument(
-        "--config",
-        is_config_file=True,
-        env_var=ENV_PREFIX + "CONFIG",
-        metavar="FILE",
-        help="INI config file with a [gmock_engine] section (keys = long flag names)",
+    # one --config for both sections, named GMOCK_CONFIG in the environment
+    parser.add_argument("--config", is_config_file=True, env_var=ENV_PREFIX + "CONFIG", metavar="FILE", help=config_help)
+    return parser
+
+
+def build_parser() -> configargparse.ArgumentParser:
+    """The one parser. Each option group is declared once, in the order of the
+    README's option table (which a unit test keeps in step): --help,
+    --print-config and conf/all-options.ini list the options in this order."""
+    parser = _new_parser(
+        "gmock-engine",
+        "A model-free, GPU-free vLLM engine core that joins a real frontend's "
+        "handshake as N remote engines and streams token ids.",
+        "Every option can also be set as environment variable GMOCK_<FLAG> "
+        "(e.g. GMOCK_ENGINE_COUNT=4) or as key <flag> in section [gmock_engine] of the "
+        "--config file (e.g. engine-count = 4). Precedence: command line > environment > "
+        "config file > default.",
+        _IniSection,
+        ENV_PREFIX,
+        "INI config file with a [gmock_engine] section (keys = long flag names)",
     )
     parser.add_argument("--version", action="version", version=f"gmock_engine {__version__}")
     parser.add_argument(
@@ -802,12 +814,12 @@ def _nonempty(text: str) -> str:
 
 def build_serve_parser() -> configargparse.ArgumentParser:
     """The parser of `./run.sh serve`'s own options (the engine's pass through)."""
-    parser = _Parser(
-        prog="./run.sh serve",
-        description="A real vLLM frontend and the mock engines behind it, one command: installs the "
+    parser = _new_parser(
+        "./run.sh serve",
+        "A real vLLM frontend and the mock engines behind it, one command: installs the "
         "frontend on first use, starts both, prints one line with the URL once the endpoint answers, "
         "and stops both on Ctrl-C or SIGTERM, or when either one dies.",
-        epilog="Every other argument is an engine option, passed through (./run.sh --help lists them), e.g. "
+        "Every other argument is an engine option, passed through (./run.sh --help lists them), e.g. "
         "--itl-ms 20. Each option here can also be set as environment variable GMOCK_SERVE_<FLAG> "
         "(e.g. GMOCK_SERVE_PORT=8001) or as key <flag> in section [serve] of the --config file, beside the "
         "engine's [gmock_engine] (conf/serve.ini). Precedence: command line > environment > config file > "
@@ -815,18 +827,9 @@ def build_serve_parser() -> configargparse.ArgumentParser:
         "configuration or port taken (nothing started); 3 installing the frontend or writing the model dir "
         "failed; 4 the frontend exited; 5 the engine exited; 6 the endpoint did not answer within "
         "--startup-timeout; 128+N a second signal N (everything killed at once).",
-        config_file_parser_class=_ServeIniSection,
-        auto_env_var_prefix=SERVE_ENV_PREFIX,
-        ignore_unknown_config_file_keys=False,
-        formatter_class=configargparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    parser.add_argument(
-        "--config",
-        is_config_file=True,
-        env_var=ENV_PREFIX + "CONFIG",
-        metavar="FILE",
-        help="INI config file: [serve] for these options, [gmock_engine] for the engine's",
+        _ServeIniSection,
+        SERVE_ENV_PREFIX,
+        "INI config file: [serve] for these options, [gmock_engine] for the engine's",
     )
     parser.add_argument(
         "--print-config",
