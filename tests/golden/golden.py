@@ -42,6 +42,45 @@ def load(path: Path) -> Dict[str, Any]:
     return document
 
 
+def expected_request(logical: Dict[str, Any], default_max_tokens: int) -> Dict[str, Any]:
+    """What decode_add must return for a logical golden request (§3.2,
+    §3.3): attribute name -> value (stop ids as a set). `default_max_tokens`
+    is the version's SamplingParams().max_tokens, meant by an absent key."""
+    sampling = logical["sampling"]
+    return {
+        "request_id": logical["request_id"],
+        "prompt_len": len(logical["prompt_token_ids"]),
+        "max_tokens": sampling.get("max_tokens", default_max_tokens),
+        "client_index": logical.get("client_index", 0),
+        "current_wave": logical.get("current_wave", 0),
+        "priority": logical.get("priority", 0),
+        "arrival_time": logical["arrival_time"],
+        "stop_token_ids": set(sampling.get("stop_token_ids", [])),
+        "eos_token_id": logical.get("eos_token_id"),
+        "logprobs": sampling.get("logprobs"),
+        "prompt_logprobs": sampling.get("prompt_logprobs"),
+    }
+
+
+def request_problems(request: Any, logical: Dict[str, Any], default_max_tokens: int) -> List[str]:
+    """How a decoded request differs from `expected_request`, one line per
+    attribute; every stopping id must also be in all_stop_token_ids."""
+    if not isinstance(request, protocol.EngineCoreRequest):
+        return [f"decoded to {request!r}"]
+    expected = expected_request(logical, default_max_tokens)
+    problems = []
+    for key, value in expected.items():
+        got = getattr(request, key)
+        if key == "stop_token_ids":
+            got = set(got)
+        if got != value:
+            problems.append(f"{key}: decoded {got!r}, built with {value!r}")
+    stops = expected["stop_token_ids"] | ({expected["eos_token_id"]} - {None})
+    if not stops <= set(request.all_stop_token_ids):
+        problems.append(f"all_stop_token_ids {request.all_stop_token_ids!r} lacks some of {sorted(stops)}")
+    return problems
+
+
 # --------------------------------------------------------------------------
 # Our frames for the same logical content
 # --------------------------------------------------------------------------

@@ -99,29 +99,9 @@ def test_decode_add_reads_the_real_frontends_add(version, name):
     """decode_add of the real frontend's ADD frame 1 (§3.2, §3.3) gives back
     the values the golden request was built from."""
     document, item = DOCUMENTS[version], _item(version, "requests", name)
-    logical = item["logical"]
     request = protocol.decode_add(item["unpacked"], _layout(version))
-    assert isinstance(request, protocol.EngineCoreRequest), request
-    sampling = logical["sampling"]
-    expected = {
-        "request_id": logical["request_id"],
-        "prompt_len": len(logical["prompt_token_ids"]),
-        "max_tokens": sampling.get("max_tokens", document["sampling_default_max_tokens"]),
-        "client_index": logical.get("client_index", 0),
-        "current_wave": logical.get("current_wave", 0),
-        "priority": logical.get("priority", 0),
-        "arrival_time": logical["arrival_time"],
-        "stop_token_ids": set(sampling.get("stop_token_ids", [])),
-        "eos_token_id": logical.get("eos_token_id"),
-        "logprobs": sampling.get("logprobs"),
-        "prompt_logprobs": sampling.get("prompt_logprobs"),
-    }
-    got = {key: getattr(request, key) for key in expected}
-    got["stop_token_ids"] = set(got["stop_token_ids"])
-    assert got == expected
-    # every stopping id is in _all_stop_token_ids (min_tokens, §3.3)
-    stops = expected["stop_token_ids"] | ({expected["eos_token_id"]} - {None})
-    assert stops <= set(request.all_stop_token_ids)
+    problems = golden.request_problems(request, item["logical"], document["sampling_default_max_tokens"])
+    assert not problems, f"vLLM {version} {name}:\n  " + "\n  ".join(problems)
 
 
 @pytest.mark.parametrize("version,name", _cases("outputs"))
