@@ -184,6 +184,18 @@ def _choice(choices: Sequence[str], fold=str.lower):
     return parse
 
 
+def _protocol_version(text: str) -> str:
+    """`auto`, or a vLLM version that has a wire layout (kept as given)."""
+    value = text.strip().lower()
+    if value == protocol.AUTO:
+        return value
+    try:
+        protocol.layout_for_version(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}; or auto") from None
+    return value
+
+
 # -- the parser ----------------------------------------------------------------
 
 
@@ -290,9 +302,10 @@ def build_parser() -> configargparse.ArgumentParser:
     )
     conn.add_argument(
         "--protocol-version",
-        type=_choice(tuple(protocol.WIRE_LAYOUTS)),
-        default=protocol.DEFAULT_PROTOCOL_VERSION,
-        help="wire layout of the frontend's vLLM version (PROTOCOL.md §8)",
+        type=_protocol_version,
+        default=protocol.AUTO,
+        help="the frontend's vLLM version (0.11 to 0.33, e.g. 0.25, 0.25.1, 0.28.0): the wire layout of its era; "
+        "auto (default) detects the era from the first request and logs what it found (PROTOCOL.md §8)",
     )
 
     gen = parser.add_argument_group("generation")

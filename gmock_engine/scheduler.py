@@ -30,7 +30,7 @@ from .kv_cache_manager import KVCacheManager
 from .latency import LatencyModel
 from .logprobs import LogprobModel
 from .outbox import Outbox
-from .protocol import EngineCoreEventType, FinishReason, WireLayout
+from .protocol import EngineCoreEventType, FinishReason
 from .request import Request
 from .request_queue import create_request_queue
 from .tokens import TokenSource
@@ -72,7 +72,7 @@ class Scheduler:
         tokens: TokenSource,
         latency: LatencyModel,
         rng: random.Random,
-        layout: WireLayout,
+        wire: protocol.Wire,
         chunk: int,
         max_num_seqs: Optional[int],
         max_num_batched_tokens: Optional[int],
@@ -86,7 +86,7 @@ class Scheduler:
         self.sampler = Sampler(tokens, logprob_model or LogprobModel())
         self.latency = latency
         self._rng = rng
-        self.layout = layout
+        self.wire = wire
         self.chunk = chunk
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -292,7 +292,7 @@ class Scheduler:
                     finish,
                     error=protocol.request_error("mock_failure", MOCK_FAILURE_MESSAGE) if finish is FinishReason.ERROR else None,
                     stop_reason=request.stop_reason if finish is FinishReason.STOP else None,
-                    layout=self.layout,
+                    layout=self.wire.layout,
                     events=events,
                     prefill_stats=protocol.prefill_stats(request.prompt_len, request.cached_tokens) if first else None,
                     new_logprobs=new_logprobs,
@@ -335,7 +335,7 @@ class Scheduler:
         width, ids, lps, ranks, request.logprob_state = request.sampler.logprobs.rows(
             request.logprob_state, tokens, request.num_logprobs, request.alternatives, request.banned, request.forced
         )
-        return protocol.logprobs_lists(len(tokens), request.num_logprobs + 1, ids, lps, ranks, self.layout, ids_width=width)
+        return protocol.logprobs_lists(len(tokens), request.num_logprobs + 1, ids, lps, ranks, self.wire.layout, ids_width=width)
 
     def _prompt_logprobs(self, request: Request) -> Optional[List[Any]]:
         """new_prompt_logprobs_tensors, once with the first output: a row per
@@ -346,7 +346,7 @@ class Scheduler:
         prompt = request.prompt_token_ids[1:]
         width, ids, lps, ranks, request.logprob_state = request.sampler.logprobs.rows(request.logprob_state, prompt, k, banned=request.banned)
         request.prompt_token_ids = None
-        return protocol.logprobs_lists(len(prompt), k + 1, ids, lps, ranks, self.layout, tensors=True, ids_width=width)
+        return protocol.logprobs_lists(len(prompt), k + 1, ids, lps, ranks, self.wire.layout, tensors=True, ids_width=width)
 
     def _admit(self, now: float, budget: Optional[int], outbox: Outbox) -> int:
         """Move waiting requests into the running batch while the batch limit,
@@ -394,7 +394,7 @@ class Scheduler:
     def _reject_too_long(self, request: Request, outbox: Outbox) -> None:
         """A request whose KV can never fit: ERROR now, not a queue that never moves."""
         error = protocol.request_error("kv_cache_too_small", f"needs more than the engine's {self.kv.num_blocks} KV blocks")
-        outbox.end(request.client_index, request.request_id, protocol.engine_core_output(request.request_id, [], FinishReason.ERROR, error, self.layout))
+        outbox.end(request.client_index, request.request_id, protocol.engine_core_output(request.request_id, [], FinishReason.ERROR, error, self.wire.layout))
         self._on_reject(request)
 
     def _continue_prefills(self, now: float, budget: int) -> "tuple[int, int]":

@@ -30,7 +30,7 @@ from loguru import logger
 
 from . import protocol
 from .logs import Throttle
-from .protocol import InitMessage, ProtocolError, WireLayout
+from .protocol import InitMessage, ProtocolError
 
 #: How often a wait for the frontend logs that it is still waiting.
 WAIT_LOG_INTERVAL_S = 10.0
@@ -189,33 +189,33 @@ class Reader:
 
     def __init__(
         self,
-        layout: WireLayout,
+        wire: protocol.Wire,
         put: Callable[[Any], None],
         wake: Any,
         gate: Any,
         incidents: Incidents,
         throttle: Throttle,
     ) -> None:
-        self.layout = layout
+        self.wire = wire
         self.put = put  # the engine's input queue (bounded: a flood waits here)
         self.wake = wake  # set after each message so the stepper applies it
         self.gate = gate  # cleared by a hang (--fault-hang): the socket is not read
         self.incidents = incidents
         self.throttle = throttle
 
-    def run(self, sock: Any, where: str, decode: Callable[[Any, WireLayout], Any]) -> None:
+    def run(self, sock: Any, where: str, decode: Callable[[Any, protocol.Wire], Any]) -> None:
         """One socket -> decoded messages -> input queue. `decode` is
         protocol.decode_input for an input DEALER, protocol.decode_coordinator
         for the coordinator XSUB (which answers None for a late READY, §2.6).
         A frame that cannot be decoded is dropped; only the socket failing
         ends this loop."""
-        layout, put, wake, gate = self.layout, self.put, self.wake, self.gate
+        wire, put, wake, gate = self.wire, self.put, self.wake, self.gate
         while True:
             if not gate.is_set():
                 gate.wait()
             frames = sock.recv_multipart()
             try:
-                message = decode(frames, layout)
+                message = decode(frames, wire)
             except Exception as exc:  # noqa: BLE001 - one frame's content, whatever it broke
                 self._drop(where, exc)
                 continue
@@ -242,7 +242,7 @@ class Sender:
     def __init__(
         self,
         sockets: EngineSockets,
-        layout: WireLayout,
+        wire: protocol.Wire,
         get: Callable[[], Any],
         gate: Any,
         incidents: Incidents,
@@ -251,7 +251,7 @@ class Sender:
         # Position = client index (§2.4); index -1 = coordinator_output (§4.1,
         # §6.2), which is None without a coordinator and then never addressed.
         self.outputs = [*sockets.outputs, sockets.coordinator_output]
-        self.layout = layout
+        self.wire = wire
         self.get = get  # the engine's output queue
         self.gate = gate  # cleared by a stall or a hang (--fault-stall-outputs, --fault-hang)
         self.incidents = incidents
@@ -291,7 +291,7 @@ class Sender:
 
     def _salvage(self, message: List[Any], exc: Exception, pack: Callable[[Any], bytes]) -> Optional[bytes]:
         reason = f"{type(exc).__name__}: {str(exc):.120}"
-        data, failed = protocol.salvage(message, pack, self.layout, reason)
+        data, failed = protocol.salvage(message, pack, self.wire.layout, reason)
         self.incidents.contained_failures += 1
         self.throttle.warning(
             "unencodable output", "a message could not be encoded ({}); {} request(s) answered with ERROR instead", reason, len(failed)
