@@ -54,10 +54,6 @@ if os.environ.get("GMOCK_WIRE_ERAS_VERSIONS"):  # e.g. "0.11.0,0.22.1": a quick 
 #: Two at a time: each is ~7 s of single-threaded imports (2-core CI).
 JOBS = int(os.environ.get("GMOCK_WIRE_ERAS_JOBS", "2"))
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(protocol, "layout_for_version"), reason="protocol.layout_for_version (the per-era layouts) is not on this branch yet"
-)
-
 
 def _env() -> Dict[str, str]:
     env = dict(os.environ)

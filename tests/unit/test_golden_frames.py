@@ -30,10 +30,6 @@ FILES = golden.golden_files()
 DOCUMENTS = {path.stem[len("vllm-"):]: golden.load(path) for path in FILES}
 VERSIONS = list(DOCUMENTS)
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(protocol, "layout_for_version"), reason="protocol.layout_for_version (the per-era layouts) is not on this branch yet"
-)
-
 
 def _layout(version: str) -> "protocol.WireLayout":
     return protocol.layout_for_version(version)
@@ -79,8 +75,8 @@ def test_layout_fields_are_the_versions_own(version):
 
 
 def _finish_reason_names(layout):
-    # WireLayout.finish_reasons (the names the era knows); while an older
-    # branch only has max_finish_reason, derive them from it.
+    # WireLayout.finish_reasons (the names the era knows) where the layout
+    # has it; else the enum up to max_finish_reason (§4.4: values only grow).
     names = getattr(layout, "finish_reasons", None)
     if names is None:
         names = [r.name for r in protocol.FinishReason if r <= layout.max_finish_reason]
