@@ -101,6 +101,17 @@ class ConfigCollector(Collector):
         for result in ("applied", "refused"):
             reloads.add_metric([result], app.reloads[result])
         yield reloads
+        # Which wire layout the engines speak (PROTOCOL.md §8.2): named by
+        # --protocol-version ("configured"), read off the first ADD ("detected"),
+        # or still the newest one while no request came ("pending").
+        wire = app.wire
+        how = "configured" if wire.fixed else "detected" if wire.settled else "pending"
+        layout = GaugeMetricFamily(
+            "gmock_wire_layout", "the wire layout in use (1), by era, the vLLM versions it covers and how it was chosen",
+            labels=["era", "versions", "how"],
+        )
+        layout.add_metric([wire.layout.version, wire.layout.versions, how], 1)
+        yield layout
 
 
 def registry(runners: List[Any], app: Optional[Any] = None) -> CollectorRegistry:
