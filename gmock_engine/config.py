@@ -184,6 +184,18 @@ def _choice(choices: Sequence[str], fold=str.lower):
     return parse
 
 
+def _kv_transfer_config(text: str) -> Dict[str, Any]:
+    from .kv_transfer import parse_kv_transfer_config
+
+    try:
+        return parse_kv_transfer_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+
+
+_kv_transfer_config.__name__ = "JSON"
+
+
 def _protocol_version(text: str) -> str:
     """`auto`, or a vLLM version that has a wire layout (kept as given)."""
     value = text.strip().lower()
@@ -420,6 +432,37 @@ def build_parser() -> configargparse.ArgumentParser:
         type=_choice(("fcfs", "priority")),
         default="fcfs",
         help="order of the waiting queue: arrival, or the request's priority (lower first) then arrival",
+    )
+
+    pd = parser.add_argument_group("prefill/decode disaggregation (off unless a role is given; README, P/D disaggregation)")
+    pd.add_argument(
+        "--kv-role",
+        type=_choice(("producer", "consumer", "both")),
+        default=None,
+        help="P/D role: producer ends do_remote_decode requests after their first token with kv_transfer_params "
+        "for the decode side; consumer waits the KV transfer time for do_remote_prefill requests instead of "
+        "prefilling; both does either (vLLM's kv_both)",
+    )
+    pd.add_argument(
+        "--kv-transfer-config",
+        type=_kv_transfer_config,
+        default=None,
+        metavar="JSON",
+        help='vLLM\'s KV transfer config, e.g. \'{"kv_connector": "NixlConnector", "kv_role": "kv_both"}\': kv_role '
+        "(if --kv-role is not given), engine_id (remote_engine_id), kv_ip/kv_port (remote_host/remote_port; port + "
+        "DP rank), kv_load_failure_policy (fail: a failed load ends the request with ERROR; recompute)",
+    )
+    pd.add_argument(
+        "--kv-transfer-ms-per-token",
+        type=_float_at_least(0.0),
+        default=0.0,
+        help="consumer: KV transfer time per prompt token loaded, ms (its time to first token instead of a prefill)",
+    )
+    pd.add_argument(
+        "--kv-transfer-ms-per-block",
+        type=_float_at_least(0.0),
+        default=0.0,
+        help="consumer: KV transfer time per KV block (--block-size tokens) loaded, ms (adds to the per-token time)",
     )
 
     ready = parser.add_argument_group("ready response (what the frontend reads at startup, PROTOCOL.md §2.5)")
@@ -738,6 +781,13 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
         )
     if last_rank > 0xFFFF:
         raise ConfigError(f"argument --engine-count: ranks up to {last_rank - 1} do not fit a 2-byte engine identity")
+    # P/D: a role given as --kv-role and as the JSON's kv_role must agree
+    role = (args.kv_transfer_config or {}).get("kv_role")
+    if args.kv_role is not None and role is not None and {"kv_producer": "producer", "kv_consumer": "consumer", "kv_both": "both"}[role] != args.kv_role:
+        raise ConfigError(
+            f"argument --kv-role: {args.kv_role} (from {sources.of(sources.find('--kv-role'))}) contradicts kv_role "
+            f"{role} of --kv-transfer-config (from {sources.of(sources.find('--kv-transfer-config'))})"
+        )
     #: Every configured fault, in KINDS order (runtime.py hands them to each engine).
     args.faults = [spec for spec in (getattr(args, "fault_" + k.replace("-", "_")) for k in KINDS) if spec is not None]
     return args
@@ -749,6 +799,10 @@ def _ini_text(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (tuple, list)):
         return ",".join(str(v) for v in value)
+    if isinstance(value, dict):  # --kv-transfer-config: the JSON it was read from
+        import json
+
+        return json.dumps(value, sort_keys=True)
     return "" if value is None else str(value)
 
 

@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from loguru import logger
 
 from . import protocol
+from . import kv_transfer
 from .kv_cache_manager import KVCacheManager
 from .latency import LatencyModel
 from .ledger import Ledger
@@ -123,6 +124,8 @@ class EngineSettings:
     #: The wire layout of the frontend (fixed by --protocol-version or
     #: detected from the first ADD; shared by the process's engines, §8.2).
     wire: protocol.Wire = field(default_factory=protocol.Wire)
+    #: P/D disaggregation (--kv-role / --kv-transfer-config, kv_transfer.py); None: off.
+    kv_transfer: Optional[kv_transfer.KVTransferSettings] = None
 
 
 #: The EngineSettings a reload (SIGHUP, reload.py) may change while requests
@@ -168,6 +171,8 @@ class EngineCore:
         self.ledger = Ledger()
         sampler = self._sampler(settings)
         self.kv = KVCacheManager(settings.num_gpu_blocks, settings.block_size, settings.kv_blocks, settings.prefix_caching)
+        #: P/D: this engine's producer/consumer side (None: kv_transfer_params are ignored, as vLLM without a connector)
+        self.kv_transfer = kv_transfer.KVTransfer(settings.kv_transfer, settings.rank, settings.num_gpu_blocks) if settings.kv_transfer else None
         self.scheduler = Scheduler(
             self.kv,
             sampler.tokens,
@@ -181,6 +186,7 @@ class EngineCore:
             on_preempt=self._log_preempted,
             on_reject=lambda request: self._log_end(request.request_id, 0, FinishReason.ERROR),
             logprob_model=sampler.logprobs,
+            kv_transfer=self.kv_transfer,
         )
         self._cadence = StatsCadence()
         self.outbox = Outbox(self.rank, clock, self.ledger, self._stats_if_due, settings.has_coordinator, settings.strict_ledger, self.log)
@@ -365,6 +371,12 @@ class EngineCore:
             reason = f"{str(exc):.200}"
             self.throttle.warning("invalid request", "ADD {}: bad vllm_xargs ({}); answered with ERROR", short(rid), reason)
             return self._answer_now(client, rid, FinishReason.ERROR, protocol.request_error("validation_error", f"bad vllm_xargs: {reason}"))
+        try:
+            entry.kv = self._plan_kv_transfer(entry, request)
+        except BadValue as exc:
+            reason = f"{str(exc):.200}"
+            self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
+            return self._answer_now(client, rid, FinishReason.ERROR, protocol.request_error("validation_error", reason))
         if settings.log_requests:
             self.log.info(
                 "mock request started engine={} request_id={} prompt_len={} max_tokens={} chunk={}",
@@ -392,6 +404,18 @@ class EngineCore:
                 entry.prompt_token_ids = request.prompt_token_ids
         self.scheduler.add_request(entry)
         return []
+
+    def _plan_kv_transfer(self, entry: Request, request: EngineCoreRequest) -> Optional[kv_transfer.KVPlan]:
+        """P/D (kv_transfer.py): a producer request ends after its first token
+        (LENGTH, as vLLM's with the proxy's max_tokens=1); BadValue for bad params."""
+        kv = kv_transfer.plan(self.kv_transfer, request.extra_args)
+        if kv is None and self.kv_transfer is None and request.extra_args.get("kv_transfer_params") is not None:
+            self.throttle.warning("kv_transfer_params ignored", "ADD {}: kv_transfer_params but no --kv-role; ignored, as vLLM without a KV connector", short(entry.request_id))
+        if kv is not None and kv.produce and entry.max_tokens > 1:
+            entry.max_tokens = 1
+            if entry.finish is FinishReason.STOP:  # its EOS would have come later
+                entry.finish, entry.last_token, entry.stop_reason = FinishReason.LENGTH, None, None
+        return kv
 
     def reject_request(self, rid: str, client: int, reason: str, code: str = "validation_error") -> List[Outbound]:
         """An ADD the engine cannot serve (a bad value, §3.2/§3.3): one ERROR

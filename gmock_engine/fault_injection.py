@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import gevent
 import gevent.event
 
-from . import faults
+from . import faults, kv_transfer
 from .engine import COORDINATOR, EngineCore, Outbound
 from .faults import FaultSpec, Faults
 from .protocol import EngineCoreRequest, UtilityCall
@@ -168,12 +168,30 @@ class FaultInjector:
                 elif message.request_id not in self.marked:
                     self.marked[message.request_id] = spec
                     self.log.warning("injected fault {}: request {}", spec.kind, message.request_id)
+            if kv_transfer.remote_prefill_requested(message.extra_args):
+                for spec in self.faults.on_transfer(now):
+                    message = self._kv_transfer_fault(message, spec)
         elif isinstance(message, UtilityCall):
             spec = self.faults.on_utility(message.method, now)
             if spec is not None:
                 self.log.warning("injected fault fail-utility: {} (call id {}) answered with a failure", message.method, message.call_id)
                 return None, self._engine.fail_utility(message, faults.UTILITY_FAILURE_MESSAGE)
         return message, NO_OUTPUTS
+
+    def _kv_transfer_fault(self, request: EngineCoreRequest, spec: FaultSpec) -> EngineCoreRequest:
+        """kv-transfer-fail / -slow: the engine's own P/D scenarios
+        (vllm_xargs mock_kv_load=fail, mock_kv_transfer_delay_ms), set on
+        this request; a delay adds to the request's own."""
+        xargs = dict(request.extra_args)
+        if spec.kind == "kv-transfer-fail":
+            xargs["mock_kv_load"] = "fail"
+            self.log.warning("injected fault kv-transfer-fail: request {} ends with ERROR after its KV transfer", request.request_id)
+        else:
+            previous = xargs.get("mock_kv_transfer_delay_ms")
+            own = previous if isinstance(previous, (int, float)) and not isinstance(previous, bool) and previous >= 0 else 0
+            xargs["mock_kv_transfer_delay_ms"] = min(own + spec.delay * 1000.0, kv_transfer.MAX_DELAY_MS)
+            self.log.warning("injected fault kv-transfer-slow: request {}'s KV transfer takes {}s longer", request.request_id, spec.delay)
+        return dataclasses.replace(request, extra_args=xargs)
 
     def _fail_mid_stream(self, request: EngineCoreRequest) -> EngineCoreRequest:
         """error-mid-stream: the engine's own `mock_fail_after` scenario, set

@@ -15,7 +15,8 @@ whose value is a small spec of space-separated `key=value` words:
 * what the kind needs: `duration=`, `factor=`, `delay=`, `method=`.
 
 An occasion is a request (ADD) reaching the engine, or for `fail-utility`
-a utility call. What each kind does, and how the real frontends react, is
+a utility call, or for `kv-transfer-*` a request that loads its KV from a
+prefill engine (`do_remote_prefill`, kv_transfer.py). What each kind does, and how the real frontends react, is
 in the README ("Fault injection").
 
 `Faults` decides (per engine); `rewrite` applies the wire faults to the
@@ -45,6 +46,8 @@ PROTECTED_METHODS = frozenset({"gmock_stats"})
 UTILITY_FAILURE_MESSAGE = "injected failure (gmock_engine --fault-fail-utility)"
 
 ENGINE, REQUEST, UTILITY = "engine", "request", "utility"
+#: P/D: a consumer request's KV transfer (kv_transfer.py).
+TRANSFER = "transfer"
 _REQUIRED = object()
 
 
@@ -52,7 +55,7 @@ _REQUIRED = object()
 class Kind:
     """One kind of fault: what it acts on and the parameters it takes."""
 
-    scope: str  # ENGINE (the whole engine), REQUEST (one request) or UTILITY (one call)
+    scope: str  # ENGINE (the whole engine), REQUEST (one request), UTILITY (one call) or TRANSFER (one KV load)
     params: Tuple[Tuple[str, Any], ...]  # (name, default); _REQUIRED: must be given
     help: str
 
@@ -72,6 +75,10 @@ KINDS: Dict[str, Kind] = {
     "duplicate-finish": Kind(REQUEST, (), "the request's terminal output is sent twice (two messages)"),
     "late-finish": Kind(REQUEST, (("delay", 2.0),), "the request's terminal output is held back delay= "
                         "(default 2s), also past an ABORT of that request"),
+    # P/D disaggregation (kv_transfer.py): they act on a consumer's KV load
+    "kv-transfer-fail": Kind(TRANSFER, (), "the request's KV transfer fails: the decode engine ends it with finish "
+                             "reason ERROR and no tokens (kv_load_failure_policy fail, vLLM's default)"),
+    "kv-transfer-slow": Kind(TRANSFER, (("delay", 2.0),), "the request's KV transfer takes delay= (default 2s) longer"),
     "fail-utility": Kind(UTILITY, (("method", None),), "the utility call is answered with a failure_message "
                          "(method=: only calls of that method; default: any but gmock_stats)"),
 }
@@ -224,6 +231,7 @@ class Faults:
                 self._since[kind] = previous._since[kind]
         self._on_request = [s for s in self.specs if s.scope == REQUEST or (s.scope == ENGINE and s.at is None)]
         self._on_utility = [s for s in self.specs if s.scope == UTILITY]
+        self._on_transfer = [s for s in self.specs if s.scope == TRANSFER]
 
     def __bool__(self) -> bool:
         return bool(self.specs)
@@ -240,6 +248,11 @@ class Faults:
         """A request arrived: the faults that fire for it (engine faults
         triggered by requests, and at most one of each request fault)."""
         return [s for s in self._on_request if self._fires(s, now)] if self._on_request else []
+
+    def on_transfer(self, now: float) -> List[FaultSpec]:
+        """A request that loads its KV from a prefill engine arrived: the
+        kv-transfer-* faults that fire for it."""
+        return [s for s in self._on_transfer if self._fires(s, now)] if self._on_transfer else []
 
     def on_utility(self, method: str, now: float) -> Optional[FaultSpec]:
         """A utility call arrived: the fail-utility fault, if it fires."""

@@ -818,19 +818,20 @@ def engine_core_output(
     stop_reason: Optional[int] = None,
     new_logprobs: Optional[List[Any]] = None,
     new_prompt_logprobs_tensors: Optional[List[Any]] = None,
+    kv_transfer_params: Optional[Dict[str, Any]] = None,
 ) -> List[Any]:
     """An EngineCoreOutput array in `layout`, as short as its content allows
     (§0, §4.3, §8.1).
 
     A running output is `[id, tokens]`; a final one carries `finish_reason`
     at index 5 (as the era knows it: `WireLayout.wire_finish_reason`).
-    `events`, `prefill_stats` and `error` (a RequestError map) go to their
-    layout positions when the era has the field; before 0.20 the prefill
+    `events`, `kv_transfer_params` (P/D, index 8 in every era), `prefill_stats`
+    and `error` (a RequestError map) go to their layout positions when the era has the field; before 0.20 the prefill
     accounting is the int `num_cached_tokens` instead. The slots before them
     get their defaults: nil, or 0 for the era's int fields, which must never
     be nil (num_nans_in_logits, num_cached_tokens, num_external_computed_tokens).
     """
-    if finish_reason is None and events is None and error is None and new_prompt_logprobs_tensors is None:
+    if finish_reason is None and events is None and error is None and new_prompt_logprobs_tensors is None and kv_transfer_params is None:
         # the per-token path: keep it cheap
         return [request_id, new_token_ids] if new_logprobs is None else [request_id, new_token_ids, new_logprobs]
     out: List[Any] = [
@@ -845,7 +846,7 @@ def engine_core_output(
     cached = None
     if prefill_stats is not None and "prefill_stats" not in fields:
         cached, prefill_stats = prefill_stats["num_cached_tokens"], None
-    for name, value in (("stop_reason", stop_reason), ("events", events), ("prefill_stats", prefill_stats),
+    for name, value in (("stop_reason", stop_reason), ("events", events), ("kv_transfer_params", kv_transfer_params), ("prefill_stats", prefill_stats),
                         ("num_cached_tokens", cached), ("error", error)):
         if value is None or name not in fields:
             continue
@@ -922,15 +923,18 @@ def engine_core_event(event_type: EngineCoreEventType, timestamp: float) -> Dict
     return {"type": int(event_type), "timestamp": float(timestamp)}
 
 
-def prefill_stats(num_prompt_tokens: int, num_cached_tokens: int = 0) -> Dict[str, Any]:
-    """A PrefillStats map (§4.5, 0.21+): feeds `vllm:prompt_tokens_total`."""
+def prefill_stats(num_prompt_tokens: int, num_cached_tokens: int = 0, num_external_cached_tokens: int = 0) -> Dict[str, Any]:
+    """A PrefillStats map (§4.5, 0.21+): feeds `vllm:prompt_tokens_total`.
+    `num_cached_tokens` are the local prefix-cache hits; the external ones
+    came over a KV transfer (P/D, kv_transfer.py)."""
+    cached = num_cached_tokens + num_external_cached_tokens
     return {
         "num_prompt_tokens": num_prompt_tokens,
-        "num_computed_tokens": num_prompt_tokens - num_cached_tokens,
-        "num_cached_tokens": num_cached_tokens,
+        "num_computed_tokens": num_prompt_tokens - cached,
+        "num_cached_tokens": cached,
         "num_local_cached_tokens": num_cached_tokens,
-        "num_external_cached_tokens": 0,
-        "num_cache_creation_tokens": num_prompt_tokens - num_cached_tokens,
+        "num_external_cached_tokens": num_external_cached_tokens,
+        "num_cache_creation_tokens": num_prompt_tokens - cached,
     }
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 from typing import Any, Dict, List, Optional, Tuple
 
+from .kv_transfer import KV_XARGS
 from .lengths import OutputLengths
 from .logs import short
 from .protocol import TOKEN_ID_LIMIT, BadValue, EngineCoreRequest, FinishReason
@@ -25,7 +26,7 @@ from .tokens import TokenSource, request_seed
 MAX_XARGS_TTFT_MS = 3_600_000
 #: The vllm_xargs keys the engine reads (README, "Per-request scenarios"); any
 #: other `mock_` key is refused, so a typo is an error and not a silent no-op.
-MOCK_XARGS = ("mock_output_len", "mock_stop_token_id", "mock_finish", "mock_fail_after", "mock_ttft_ms")
+MOCK_XARGS = ("mock_output_len", "mock_stop_token_id", "mock_finish", "mock_fail_after", "mock_ttft_ms") + KV_XARGS
 _INT64_MAX = (1 << 63) - 1
 _MOCK_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "error": FinishReason.ERROR}
 
@@ -66,6 +67,8 @@ class Request:
         "forced",
         "shaped",
         "sampler",
+        # P/D disaggregation (kv_transfer.py)
+        "kv",
     )
 
     def __init__(
@@ -119,6 +122,9 @@ class Request:
         #: The scheduler's Sampler at its ADD (its token source and logprob
         #: model): a reload changes those for new requests only.
         self.sampler: Any = None
+        #: P/D (kv_transfer.KVPlan): it prefills for a decode engine, or
+        #: loads its prompt's KV from a prefill engine; None: neither.
+        self.kv: Any = None
 
     @property
     def num_tokens(self) -> int:

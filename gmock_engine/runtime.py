@@ -55,7 +55,7 @@ import gevent.queue
 import zmq.green as zmq
 from loguru import logger
 
-from . import fault_injection, faults, lengths, logs, protocol, reload, tokens, transport
+from . import fault_injection, faults, kv_transfer, lengths, logs, protocol, reload, tokens, transport
 from .engine import Drain, EngineCore, EngineSettings, LedgerViolation, Outbound
 from .faults import FaultSpec
 from .latency import LatencyModel
@@ -263,6 +263,9 @@ class EngineRunner:
             max_num_batched_tokens=c.max_num_batched_tokens if enforced("max_num_batched_tokens") else None,
             scheduling_policy=c.scheduling_policy,
             prefix_caching=c.prefix_caching,
+            kv_transfer=kv_transfer.settings_from(
+                c.kv_role, c.kv_transfer_config, c.kv_transfer_ms_per_token, c.kv_transfer_ms_per_block, c.data_parallel_size
+            ),
             strict_ledger=c.strict_ledger,
             output_lengths=lengths.from_config(c.output_len_dist, c.eos_probability),
             logprobs_top1=c.logprobs_top1,

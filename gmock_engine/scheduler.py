@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from . import protocol
 from .kv_cache_manager import KVCacheManager
+from .kv_transfer import KV_LOAD_FAILURE_MESSAGE, KVTransfer
 from .latency import LatencyModel
 from .logprobs import LogprobModel
 from .outbox import Outbox
@@ -80,8 +81,11 @@ class Scheduler:
         on_preempt: Callable[[Request], None] = lambda request: None,
         on_reject: Callable[[Request], None] = lambda request: None,
         logprob_model: Optional[LogprobModel] = None,
+        kv_transfer: Optional[KVTransfer] = None,
     ) -> None:
         self.kv = kv
+        #: P/D disaggregation (kv_transfer.py); None: off.
+        self.kv_transfer = kv_transfer
         #: The sampler of new requests (running ones keep their own: Sampler).
         self.sampler = Sampler(tokens, logprob_model or LogprobModel())
         self.latency = latency
@@ -260,6 +264,8 @@ class Scheduler:
                     if ready_at > now:
                         continue  # prefill not done (inf: chunks left): no token this step
                     del prefilling[request.request_id]
+                    if request.kv is not None and request.kv.fail and self._kv_load_failed(request, now, batches, new_batch, done):
+                        continue
             batch = batches.get(request.client_index)
             if batch is None:
                 batch = new_batch(request.client_index)
@@ -283,7 +289,10 @@ class Scheduler:
                 finish = request.finish
                 if request.last_token is not None and tokens:
                     tokens[-1] = request.last_token
-            if events is not None or (finish is not None and finish is not FinishReason.LENGTH):
+            kv_params = None
+            if finish is not None and request.kv is not None and request.kv.produce:
+                kv_params = self._kv_response(request, finish)
+            if events is not None or kv_params is not None or (finish is not None and finish is not FinishReason.LENGTH):
                 # §4.5: queue/prefill time and prompt tokens for the frontend's
                 # metrics; a STOP or ERROR end says why (stop_reason, error).
                 output = make_output(
@@ -294,9 +303,10 @@ class Scheduler:
                     stop_reason=request.stop_reason if finish is FinishReason.STOP else None,
                     layout=self.wire.layout,
                     events=events,
-                    prefill_stats=protocol.prefill_stats(request.prompt_len, request.cached_tokens) if first else None,
+                    prefill_stats=self._prefill_stats(request) if first else None,
                     new_logprobs=new_logprobs,
                     new_prompt_logprobs_tensors=self._prompt_logprobs(request) if first else None,
+                    kv_transfer_params=kv_params,
                 )
                 request.pending_events = None
             elif finish is None and new_logprobs is None:
@@ -313,6 +323,61 @@ class Scheduler:
         self.counters["tokens"] += emitted
         self.kv.tokens += emitted
         return done
+
+    # -- P/D disaggregation (kv_transfer.py) ------------------------------------
+
+    def _prefill_stats(self, request: Request) -> Dict[str, Any]:
+        """PrefillStats of a request's first output: a consumer's loaded
+        prompt tokens are external cache hits, as vLLM counts them."""
+        loaded = request.kv.loaded_tokens if request.kv is not None and request.kv.consume else 0
+        return protocol.prefill_stats(request.prompt_len, request.cached_tokens, loaded)
+
+    def _kv_response(self, request: Request, finish: FinishReason) -> Optional[Dict[str, Any]]:
+        """A producer's kv_transfer_params on its terminal output; none for an
+        ERROR or ABORT end (NIXL's request_finished: only LENGTH_CAPPED or STOPPED)."""
+        if finish is not FinishReason.LENGTH and finish is not FinishReason.STOP or self.kv_transfer is None:
+            return None
+        return self.kv_transfer.response(request.request_id, request.prompt_len, self.kv.block_size, request.cached_tokens)
+
+    def _kv_admit(self, request: Request, now: float, target: int) -> None:
+        """A consumer request joins the batch: it waits for its KV (the
+        prompt tokens not in the local cache) instead of prefilling them, as
+        vLLM's WAITING_FOR_REMOTE_KVS; its first token comes when the
+        transfer is done (also at once: a failure is then seen in _emit)."""
+        assert self.kv_transfer is not None
+        wait = self.kv_transfer.admitted(request.kv, target, self.kv.block_size, self.latency.time_scale)
+        request.prefill_left = 0
+        request.ready_at = now + wait
+        self.prefilling[request.request_id] = request.ready_at
+
+    def _kv_load_failed(self, request: Request, now: float, batches: Dict[int, Any], new_batch: Callable[[int], Any], done: List[Request]) -> bool:
+        """A consumer's transfer failed (mock_kv_load, --fault-kv-transfer-fail).
+        kv_load_failure_policy "fail" (vLLM's default): the request ends with
+        ERROR and no tokens (scheduler.py: failed_kv_load_req_ids ->
+        FINISHED_ERROR). "recompute": it prefills itself now, with the
+        latency model's prefill time. True: no token in this step."""
+        request.kv.fail = False
+        assert self.kv_transfer is not None
+        if self.kv_transfer.settings.load_failure_policy == "recompute":
+            request.kv.loaded_tokens = 0
+            wait = self.latency.first_token_seconds(request.prompt_len, self._rng) if self.latency.paced else 0.0
+            if wait <= 0:
+                return False
+            request.ready_at = now + wait
+            self.prefilling[request.request_id] = request.ready_at
+            return True
+        batch = batches.get(request.client_index)
+        if batch is None:
+            batch = new_batch(request.client_index)
+        request.finish = FinishReason.ERROR
+        error = protocol.request_error("kv_load_failed", KV_LOAD_FAILURE_MESSAGE)
+        batch.outputs.append(
+            protocol.engine_core_output(request.request_id, [], FinishReason.ERROR, error, self.wire.layout, events=request.pending_events)
+        )
+        request.pending_events = None
+        batch.finished.append(request.request_id)
+        done.append(request)
+        return True
 
     def _shape(self, request: Request, tokens: List[int], last: bool) -> "tuple[List[int], Optional[List[Any]]]":
         """Tokens of a request with sampling controls (drawn from its pool)
@@ -374,6 +439,9 @@ class Scheduler:
             # cached prompt blocks are not computed again (KV is still held)
             request.cached_tokens = kv.admit(request)
             target -= request.cached_tokens
+            if request.kv is not None and request.kv.consume and not request.num_output_tokens:
+                self._kv_admit(request, now, target)  # its KV comes over the transfer: no prefill budget
+                continue
             take = target if budget is None else min(target, budget)
             prefill_tokens += take
             if budget is not None:
