@@ -28,6 +28,7 @@ events and prefill stats (§4.5, §7).
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -411,6 +412,15 @@ class EngineCore:
         kv = kv_transfer.plan(self.kv_transfer, request.extra_args)
         if kv is None and self.kv_transfer is None and request.extra_args.get("kv_transfer_params") is not None:
             self.throttle.warning("kv_transfer_params ignored", "ADD {}: kv_transfer_params but no --kv-role; ignored, as vLLM without a KV connector", short(entry.request_id))
+        if kv is not None and self.settings.log_requests:
+            # the params as this engine got them: the e2e tests check a proxy passed them on unchanged
+            self.log.info(
+                "mock request kv_transfer engine={} request_id={} role={} kv_transfer_params={}",
+                self.rank,
+                short(entry.request_id),
+                "producer" if kv.produce else "consumer",
+                json.dumps(request.extra_args.get("kv_transfer_params"), sort_keys=True)[:2000],
+            )
         if kv is not None and kv.produce and entry.max_tokens > 1:
             entry.max_tokens = 1
             if entry.finish is FinishReason.STOP:  # its EOS would have come later
