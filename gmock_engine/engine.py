@@ -419,7 +419,7 @@ class EngineCore:
                 self.rank,
                 short(entry.request_id),
                 "producer" if kv.produce else "consumer",
-                json.dumps(request.extra_args.get("kv_transfer_params"), sort_keys=True)[:2000],
+                json.dumps(request.extra_args.get("kv_transfer_params"), sort_keys=True, default=repr)[:2000],
             )
         if kv is not None and kv.produce and entry.max_tokens > 1:
             entry.max_tokens = 1

@@ -168,7 +168,9 @@ class FaultInjector:
                 elif message.request_id not in self.marked:
                     self.marked[message.request_id] = spec
                     self.log.warning("injected fault {}: request {}", spec.kind, message.request_id)
-            if kv_transfer.remote_prefill_requested(message.extra_args):
+            # an occasion only where the load happens: a consumer engine (kv_transfer.py)
+            transfer = getattr(self._engine, "kv_transfer", None)
+            if transfer is not None and transfer.settings.consumes and kv_transfer.remote_prefill_requested(message.extra_args):
                 for spec in self.faults.on_transfer(now):
                     message = self._kv_transfer_fault(message, spec)
         elif isinstance(message, UtilityCall):

@@ -421,3 +421,22 @@ def test_a_stop_with_the_frontend_gone_and_outputs_backed_up_is_clean_and_says_w
     finally:
         logger.remove(sink)
         frontend.close()
+
+
+def test_pd_producer_params_and_consumer_wait_over_real_sockets():
+    """P/D (kv_transfer.py): a producer's terminal output carries its
+    kv_transfer_params at index 8 on the wire; a consumer given them waits
+    the transfer time before its first token."""
+    params = {"do_remote_decode": True, "remote_engine_id": None, "remote_block_ids": None}
+    frontend = FakeFrontend(num_clients=1, dp=1)
+    with serving(frontend, "--kv-role", "both", "--kv-transfer-ms-per-token", "100"):
+        frontend.add(0, "p", sampling_params={"max_tokens": 9, "extra_args": {"kv_transfer_params": params}})
+        produced = frontend.collect(["p"])
+        assert len(produced.tokens("p")) == 1 and produced.terminal["p"] == FinishReason.LENGTH
+        returned = produced.outputs["p"][-1][8]
+        assert returned["do_remote_prefill"] is True and returned["remote_request_id"] == "p"
+        t0 = time.monotonic()
+        frontend.add(0, "d", sampling_params={"max_tokens": 3, "extra_args": {"kv_transfer_params": returned}})
+        consumed = frontend.collect(["d"])
+        assert time.monotonic() - t0 >= 0.3  # 3 prompt tokens at 100 ms: a lower bound only
+        assert len(consumed.tokens("d")) == 3 and consumed.terminal["d"] == FinishReason.LENGTH

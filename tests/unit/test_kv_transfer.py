@@ -173,6 +173,15 @@ def test_slow_transfer_delay_adds_to_the_transfer_time():
     assert engine.next_step_time(clock.now) == pytest.approx(clock.now + 0.6)
 
 
+def test_abort_during_the_transfer_wait_ends_the_request_with_abort():
+    engine, clock = make("consumer", ms_per_token=1000.0)
+    engine.apply(add("d", kv_transfer_params=decode_params()))
+    assert tokens_of(engine.step(), "d") == []
+    sent = engine.abort_requests(["d"])
+    assert outputs_of(sent, "d")[-1][5] == FinishReason.ABORT and not engine.has_work
+    assert "d" not in engine.scheduler.prefilling
+
+
 def test_incomplete_consumer_params_compute_locally_as_nixl():
     engine, clock = make("consumer", ms_per_token=1000.0)
     engine.apply(add("d", kv_transfer_params=decode_params(remote_host=None)))
@@ -264,13 +273,18 @@ def test_kv_role_flag_env_and_contradiction():
 
 
 class _Engine:
+    """What the fault layer reads of the engine: its P/D side."""
+
+    def __init__(self, role="consumer"):
+        self.kv_transfer = kv_transfer.KVTransfer(KVTransferSettings(role=role), 0, 16)
+
     def fail_utility(self, call, failure):
         return []
 
 
-def _injector(kind, text):
+def _injector(kind, text, role="consumer"):
     layer = fault_injection.for_engine([parse_spec(kind, text)], 0, 0, logger, lambda *a: None, lambda item: None, lambda: None)
-    layer.joined(_Engine(), 0.0)
+    layer.joined(_Engine(role), 0.0)
     return layer
 
 
@@ -281,6 +295,10 @@ def test_kv_transfer_faults_act_on_consumer_requests_only_and_are_counted():
     failed, _ = layer.on_input(add("d", kv_transfer_params=decode_params()))
     assert failed.extra_args["mock_kv_load"] == "fail"
     assert layer.faults.summary()["fault_kv_transfer_fail"] == 1
+
+    producer = _injector("kv-transfer-fail", "every=1", role="producer")  # no load happens there: no occasion
+    untouched, _ = producer.on_input(add("d", kv_transfer_params=decode_params()))
+    assert "mock_kv_load" not in untouched.extra_args and producer.faults.summary()["fault_kv_transfer_fail"] == 0
 
     slow = _injector("kv-transfer-slow", "every=1 delay=1500ms")
     late, _ = slow.on_input(add("d", kv_transfer_params=decode_params(), mock_kv_transfer_delay_ms=100))
