@@ -549,7 +549,8 @@ class EngineCore:
     def _stats_if_due(self, now: float) -> Optional[Dict[str, Any]]:
         """SchedulerStats for the outbox when something they show moved."""
         scheduler, kv = self.scheduler, self.kv
-        if not self._cadence.due(now, len(scheduler.running), len(scheduler.waiting), kv.usage, kv.stats_pending):
+        running, waiting = scheduler.request_counts()  # P/D: a request waiting for its KV is waiting
+        if not self._cadence.due(now, running, waiting, kv.usage, kv.stats_pending):
             return None
         return scheduler.scheduler_stats(kv.take_prefix_cache_stats())
 

@@ -86,6 +86,9 @@ class Scheduler:
         self.kv = kv
         #: P/D disaggregation (kv_transfer.py); None: off.
         self.kv_transfer = kv_transfer
+        #: Consumer requests waiting for their KV (vLLM's WAITING_FOR_REMOTE_KVS):
+        #: in the running batch here, but counted as waiting, as vLLM's kv_holding_waiting.
+        self.transferring: set = set()
         #: The sampler of new requests (running ones keep their own: Sampler).
         self.sampler = Sampler(tokens, logprob_model or LogprobModel())
         self.latency = latency
@@ -209,6 +212,7 @@ class Scheduler:
         self.waiting.clear()
         self.prefilling.clear()
         self.chunking.clear()
+        self.transferring.clear()
         self.kv.free_all()
         return out
 
@@ -217,6 +221,7 @@ class Scheduler:
         self.kv.free(request)
         self.prefilling.pop(request.request_id, None)
         self.chunking.pop(request.request_id, None)
+        self.transferring.discard(request.request_id)
 
     # -- the step ----------------------------------------------------------------
 
@@ -264,8 +269,10 @@ class Scheduler:
                     if ready_at > now:
                         continue  # prefill not done (inf: chunks left): no token this step
                     del prefilling[request.request_id]
-                    if request.kv is not None and request.kv.fail and self._kv_load_failed(request, now, batches, new_batch, done):
-                        continue
+                    if request.kv is not None:
+                        self.transferring.discard(request.request_id)
+                        if request.kv.fail and self._kv_load_failed(request, now, batches, new_batch, done):
+                            continue
             batch = batches.get(request.client_index)
             if batch is None:
                 batch = new_batch(request.client_index)
@@ -349,6 +356,7 @@ class Scheduler:
         request.prefill_left = 0
         request.ready_at = now + wait
         self.prefilling[request.request_id] = request.ready_at
+        self.transferring.add(request.request_id)
 
     def _kv_load_failed(self, request: Request, now: float, batches: Dict[int, Any], new_batch: Callable[[int], Any], done: List[Request]) -> bool:
         """A consumer's transfer failed (mock_kv_load, --fault-kv-transfer-fail).
@@ -522,12 +530,18 @@ class Scheduler:
         self.counters["preemptions"] += 1
         self._on_preempt(request)
 
+    def request_counts(self) -> "tuple[int, int]":
+        """(running, waiting) as SchedulerStats show them (vLLM's
+        get_request_counts): a consumer waiting for its KV is waiting."""
+        transferring = len(self.transferring)
+        return len(self.running) - transferring, len(self.waiting) + transferring
+
     def scheduler_stats(self, prefix_cache_stats: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """The engine's SchedulerStats now (§7.1)."""
         return protocol.scheduler_stats(
             prefix_cache_stats=prefix_cache_stats,
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_running_reqs=len(self.running) - len(self.transferring),
+            num_waiting_reqs=len(self.waiting) + len(self.transferring),
             kv_cache_usage=self.kv.usage,
             step_counter=self.counters["steps"],
         )

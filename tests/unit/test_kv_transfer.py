@@ -147,6 +147,18 @@ def test_consumer_waits_the_transfer_time_then_decodes_without_prefill():
     assert stats["num_external_cached_tokens"] == 40 and stats["num_computed_tokens"] == 0
 
 
+def test_a_request_waiting_for_its_kv_counts_as_waiting_as_in_vllm():
+    engine, clock = make("consumer", ms_per_token=10.0)
+    engine.apply(add("d", prompt_len=10, kv_transfer_params=decode_params()))
+    engine.step()
+    stats = engine.scheduler_stats()
+    assert (stats["num_running_reqs"], stats["num_waiting_reqs"]) == (0, 1)  # vLLM: kv_holding_waiting
+    clock.now += 0.2
+    engine.step()
+    stats = engine.scheduler_stats()
+    assert (stats["num_running_reqs"], stats["num_waiting_reqs"]) == (1, 0)
+
+
 def test_consumer_failed_load_ends_with_error_and_no_tokens():
     engine, _ = make("consumer", ms_per_token=1.0)
     engine.apply(add("d", kv_transfer_params=decode_params(), mock_kv_load="fail"))
