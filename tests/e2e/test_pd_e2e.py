@@ -25,12 +25,21 @@ import e2e_harness as h
 from pd_proxy import PREFILL_KV_TRANSFER_PARAMS, PDProxy
 
 TRANSFER_MS_PER_TOKEN = 20.0
-PRODUCER_ARGS = ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer", "engine_id": "prefill-e2e"})]
+PRODUCER_ARGS = ["--prefix-caching",
+                 "--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer", "engine_id": "prefill-e2e"})]
 CONSUMER_ARGS = ["--kv-role", "consumer", "--kv-transfer-ms-per-token", str(TRANSFER_MS_PER_TOKEN), "--itl-ms", "2"]
 MESSAGES = [{"role": "user", "content": "Tell me about disaggregated prefill and decode, in detail."}]
 RE_KV_LOG = re.compile(r"mock request kv_transfer engine=\d+ request_id=(\S+) role=(\w+) kv_transfer_params=(.*)$", re.M)
 
 pytestmark = pytest.mark.e2e
+
+
+class DecodeStack(h.Stack):
+    """A decode stack whose frontend reports cached prompt tokens
+    (`--enable-prompt-tokens-details`, the same flag in both frontends)."""
+
+    def frontend_argv(self) -> list:
+        return [*super().frontend_argv(), "--enable-prompt-tokens-details"]
 
 
 class PD:
@@ -46,7 +55,7 @@ def pd(request, frontends, model_dir, tmp_path_factory):
     kind = request.param
     topology = h.Topology(kind, dp=1)
     prefill = h.Stack(topology, frontends, model_dir, tmp_path_factory.mktemp(f"pd-{kind}-prefill"), engine_args=PRODUCER_ARGS)
-    decode = h.Stack(topology, frontends, model_dir, tmp_path_factory.mktemp(f"pd-{kind}-decode"), engine_args=CONSUMER_ARGS)
+    decode = DecodeStack(topology, frontends, model_dir, tmp_path_factory.mktemp(f"pd-{kind}-decode"), engine_args=CONSUMER_ARGS)
     try:
         prefill.start()
         decode.start()
@@ -117,6 +126,23 @@ def test_streaming_chat_through_the_proxy_gets_exact_counts_and_the_params_pass_
         assert params["remote_block_ids"] and params["remote_host"] and params["remote_port"]
         # ... and the decode engine got exactly the params the prefill side returned, through both frontends
         assert decode_side[params["remote_request_id"]] == params
+
+
+def test_completions_and_the_prefill_side_cache_hits_reported_by_the_decode_side(pd):
+    """/v1/completions, not streamed; the second time the prompt's first block
+    is in the prefill engine's prefix cache: its `remote_prefill_cached_tokens`
+    reach the decode side, whose frontend reports them as the request's cached
+    tokens (vLLM: scheduler.py sets them on P, output_processor.py reads them on D)."""
+    prompt = "A prompt long enough for one full KV block of sixteen tokens, and then some more words."
+    first = pd.client.completions.create(model=h.MODEL_NAME, prompt=prompt, max_tokens=7)
+    again = pd.client.completions.create(model=h.MODEL_NAME, prompt=prompt, max_tokens=7)
+    for response in (first, again):
+        assert response.usage.completion_tokens == 7 and response.choices[0].finish_reason == "length"
+    cached = pd.proxy.exchanges[-1]["kv_transfer_params"]["remote_prefill_cached_tokens"]
+    assert pd.proxy.exchanges[-2]["kv_transfer_params"]["remote_prefill_cached_tokens"] == 0
+    assert cached >= 16, cached
+    details = again.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens == cached, again.usage
 
 
 def test_the_decode_frontend_counts_the_transfer_in_its_ttft(pd):
