@@ -10,6 +10,8 @@ vLLM keeps them:
   scenarios, stop ids, EOS lengths), every client value checked;
 * request_queue.py: the waiting queue (FCFS on a deque, priority on a heap);
 * kv_cache_manager.py: KV blocks and the prefix cache behind them;
+* kv_transfer.py: P/D disaggregation (a producer's kv_transfer_params, a
+  consumer's KV transfer wait), every client value checked;
 * scheduler.py: what a step does (running first, admission, preemption,
   chunked prefill, the tokens of each running request);
 * outbox.py: per-client batches, the stats cadence, the ledger check;

@@ -321,3 +321,13 @@ def test_kv_transfer_fault_spec_grammar():
     assert parse_spec("kv-transfer-slow", "rate=0.5").delay == 2.0
     with pytest.raises(ValueError, match="unknown key"):
         parse_spec("kv-transfer-fail", "every=1 delay=1s")
+
+
+def test_kv_transfer_config_from_a_config_file_and_the_environment(tmp_path):
+    ini = tmp_path / "pd.ini"
+    ini.write_text('[gmock_engine]\nkv-transfer-config = {"kv_role": "kv_consumer", "engine_id": "d-0"}\n')
+    args = parse_config(["--config", str(ini)], env={})
+    assert args.kv_transfer_config == {"kv_role": "kv_consumer", "engine_id": "d-0"}
+    assert kv_transfer.settings_from(args.kv_role, args.kv_transfer_config, 0.0, 0.0, 1).engine_id_of(0) == "d-0"
+    with pytest.raises(ConfigError, match="GMOCK_KV_TRANSFER_CONFIG"):
+        parse_config([], env={"GMOCK_KV_TRANSFER_CONFIG": '{"kv_role": "kv_both", "kv_port": 99999}'})
