@@ -30,7 +30,6 @@ events and prefill stats (§4.5, §7).
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -421,7 +420,7 @@ class EngineCore:
                 self.rank,
                 short(entry.request_id),
                 "producer" if kv.produce else "consumer",
-                json.dumps(request.extra_args.get("kv_transfer_params"), sort_keys=True, default=repr)[:2000],
+                kv_transfer.describe(request.extra_args.get("kv_transfer_params")),
             )
         if kv is not None and kv.produce and entry.max_tokens > 1:
             entry.max_tokens = 1

@@ -316,6 +316,16 @@ def remote_prefill_requested(extra_args: Dict[str, Any]) -> bool:
     return isinstance(params, dict) and params.get("do_remote_prefill") is True
 
 
+def describe(params: Any, limit: int = 2000) -> str:
+    """kv_transfer_params for a log line: JSON with sorted keys when it can
+    be (the e2e tests compare it), else repr; at most `limit` characters."""
+    try:
+        text = json.dumps(params, sort_keys=True, default=repr)
+    except (TypeError, ValueError):  # keys of mixed types cannot be sorted
+        text = repr(params)
+    return text[:limit]
+
+
 def _cut(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -328,6 +338,7 @@ __all__: List[str] = [
     "KV_XARGS",
     "KV_LOAD_FAILURE_MESSAGE",
     "ROLES",
+    "describe",
     "parse_kv_transfer_config",
     "plan",
     "remote_prefill_requested",

@@ -331,3 +331,36 @@ def test_kv_transfer_config_from_a_config_file_and_the_environment(tmp_path):
     assert kv_transfer.settings_from(args.kv_role, args.kv_transfer_config, 0.0, 0.0, 1).engine_id_of(0) == "d-0"
     with pytest.raises(ConfigError, match="GMOCK_KV_TRANSFER_CONFIG"):
         parse_config([], env={"GMOCK_KV_TRANSFER_CONFIG": '{"kv_role": "kv_both", "kv_port": 99999}'})
+
+
+def test_random_hostile_params_never_stop_the_engine():
+    """Seeded junk in every kv_transfer_params key: each request ends (ERROR
+    or its tokens), nothing raises, the books balance."""
+    import random
+
+    rng = random.Random(16)
+    junk = [None, True, False, 0, -1, 1 << 64, 1.5, float("nan"), "", "x" * 300, b"\x00", [], [[]], [1, [2]],
+            [[1, 2], 3], {}, {"a": [1]}, {1: 2}, [[[1]]], list(range(5)), 65535, 65536]
+    keys = ["do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_host", "remote_port",
+            "remote_block_ids", "remote_request_id", "tp_size", "unknown"]
+    engine, _ = make("both", ms_per_token=0.5)
+    engine.settings.log_requests = True  # the P/D log line must cope with any value too
+    sent, ids = [], []
+    for i in range(300):
+        params = {k: rng.choice(junk) for k in rng.sample(keys, rng.randint(0, len(keys)))}
+        if rng.random() < 0.5:  # valid but for the unchecked keys: the request is planned (and logged)
+            params = dict(decode_params(), tp_size=rng.choice(junk), unknown=rng.choice(junk))
+            params.pop(rng.choice(["do_remote_decode", "do_remote_prefill"]))
+            if rng.random() < 0.2:
+                params[7] = "an int key beside the str ones"
+        if rng.random() < 0.5:
+            params[rng.choice(["do_remote_decode", "do_remote_prefill"])] = True
+        if rng.random() < 0.1:
+            params = rng.choice(junk)
+        ids.append(f"r{i}")
+        sent += engine.apply(add(f"r{i}", max_tokens=3, kv_transfer_params=params))
+    sent += run(engine)
+    ended = {o[0] for _, m in sent for o in m[1] if len(o) > 5 and o[5] is not None}
+    assert ended == set(ids)
+    summary = engine.ledger.summary()
+    assert summary.get("violations", 0) == 0 and engine.num_active == 0
