@@ -403,12 +403,14 @@ class EngineCore:
             return self._answer_now(client, rid, FinishReason.ERROR, protocol.request_error("validation_error", f"bad vllm_xargs: {reason}"))
         if settings.log_requests:
             self.log.info(
-                "mock request started engine={} request_id={} prompt_len={} max_tokens={} chunk={}",
+                "mock request started engine={} request_id={} prompt_len={} max_tokens={} chunk={}{}",
                 self.rank,
                 short(rid),
                 request.prompt_len,
                 max_tokens,
                 self.chunk,
+                # the adapter it names, for per-adapter counts from the log (README "LoRA adapters")
+                "" if lora_request is None else f" lora={short(lora_request.lora_name, 60)}",
             )
         if max_tokens == 0:
             return self._answer_now(client, rid, FinishReason.LENGTH)

@@ -307,3 +307,13 @@ def test_lora_load_ms_delays_the_first_token_of_the_loading_request_only():
     assert outputs_of(engine.step(), "first")
     engine.apply(add("second", 2, lora_request=wire("a", 1)))
     assert outputs_of(engine.step(), "second")  # resident: no load
+
+
+def test_skipped_requests_keep_their_place_in_the_queue():
+    # vLLM prepends its skipped_waiting_requests: b1 and c1 stay ahead of a3
+    engine = make(max_loras=1, max_cpu=4, max_num_seqs=2)
+    for rid, name, lora_id in [("a1", "a", 1), ("b1", "b", 2), ("c1", "c", 3), ("a2", "a", 1), ("a3", "a", 1)]:
+        engine.apply(add(rid, 5, lora_request=wire(name, lora_id)))
+    engine.step()
+    assert set(engine.scheduler.running) == {"a1", "a2"}
+    assert [r.request_id for r in engine.scheduler.waiting.requests()] == ["b1", "c1", "a3"]
