@@ -58,8 +58,9 @@ def decode_lora_request(value: Any) -> Optional[LoRARequest]:
     if value is None:
         return None
     if isinstance(value, (list, tuple)):
-        if len(value) < 2 or len(value) > len(LORA_REQUEST_FIELDS):
-            raise BadValue(f"lora_request has {len(value)} elements, not 2..{len(LORA_REQUEST_FIELDS)}")
+        if len(value) < 2:
+            raise BadValue(f"lora_request has {len(value)} elements, not at least lora_name and lora_int_id")
+        # fields a later vLLM appends are ignored, as decode_add does (§3.2)
         fields = dict(zip(LORA_REQUEST_FIELDS, value))
     elif isinstance(value, dict):
         unknown = [k for k in value if k not in LORA_REQUEST_FIELDS]

@@ -249,14 +249,20 @@ def _u_add_lora(u: Utilities, call: UtilityCall) -> List[Outbound]:
 
 
 def _u_remove_lora(u: Utilities, call: UtilityCall) -> List[Outbound]:
-    return [u.reply(call, _registry(u).remove(_lora_id(call)))]
+    registry, lora_id = _registry(u), _lora_id(call)
+    removed = registry.remove(lora_id)
+    u.log.info("LoRA adapter id {} removed: {} {}", lora_id, removed, registry.snapshot())
+    return [u.reply(call, removed)]
 
 
 def _u_pin_lora(u: Utilities, call: UtilityCall) -> List[Outbound]:
+    registry, lora_id = _registry(u), _lora_id(call)
     try:
-        return [u.reply(call, _registry(u).pin(_lora_id(call)))]
+        pinned = registry.pin(lora_id)
     except LoRAError as exc:
         raise UtilityFailure(str(exc)) from None
+    u.log.info("LoRA adapter id {} pinned: {}", lora_id, registry.snapshot())
+    return [u.reply(call, pinned)]
 
 
 def _u_list_loras(u: Utilities, call: UtilityCall) -> List[Outbound]:

@@ -317,3 +317,28 @@ def test_skipped_requests_keep_their_place_in_the_queue():
     engine.step()
     assert set(engine.scheduler.running) == {"a1", "a2"}
     assert [r.request_id for r in engine.scheduler.waiting.requests()] == ["b1", "c1", "a3"]
+
+
+@pytest.mark.parametrize(
+    "argv,env,words",
+    [
+        (["--max-loras", "4", "--max-cpu-loras", "2"], {}, "argument --max-cpu-loras: max_cpu_loras (2) must be >= max_loras (4)"),
+        (["--max-loras", "0"], {}, "--max-loras"),
+        ([], {"GMOCK_MAX_LORA_RANK": "x"}, "--max-lora-rank"),
+        (["--lora-load-ms", "-1"], {}, "--lora-load-ms"),
+    ],
+)
+def test_bad_lora_options_stop_at_start_naming_the_flag(argv, env, words):
+    from gmock_engine.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError) as info:
+        parse_config(argv, env)
+    assert words in str(info.value)
+
+
+def test_lora_options_parse_with_vllms_defaults():
+    from gmock_engine.config import parse_config
+
+    args = parse_config(["--enable-lora", "--max-loras", "3"], {})
+    assert args.enable_lora and args.max_loras == 3 and args.max_cpu_loras is None and args.max_lora_rank == 16
+    assert args.lora_check_adapter_dir and args.lora_load_ms == 0.0
