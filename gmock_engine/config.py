@@ -422,6 +422,48 @@ def build_parser() -> configargparse.ArgumentParser:
         help="order of the waiting queue: arrival, or the request's priority (lower first) then arrival",
     )
 
+    # LoRA adapters (lora.py): vLLM's LoRAConfig flags with its defaults (vllm/config/lora.py)
+    lora = parser.add_argument_group("LoRA adapters (vLLM's --enable-lora, --max-loras, --max-cpu-loras, --max-lora-rank)")
+    lora.add_argument(
+        "--enable-lora",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serve LoRA adapters: supports_lora and max_loras in the ready response, the add_lora/remove_lora/pin_lora/"
+        "list_loras utilities, ADDs naming an adapter; off: those ADDs end with ERROR and add_lora fails, as in vLLM",
+    )
+    lora.add_argument(
+        "--max-loras",
+        type=_int_at_least(1, 1 << 20),
+        default=1,
+        help="adapters in one batch (GPU slots): a request whose adapter would be one more waits",
+    )
+    lora.add_argument(
+        "--max-cpu-loras",
+        type=_int_at_least(1, 1 << 20),
+        default=None,
+        help="adapters registered (CPU cache, LRU; pinned ones stay); default: --max-loras; must be >= --max-loras",
+    )
+    lora.add_argument(
+        "--max-lora-rank",
+        type=_int_at_least(1, 1 << 20),
+        default=16,
+        help="largest adapter rank (adapter_config.json r) accepted when adapter directories are checked",
+    )
+    lora.add_argument(
+        "--lora-check-adapter-dir",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="load an adapter as vLLM's worker reads it: PATH/adapter_config.json with r, lora_alpha, target_modules "
+        "(no weights read); off: any path is accepted",
+    )
+    lora.add_argument(
+        "--lora-load-ms",
+        type=_float_at_least(0.0),
+        default=0.0,
+        help="latency model: ms added to the first token of a request whose scheduling loaded its adapter "
+        "(not registered, or evicted since)",
+    )
+
     ready = parser.add_argument_group("ready response (what the frontend reads at startup, PROTOCOL.md §2.5)")
     ready.add_argument("--max-model-len", type=_int_at_least(1), default=1048576, help="context length; the frontend uses the minimum over engines")
     ready.add_argument(
@@ -738,6 +780,12 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
         )
     if last_rank > 0xFFFF:
         raise ConfigError(f"argument --engine-count: ranks up to {last_rank - 1} do not fit a 2-byte engine identity")
+    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
+        # vllm/config/lora.py _validate_lora_config
+        raise ConfigError(
+            f"argument --max-cpu-loras: max_cpu_loras ({args.max_cpu_loras}) must be >= max_loras ({args.max_loras}) "
+            f"(from {sources.of(sources.find('--max-cpu-loras'))})"
+        )
     #: Every configured fault, in KINDS order (runtime.py hands them to each engine).
     args.faults = [spec for spec in (getattr(args, "fault_" + k.replace("-", "_")) for k in KINDS) if spec is not None]
     return args

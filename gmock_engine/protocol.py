@@ -151,6 +151,7 @@ _REQUEST_FIELDS_READ = (
     "priority",
     "external_req_id",
     "abort_immediately",
+    "lora_request",
 )
 #: §2.5: the full 0.33 key set; every older frontend ignores unknown keys.
 _READY_RESPONSE_KEYS = (
@@ -427,6 +428,8 @@ class EngineCoreRequest:
     logit_bias: Dict[int, float] = field(default_factory=dict)
     #: SamplingParams.extra_args: what a client put in `vllm_xargs`.
     extra_args: Dict[str, Any] = field(default_factory=dict)
+    #: `lora_request` (index 6) as decoded by msgpack; lora.py checks it.
+    lora_request: Any = None
 
 
 @dataclass
@@ -573,6 +576,7 @@ def _decode_add_fields(payload: List[Any], ix: Dict[str, int], request_id: str, 
         external_req_id=external if isinstance(external, str) else None,
         abort_immediately=_field(payload, ix["abort_immediately"], False) is True,
         prompt_token_ids=prompt,
+        lora_request=_field(payload, ix["lora_request"]),
         **stops,
     )
 
@@ -941,6 +945,8 @@ def scheduler_stats(
     step_counter: int,
     current_wave: int = 0,
     prefix_cache_stats: Optional[Dict[str, Any]] = None,
+    waiting_lora_adapters: Optional[Dict[str, int]] = None,
+    running_lora_adapters: Optional[Dict[str, int]] = None,
 ) -> Dict[str, Any]:
     """A SchedulerStats map with the full 0.33 key set (§7.1).
 
@@ -973,8 +979,9 @@ def scheduler_stats(
         "spec_decoding_stats": None,
         "kv_connector_stats": None,
         "ec_connector_stats": None,
-        "waiting_lora_adapters": {},
-        "running_lora_adapters": {},
+        # requests per LoRA adapter name (vllm:lora_requests_info, lora.py)
+        "waiting_lora_adapters": waiting_lora_adapters or {},
+        "running_lora_adapters": running_lora_adapters or {},
         "cudagraph_stats": None,
         "perf_stats": None,
     }

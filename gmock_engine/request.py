@@ -66,6 +66,7 @@ class Request:
         "forced",
         "shaped",
         "sampler",
+        "lora_request",
     )
 
     def __init__(
@@ -119,6 +120,8 @@ class Request:
         #: The scheduler's Sampler at its ADD (its token source and logprob
         #: model): a reload changes those for new requests only.
         self.sampler: Any = None
+        #: The LoRA adapter it names (lora.LoRARequest), None: the base model.
+        self.lora_request: Any = None
 
     @property
     def num_tokens(self) -> int:

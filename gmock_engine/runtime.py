@@ -210,8 +210,9 @@ class EngineRunner:
             "max_num_seqs": c.max_num_seqs,
             "max_num_batched_tokens": c.max_num_batched_tokens,
             "instance_id": f"gmock-{socket.gethostname()}-{os.getpid()}-{self.rank}",
-            "supports_lora": False,
-            "max_loras": 0,
+            # vLLM: supports_lora = lora_config is not None, max_loras 0 without it (core.py)
+            "supports_lora": c.enable_lora,
+            "max_loras": c.max_loras if c.enable_lora else 0,
             "mamba_block_size": None,
             "kv_cache_size_tokens": c.num_gpu_blocks * c.block_size,
             "kv_cache_max_concurrency": None,
@@ -276,7 +277,13 @@ class EngineRunner:
                 prefill_ms_per_token=c.prefill_ms_per_token,
                 jitter=c.jitter,
                 time_scale=c.time_scale,
+                lora_load_ms=c.lora_load_ms,
             ),
+            enable_lora=c.enable_lora,
+            max_loras=c.max_loras,
+            max_cpu_loras=c.max_cpu_loras,
+            max_lora_rank=c.max_lora_rank,
+            lora_check_adapter_dir=c.lora_check_adapter_dir,
             wire=self.wire,
         )
 

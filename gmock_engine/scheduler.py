@@ -29,6 +29,7 @@ from . import protocol
 from .kv_cache_manager import KVCacheManager
 from .latency import LatencyModel
 from .logprobs import LogprobModel
+from .lora import AdapterRegistry, LoRAError
 from .outbox import Outbox
 from .protocol import EngineCoreEventType, FinishReason
 from .request import Request
@@ -80,8 +81,12 @@ class Scheduler:
         on_preempt: Callable[[Request], None] = lambda request: None,
         on_reject: Callable[[Request], None] = lambda request: None,
         logprob_model: Optional[LogprobModel] = None,
+        lora: Optional[AdapterRegistry] = None,
     ) -> None:
         self.kv = kv
+        #: The adapter registry (None: LoRA not enabled); the scheduler keeps
+        #: at most `lora.max_loras` distinct adapters in the running batch.
+        self.lora = lora
         #: The sampler of new requests (running ones keep their own: Sampler).
         self.sampler = Sampler(tokens, logprob_model or LogprobModel())
         self.latency = latency
@@ -353,9 +358,20 @@ class Scheduler:
         the token budget (`budget` left, None: unlimited) and the KV blocks
         allow; return the prompt tokens they prefill in this step."""
         prefill_tokens = 0
-        latency, kv, waiting = self.latency, self.kv, self.waiting
+        latency, kv, waiting, lora = self.latency, self.kv, self.waiting, self.lora
+        # max_loras: a request whose adapter would be one too many in the batch
+        # is skipped and keeps its place (vllm/v1/core/sched/scheduler.py,
+        # scheduled_loras / skipped_waiting_requests)
+        running_loras = self._running_lora_ids() if lora is not None else set()
+        skipped: List[Request] = []
         while waiting and self.can_admit and (budget is None or budget > 0):
             request = waiting.peek_request()
+            adapter = request.lora_request
+            if adapter is not None and lora is not None:
+                if adapter.lora_int_id not in running_loras and len(running_loras) >= lora.max_loras:
+                    skipped.append(waiting.pop_request())
+                    continue
+            need = 0
             if kv.enforced:
                 need = kv.blocks_to_admit(request, self._next_tokens(request))
                 if not kv.fits(need):
@@ -363,6 +379,17 @@ class Scheduler:
                         self._reject_too_long(waiting.pop_request(), outbox)
                         continue
                     break  # waits for blocks to free up, as vLLM
+            loaded = False
+            if adapter is not None and lora is not None:
+                loads = lora.loads
+                try:
+                    lora.add(adapter)  # what vLLM's model runner does for each adapter it schedules
+                except LoRAError as exc:
+                    self._reject_lora(waiting.pop_request(), str(exc), outbox)
+                    continue
+                loaded = lora.loads != loads
+                running_loras.add(adapter.lora_int_id)
+            if kv.enforced:
                 kv.allocate(request, need)
             waiting.pop_request()
             request.scheduled_at = now
@@ -387,9 +414,38 @@ class Scheduler:
                 request.ready_at = now + latency.first_token_seconds(request.prompt_len, self._rng)
             else:
                 request.ready_at = now
+            if loaded:
+                request.ready_at += latency.lora_load_seconds()
             if request.prefill_left or request.ready_at > now:
                 self.prefilling[request.request_id] = float("inf") if request.prefill_left else request.ready_at
+        for request in reversed(skipped):
+            waiting.prepend_request(request)
         return prefill_tokens
+
+    def _running_lora_ids(self) -> "set[int]":
+        return {r.lora_request.lora_int_id for r in self.running.values() if r.lora_request is not None}
+
+    def _reject_lora(self, request: Request, message: str, outbox: Outbox) -> None:
+        """An adapter that cannot be loaded or activated: where vLLM's worker
+        raises (and its engine dies), this request ends with ERROR and
+        vLLM's message; the engine goes on."""
+        error = protocol.request_error("lora_load_failed", message)
+        outbox.end(request.client_index, request.request_id, protocol.engine_core_output(request.request_id, [], FinishReason.ERROR, error, self.wire.layout))
+        self._on_reject(request)
+
+    def lora_adapters(self) -> "tuple[Dict[str, int], Dict[str, int]]":
+        """SchedulerStats waiting_lora_adapters / running_lora_adapters:
+        requests per adapter name (§7.1; vLLM's LoRARequestStates)."""
+        waiting: Counter = Counter()
+        running: Counter = Counter()
+        if self.lora is not None:
+            for request in self.running.values():
+                if request.lora_request is not None:
+                    running[request.lora_request.lora_name] += 1
+            for request in self.waiting.requests():
+                if request.lora_request is not None:
+                    waiting[request.lora_request.lora_name] += 1
+        return dict(waiting), dict(running)
 
     def _reject_too_long(self, request: Request, outbox: Outbox) -> None:
         """A request whose KV can never fit: ERROR now, not a queue that never moves."""
@@ -456,7 +512,10 @@ class Scheduler:
 
     def scheduler_stats(self, prefix_cache_stats: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """The engine's SchedulerStats now (§7.1)."""
+        waiting_loras, running_loras = self.lora_adapters()
         return protocol.scheduler_stats(
+            waiting_lora_adapters=waiting_loras,
+            running_lora_adapters=running_loras,
             prefix_cache_stats=prefix_cache_stats,
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
