@@ -33,6 +33,15 @@ def socket_of(frontend, kind):
     return sock
 
 
+def scrape(app):
+    """What /metrics would say."""
+    from prometheus_client import generate_latest
+
+    from gmock_engine import metrics
+
+    return generate_latest(metrics.registry(app.runners)).decode()
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -168,6 +177,7 @@ def test_malformed_replay_requests_are_ignored_and_the_engine_goes_on():
         assert run(frontend, "a", list(range(8)), 2)  # still serving
         assert replay(frontend, app, 0)  # and replaying
         assert app.counters()[0]["kv_events_bad_replay_requests"] == 4
+        assert 'gmock_kv_events_total{counter="bad_replay_requests",engine="0"} 4.0' in scrape(app)
 
 
 @pytest.mark.parametrize(
@@ -219,6 +229,7 @@ def test_each_event_plane_fault_is_seen_as_what_it_is(flag, spec):
         else:
             assert seqs == list(range(9))  # 4 batches + 5 of the storm, after the second
         assert app.counters()[0]["fault_" + kind.replace("-", "_")] == 1
+        assert f'gmock_faults_injected_total{{engine="0",kind="{kind}"}} 1.0' in scrape(app)
 
 
 def test_a_stalled_replay_socket_answers_when_the_stall_is_over():
