@@ -91,15 +91,20 @@ class KVCacheManager:
     def on_output(self, request: Request, token_ids: List[int]) -> None:
         """A step emitted `token_ids` for the request: its KV now covers every
         token before them (a decode step computes the last sampled token), and
-        they join its token ids. Only called when `caching`."""
-        if request.kv_blocks is None:
+        they join its token ids. Only called when `caching`; this is the
+        per-token path, so the pool is asked only at block boundaries."""
+        blocks = request.kv_blocks
+        if blocks is None:
             return
-        cache = self.prefix_cache
         all_token_ids = request.all_token_ids
-        cache.cache(request, len(all_token_ids))  # type: ignore[union-attr, arg-type]
-        all_token_ids.extend(token_ids)  # type: ignore[union-attr]
-        if self.num_blocks is None:  # not enforced: nobody allocated the new slots
-            cache.ensure(request, self.blocks_for(len(all_token_ids)))  # type: ignore[union-attr, arg-type]
+        computed = len(all_token_ids)  # type: ignore[arg-type]
+        size = self.block_size
+        if computed // size > request.num_cached_blocks:
+            self.prefix_cache.cache(request, computed)  # type: ignore[union-attr]
+        all_token_ids += token_ids  # type: ignore[operator]
+        if self.num_blocks is None and len(blocks) * size < computed + len(token_ids):
+            # not enforced: nobody allocated the new slots
+            self.prefix_cache.ensure(request, self.blocks_for(computed + len(token_ids)))  # type: ignore[union-attr]
 
     def free(self, request: Request) -> None:
         """A running request left the batch (finished, aborted, preempted)."""
