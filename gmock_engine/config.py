@@ -173,6 +173,18 @@ def _fault(kind: str):
     return parse
 
 
+def _kv_events_config(text: str) -> Any:
+    from .kv_events import parse_config
+
+    try:
+        return parse_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+_kv_events_config.__name__ = "KV events config"
+
+
 def _choice(choices: Sequence[str], fold=str.lower):
     def parse(text: str) -> str:
         value = fold(text.strip())
@@ -463,6 +475,18 @@ def build_parser() -> configargparse.ArgumentParser:
         help="latency model: ms added to the first token of a request whose scheduling loaded its adapter "
         "(not registered, or evicted since)",
     )
+    # -- KV-cache events (issue 15; kv_events.py, PROTOCOL.md Appendix D) --
+    kv_events = parser.add_argument_group("KV-cache events for cache-aware routers (PROTOCOL.md Appendix D)")
+    kv_events.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=None,
+        metavar="JSON",
+        help="vLLM's KV events config, e.g. {\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+        "\"replay_endpoint\": \"tcp://*:5558\"}: a ZMQ PUB per engine (port + rank) publishing the prefix cache's "
+        "BlockStored/BlockRemoved/AllBlocksCleared; needs --prefix-caching",
+    )
+    # -- end KV-cache events --
 
     ready = parser.add_argument_group("ready response (what the frontend reads at startup, PROTOCOL.md §2.5)")
     ready.add_argument("--max-model-len", type=_int_at_least(1), default=1048576, help="context length; the frontend uses the minimum over engines")
@@ -788,7 +812,24 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
         )
     #: Every configured fault, in KINDS order (runtime.py hands them to each engine).
     args.faults = [spec for spec in (getattr(args, "fault_" + k.replace("-", "_")) for k in KINDS) if spec is not None]
+    _check_kv_events(args, sources)
     return args
+
+
+def _check_kv_events(args: argparse.Namespace, sources: "_Sources") -> None:
+    """--kv-events-config needs the prefix cache it reports on; the kv-*
+    faults need the events they act on (issue 15)."""
+    events = args.kv_events_config
+    enabled = events is not None and events.enabled
+    if enabled and not args.prefix_caching:
+        raise ConfigError(
+            f"argument --kv-events-config: enable_kv_cache_events needs --prefix-caching (nothing is cached without it) "
+            f"(from {sources.of(sources.find('--kv-events-config'))})"
+        )
+    for spec in args.faults:
+        if spec.scope == "kv-events" and not enabled:
+            flag = f"--fault-{spec.kind}"
+            raise ConfigError(f"argument {flag}: needs --kv-events-config with enable_kv_cache_events (from {sources.of(sources.find(flag))})")
 
 
 def _ini_text(value: Any) -> str:

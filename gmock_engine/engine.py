@@ -115,6 +115,9 @@ class EngineSettings:
     max_num_batched_tokens: Optional[int] = None
     #: Prefix caching: prompt blocks seen before are not prefilled again.
     prefix_caching: bool = False
+    #: KV events (--kv-events-config): the prefix cache records what it
+    #: stores, evicts and clears, for `take_kv_events` (kv_events.py publishes).
+    kv_events: bool = False
     #: Synthetic logprobs (logprobs.py): the top-1 token's mean probability,
     #: and how often the sampled token is the top-1.
     logprobs_top1: float = 0.6
@@ -176,7 +179,9 @@ class EngineCore:
         #: The books on every request, checked against every message sent (ledger.py).
         self.ledger = Ledger()
         sampler = self._sampler(settings)
-        self.kv = KVCacheManager(settings.num_gpu_blocks, settings.block_size, settings.kv_blocks, settings.prefix_caching)
+        self.kv = KVCacheManager(
+            settings.num_gpu_blocks, settings.block_size, settings.kv_blocks, settings.prefix_caching, settings.kv_events
+        )
         #: The adapter registry; None without enable_lora (supports_lora false, §2.5).
         self.lora: Optional[AdapterRegistry] = None
         if settings.enable_lora:
@@ -415,7 +420,7 @@ class EngineCore:
         if max_tokens == 0:
             return self._answer_now(client, rid, FinishReason.LENGTH)
         entry.priority = request.priority
-        entry.block_hashes = self.kv.hash_prompt(request.prompt_token_ids)
+        self.kv.track(entry, request.prompt_token_ids)
         if request.logprobs is not None or request.prompt_logprobs is not None:
             asked = max(request.logprobs or 0, request.prompt_logprobs or 0)
             if asked + 1 > self._logprob_span:
@@ -513,6 +518,12 @@ class EngineCore:
             for entry in done:
                 self._log_end(entry.request_id, entry.num_output_tokens, entry.finish)
         return self._flush()
+
+    def take_kv_events(self) -> List[Tuple[Any, ...]]:
+        """The KV events since the last call (prefix_cache.py tuples), in
+        order: the runtime calls this after each step and each input, and
+        hands them to the publisher as one batch (vLLM: one per step)."""
+        return self.kv.take_events()
 
     # -- helpers -----------------------------------------------------------
 

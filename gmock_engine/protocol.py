@@ -115,8 +115,13 @@ class WireLayout:
     tensors_arity: int = 4
     #: 0.11.0's LogprobsLists holds plain nested lists, not ndarrays.
     logprobs_as_lists: bool = False
-    #: KV-cache events as maps tagged by "type" (0.26+) or tagged arrays (Appendix D).
+    #: KV-cache events (Appendix D, read in each release's
+    #: vllm/distributed/kv_events.py): maps tagged by "type" from 0.24 (tagged
+    #: arrays before), replay replies with the topic from 0.26, group_idx in
+    #: BlockStored/BlockRemoved from 0.20.
     kv_events_tagged_maps: bool = True
+    kv_events_replay_topic: bool = True
+    kv_events_group_idx: bool = True
     ready_response_keys: Tuple[str, ...] = ()
     request_index: Dict[str, int] = field(default_factory=dict)
 
@@ -230,18 +235,23 @@ def _era(version: str, versions: str, req: Tuple[str, ...], out: Tuple[str, ...]
 
 
 _A, _E, _R = FinishReason.ABORT, FinishReason.ERROR, FinishReason.REPETITION
+#: KV events before 0.20 / in 0.20-0.23 / in 0.24-0.25 (Appendix D; 0.26+: the defaults).
+_KV_OLD = dict(kv_events_tagged_maps=False, kv_events_replay_topic=False, kv_events_group_idx=False)
+_KV_0_20 = dict(kv_events_tagged_maps=False, kv_events_replay_topic=False)
+_KV_0_24 = dict(kv_events_replay_topic=False)
 #: One entry per era: the first vLLM version whose layout it is (§8.1).
 _ERAS = (
     _era("0.11.0", "0.11.0", _REQ_0_11, _OUT_0_11_0, finish=_A, logprobs_arity=3, tensors_arity=3,
-         logprobs_as_lists=True, kv_events_tagged_maps=False),
-    _era("0.11.1", "0.11.1–0.12", _REQ_0_11, _OUT_0_11_1, finish=_A, tensors_arity=3, kv_events_tagged_maps=False),
-    _era("0.13", "0.13", _REQ_0_11, _OUT_0_11_1, finish=_E, tensors_arity=3, kv_events_tagged_maps=False),
-    _era("0.14", "0.14", _REQ_0_14, _OUT_0_14, finish=_E, tensors_arity=3, kv_events_tagged_maps=False),
-    _era("0.15", "0.15", _REQ_0_15, _OUT_0_14, finish=_E, tensors_arity=3, kv_events_tagged_maps=False),
-    _era("0.16", "0.16", _REQ_0_16, _OUT_0_16, finish=_E, kv_events_tagged_maps=False),
-    _era("0.17", "0.17–0.19", _REQ_0_17, _OUT_0_16, kv_events_tagged_maps=False),
-    _era("0.20", "0.20", _REQ_0_20, _OUT_0_20, kv_events_tagged_maps=False),
-    _era("0.21", "0.21–0.25", _REQ_0_21, _OUT_0_20, kv_events_tagged_maps=False),
+         logprobs_as_lists=True, **_KV_OLD),
+    _era("0.11.1", "0.11.1–0.12", _REQ_0_11, _OUT_0_11_1, finish=_A, tensors_arity=3, **_KV_OLD),
+    _era("0.13", "0.13", _REQ_0_11, _OUT_0_11_1, finish=_E, tensors_arity=3, **_KV_OLD),
+    _era("0.14", "0.14", _REQ_0_14, _OUT_0_14, finish=_E, tensors_arity=3, **_KV_OLD),
+    _era("0.15", "0.15", _REQ_0_15, _OUT_0_14, finish=_E, tensors_arity=3, **_KV_OLD),
+    _era("0.16", "0.16", _REQ_0_16, _OUT_0_16, finish=_E, **_KV_OLD),
+    _era("0.17", "0.17–0.19", _REQ_0_17, _OUT_0_16, **_KV_OLD),
+    _era("0.20", "0.20", _REQ_0_20, _OUT_0_20, **_KV_0_20),
+    _era("0.21", "0.21–0.23", _REQ_0_21, _OUT_0_20, **_KV_0_20),
+    _era("0.24", "0.24–0.25", _REQ_0_21, _OUT_0_20, **_KV_0_24),
     _era("0.26", "0.26–0.27", _REQ_0_21, _OUT_0_26),
     _era("0.28", "0.28", _REQ_0_28, _OUT_0_28),
     _era("0.29", "0.29–0.30", _REQ_0_28, _OUT_0_29),
@@ -304,7 +314,8 @@ def _conservative(base: WireLayout, versions: str, **changes: Any) -> WireLayout
 #: as ndarrays (0.11.0 alone wants lists); 20 (0.21–0.27): nothing past
 #: index 8 of an EngineCoreOutput, since 0.21–0.25 put prefill_stats at 10
 #: and 0.26–0.27 put ec_transfer_params there and an ndarray-or-nil at 12,
-#: where the older ones want the int num_nans_in_logits; 21 (0.28–0.30) and
+#: where the older ones want the int num_nans_in_logits (KV events: as
+#: 0.24–0.25, tagged maps without the replay topic); 21 (0.28–0.30) and
 #: 22 (0.31–0.33) differ only in appended fields, which msgspec skips.
 _FINGERPRINTS: Dict[Tuple[int, bool], Tuple[WireLayout, str]] = {
     (15, True): (_conservative(WIRE_LAYOUTS["0.13"], "0.11–0.13", max_finish_reason=FinishReason.ABORT),
@@ -314,7 +325,7 @@ _FINGERPRINTS: Dict[Tuple[int, bool], Tuple[WireLayout, str]] = {
     (17, False): (WIRE_LAYOUTS["0.17"], "17 elements with arrival_time at 5: 0.17 to 0.19"),
     (18, True): (WIRE_LAYOUTS["0.16"], "18 elements with eos_token_id at 5: 0.16"),
     (18, False): (WIRE_LAYOUTS["0.20"], "18 elements with arrival_time at 5: 0.20"),
-    (20, False): (_conservative(WIRE_LAYOUTS["0.21"], "0.21–0.27", output_fields=_OUT_HEAD),
+    (20, False): (_conservative(WIRE_LAYOUTS["0.24"], "0.21–0.27", output_fields=_OUT_HEAD),
                   "0.21 to 0.27 send 20 elements, and 0.21–0.25 and 0.26–0.27 place prefill_stats differently: "
                   "outputs carry nothing past index 8 (no prefill_stats, so vllm:prompt_tokens_total stays 0)"),
     (21, False): (_conservative(WIRE_LAYOUTS["0.28"], "0.28–0.30"),

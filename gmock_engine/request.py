@@ -56,6 +56,9 @@ class Request:
         "ttft_ms",
         "block_hashes",
         "cached_tokens",
+        "all_token_ids",
+        "kv_blocks",
+        "num_cached_blocks",
         "num_logprobs",
         "num_prompt_logprobs",
         "logprob_state",
@@ -99,9 +102,15 @@ class Request:
         self.pending_events: Optional[List[Dict[str, Any]]] = None
         #: vllm_xargs mock_ttft_ms: this request's fixed time to first token.
         self.ttft_ms: Optional[float] = None
-        #: Prefix caching: the prompt's chained block hashes, and its cached tokens.
-        self.block_hashes: Tuple[int, ...] = ()
+        #: Prefix caching (prefix_cache.py): the chained hashes of its full
+        #: blocks (prompt, then generated), its cached tokens at admission,
+        #: its token ids (None: not cached at all), the physical blocks it
+        #: holds while running (None: not running) and how many are cached.
+        self.block_hashes: List[int] = []
         self.cached_tokens = 0
+        self.all_token_ids: Optional[List[int]] = None
+        self.kv_blocks: Optional[List[Any]] = None
+        self.num_cached_blocks = 0
         #: SamplingParams logprobs / prompt_logprobs (None: not asked; logprobs.py)
         self.num_logprobs: Optional[int] = None
         self.num_prompt_logprobs: Optional[int] = None

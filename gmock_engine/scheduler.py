@@ -206,11 +206,11 @@ class Scheduler:
     def remove_all(self) -> List[Request]:
         """Every running and waiting request, taken out (running first)."""
         out = [*self.running.values(), *self.waiting.requests()]
+        self.kv.free_all(list(self.running.values()))
         self.running.clear()
         self.waiting.clear()
         self.prefilling.clear()
         self.chunking.clear()
-        self.kv.free_all()
         return out
 
     def _release(self, request: Request) -> None:
@@ -251,6 +251,8 @@ class Scheduler:
         """The per-token path: each ready running request's next tokens."""
         chunk = self.chunk
         sampler = self.sampler
+        # prefix caching: the step's tokens are computed KV (kv_cache_manager.py)
+        on_output = self.kv.on_output if self.kv.caching else None
         draw = sampler.tokens.draw
         make_output = protocol.engine_core_output
         prefilling = self.prefilling
@@ -288,6 +290,8 @@ class Scheduler:
                 finish = request.finish
                 if request.last_token is not None and tokens:
                     tokens[-1] = request.last_token
+            if on_output is not None:
+                on_output(request, tokens)
             if events is not None or (finish is not None and finish is not FinishReason.LENGTH):
                 # §4.5: queue/prefill time and prompt tokens for the frontend's
                 # metrics; a STOP or ERROR end says why (stop_reason, error).
@@ -406,6 +410,8 @@ class Scheduler:
             if budget is not None:
                 budget -= take
             request.prefill_left = target - take
+            if kv.caching:  # the prompt blocks prefilled in this step are cached now, as vLLM's
+                kv.computed(request, request.num_tokens - request.prefill_left)
             if request.prefill_left:
                 self.chunking[request.request_id] = request
             if request.ttft_ms is not None:
@@ -464,6 +470,8 @@ class Scheduler:
             request.prefill_left -= take
             budget -= take
             prefilled += take
+            if self.kv.caching:
+                self.kv.computed(request, request.num_tokens - request.prefill_left)
             if not request.prefill_left:
                 del self.chunking[request.request_id]
                 if request.ready_at > now:
@@ -498,6 +506,12 @@ class Scheduler:
         for request, need in needs:
             kv.allocate(request, need)
         return preempted
+
+    def preempt_all(self, now: float) -> None:
+        """Every running request back to the queue, newest first (vLLM's
+        reset_prefix_cache(reset_running_requests=True))."""
+        while self.running:
+            self._preempt(next(reversed(self.running.values())), now)
 
     def _preempt(self, request: Request, now: float) -> None:
         """Back to the front of the queue; its KV is freed and recomputed later."""

@@ -182,8 +182,11 @@ def _u_resume_scheduler(u: Utilities, call: UtilityCall) -> List[Outbound]:
 
 
 def _u_reset_prefix_cache(u: Utilities, call: UtilityCall) -> List[Outbound]:
-    u.kv.reset_prefix_cache()
-    return [u.reply(call, True)]
+    """As vLLM's: refused (False) while running requests hold blocks, unless
+    reset_running_requests (args[0]) preempts them first."""
+    if _arg(call, 0, False) is True and u.kv.caching and u.scheduler.running:
+        u.scheduler.preempt_all(u.clock())
+    return [u.reply(call, u.kv.reset_prefix_cache())]
 
 
 def _u_get_weight_version(u: Utilities, call: UtilityCall) -> List[Outbound]:
