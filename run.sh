@@ -8,6 +8,8 @@
 #   ./run.sh test [pytest args]   run the whole test suite
 #   ./run.sh bench [options]      the load driver (gmock-engine bench --help)
 #   ./run.sh soak [options]       a real frontend + the engine under steady load, with a verdict
+#   ./run.sh compat [options]     install frontend versions, run a short scenario against each,
+#                                 write README.md's compatibility table (./run.sh compat --help)
 #
 # The first use creates a virtualenv in .venv inside the checkout and installs
 # the package into it (plus the `test` extra for `./run.sh test`); later uses
@@ -20,7 +22,7 @@ VENV="${GMOCK_VENV:-$HERE/.venv}"
 PYTHON="${PYTHON:-python3}"
 
 MODE=run
-if [[ "${1:-}" == "test" || "${1:-}" == "soak" || "${1:-}" == "serve" ]]; then
+if [[ "${1:-}" == "test" || "${1:-}" == "soak" || "${1:-}" == "serve" || "${1:-}" == "compat" ]]; then
   MODE="$1"
   shift
 fi
@@ -55,6 +57,9 @@ if [[ "$MODE" == test ]]; then
 fi
 if [[ "$MODE" == soak ]]; then
   exec "$VENV/bin/python" benchmarks/soak.py "$@"
+fi
+if [[ "$MODE" == compat ]]; then
+  exec "$VENV/bin/python" -m gmock_engine.tools.compat "$@"
 fi
 if [[ "$MODE" == serve ]]; then
   # exec: SIGTERM/SIGINT reach serve, which stops the frontend, then the engine

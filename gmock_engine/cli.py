@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import gevent
 from loguru import logger
 
-from . import __version__
+from . import __version__, kv_events
 from .config import ConfigError, format_config, parse_config
 from .logs import setup_logging
 from .runtime import App
@@ -138,12 +138,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         try:
             app.start()
-        except OSError as exc:  # only the metrics endpoint binds anything
+        except OSError as exc:  # the metrics endpoint
             print(
                 f"gmock-engine: error: argument --metrics-port: cannot listen on "
                 f"{config.metrics_host}:{config.metrics_port}: {exc}",
                 file=sys.stderr,
             )
+            return 2
+        except kv_events.BindError as exc:  # the KV event PUB / replay ROUTER (issue 15)
+            print(f"gmock-engine: error: argument --kv-events-config: {exc}", file=sys.stderr)
             return 2
         app.supervisor.spawn("no-frontend-hint", _hint_if_no_frontend, app, config)
         status = app.run_until_stopped()

@@ -173,6 +173,18 @@ def _fault(kind: str):
     return parse
 
 
+def _kv_events_config(text: str) -> Any:
+    from .kv_events import parse_config
+
+    try:
+        return parse_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+_kv_events_config.__name__ = "KV events config"
+
+
 def _choice(choices: Sequence[str], fold=str.lower):
     def parse(text: str) -> str:
         value = fold(text.strip())
@@ -434,6 +446,59 @@ def build_parser() -> configargparse.ArgumentParser:
         help="order of the waiting queue: arrival, or the request's priority (lower first) then arrival",
     )
 
+    # LoRA adapters (lora.py): vLLM's LoRAConfig flags with its defaults (vllm/config/lora.py)
+    lora = parser.add_argument_group("LoRA adapters (vLLM's --enable-lora, --max-loras, --max-cpu-loras, --max-lora-rank)")
+    lora.add_argument(
+        "--enable-lora",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serve LoRA adapters: supports_lora and max_loras in the ready response, the add_lora/remove_lora/pin_lora/"
+        "list_loras utilities, ADDs naming an adapter; off: those ADDs end with ERROR and add_lora fails, as in vLLM",
+    )
+    lora.add_argument(
+        "--max-loras",
+        type=_int_at_least(1, 1 << 20),
+        default=1,
+        help="adapters in one batch (GPU slots): a request whose adapter would be one more waits",
+    )
+    lora.add_argument(
+        "--max-cpu-loras",
+        type=_int_at_least(1, 1 << 20),
+        default=None,
+        help="adapters registered (CPU cache, LRU; pinned ones stay); default: --max-loras; must be >= --max-loras",
+    )
+    lora.add_argument(
+        "--max-lora-rank",
+        type=_int_at_least(1, 1 << 20),
+        default=16,
+        help="largest adapter rank (adapter_config.json r) accepted when adapter directories are checked",
+    )
+    lora.add_argument(
+        "--lora-check-adapter-dir",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="load an adapter as vLLM's worker reads it: PATH/adapter_config.json with r, lora_alpha, target_modules "
+        "(no weights read); off: any path is accepted",
+    )
+    lora.add_argument(
+        "--lora-load-ms",
+        type=_float_at_least(0.0),
+        default=0.0,
+        help="latency model: ms added to the first token of a request whose scheduling loaded its adapter "
+        "(not registered, or evicted since)",
+    )
+    # -- KV-cache events (issue 15; kv_events.py, PROTOCOL.md Appendix D) --
+    kv_events = parser.add_argument_group("KV-cache events for cache-aware routers (PROTOCOL.md Appendix D)")
+    kv_events.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=None,
+        metavar="JSON",
+        help="vLLM's KV events config, e.g. {\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+        "\"replay_endpoint\": \"tcp://*:5558\"}: a ZMQ PUB per engine (port + rank) publishing the prefix cache's "
+        "BlockStored/BlockRemoved/AllBlocksCleared; needs --prefix-caching",
+    )
+    # -- end KV-cache events --
     pd = parser.add_argument_group("prefill/decode disaggregation (off unless a role is given; README, P/D disaggregation)")
     pd.add_argument(
         "--kv-role",
@@ -781,6 +846,12 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
         )
     if last_rank > 0xFFFF:
         raise ConfigError(f"argument --engine-count: ranks up to {last_rank - 1} do not fit a 2-byte engine identity")
+    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
+        # vllm/config/lora.py _validate_lora_config
+        raise ConfigError(
+            f"argument --max-cpu-loras: max_cpu_loras ({args.max_cpu_loras}) must be >= max_loras ({args.max_loras}) "
+            f"(from {sources.of(sources.find('--max-cpu-loras'))})"
+        )
     # P/D: a role given as --kv-role and as the JSON's kv_role must agree
     role = (args.kv_transfer_config or {}).get("kv_role")
     if args.kv_role is not None and role is not None and {"kv_producer": "producer", "kv_consumer": "consumer", "kv_both": "both"}[role] != args.kv_role:
@@ -790,7 +861,24 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
         )
     #: Every configured fault, in KINDS order (runtime.py hands them to each engine).
     args.faults = [spec for spec in (getattr(args, "fault_" + k.replace("-", "_")) for k in KINDS) if spec is not None]
+    _check_kv_events(args, sources)
     return args
+
+
+def _check_kv_events(args: argparse.Namespace, sources: "_Sources") -> None:
+    """--kv-events-config needs the prefix cache it reports on; the kv-*
+    faults need the events they act on (issue 15)."""
+    events = args.kv_events_config
+    enabled = events is not None and events.enabled
+    if enabled and not args.prefix_caching:
+        raise ConfigError(
+            f"argument --kv-events-config: enable_kv_cache_events needs --prefix-caching (nothing is cached without it) "
+            f"(from {sources.of(sources.find('--kv-events-config'))})"
+        )
+    for spec in args.faults:
+        if spec.scope == "kv-events" and not enabled:
+            flag = f"--fault-{spec.kind}"
+            raise ConfigError(f"argument {flag}: needs --kv-events-config with enable_kv_cache_events (from {sources.of(sources.find(flag))})")
 
 
 def _ini_text(value: Any) -> str:

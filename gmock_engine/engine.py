@@ -44,6 +44,7 @@ from .latency import LatencyModel
 from .ledger import Ledger
 from .lengths import OutputLengths
 from .logprobs import LogprobModel
+from .lora import AdapterRegistry, decode_lora_request
 from .logs import Throttle, short
 from .outbox import COORDINATOR, STATS_INTERVAL_S, LedgerViolation, Outbound, Outbox, StatsCadence
 from .protocol import (
@@ -117,12 +118,23 @@ class EngineSettings:
     max_num_batched_tokens: Optional[int] = None
     #: Prefix caching: prompt blocks seen before are not prefilled again.
     prefix_caching: bool = False
+    #: KV events (--kv-events-config): the prefix cache records what it
+    #: stores, evicts and clears, for `take_kv_events` (kv_events.py publishes).
+    kv_events: bool = False
     #: Synthetic logprobs (logprobs.py): the top-1 token's mean probability,
     #: and how often the sampled token is the top-1.
     logprobs_top1: float = 0.6
     logprobs_sampled_top1: float = 0.75
     #: A ledger violation raises LedgerViolation (the process stops) instead of only being logged.
     strict_ledger: bool = False
+    #: LoRA (lora.py): adapters per batch (GPU slots) and registered (CPU
+    #: cache; None: = max_loras, as vLLM), the largest rank accepted, and
+    #: whether an adapter's directory is checked as vLLM's worker reads it.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_cpu_loras: Optional[int] = None
+    max_lora_rank: int = 16
+    lora_check_adapter_dir: bool = True
     #: The wire layout of the frontend (fixed by --protocol-version or
     #: detected from the first ADD; shared by the process's engines, §8.2).
     wire: protocol.Wire = field(default_factory=protocol.Wire)
@@ -172,7 +184,18 @@ class EngineCore:
         #: The books on every request, checked against every message sent (ledger.py).
         self.ledger = Ledger()
         sampler = self._sampler(settings)
-        self.kv = KVCacheManager(settings.num_gpu_blocks, settings.block_size, settings.kv_blocks, settings.prefix_caching)
+        self.kv = KVCacheManager(
+            settings.num_gpu_blocks, settings.block_size, settings.kv_blocks, settings.prefix_caching, settings.kv_events
+        )
+        #: The adapter registry; None without enable_lora (supports_lora false, §2.5).
+        self.lora: Optional[AdapterRegistry] = None
+        if settings.enable_lora:
+            self.lora = AdapterRegistry(
+                settings.max_loras,
+                settings.max_cpu_loras or settings.max_loras,
+                settings.max_lora_rank,
+                settings.lora_check_adapter_dir,
+            )
         #: P/D: this engine's producer/consumer side (None: kv_transfer_params are ignored, as vLLM without a connector)
         self.kv_transfer = kv_transfer.KVTransfer(settings.kv_transfer, settings.rank, settings.num_gpu_blocks) if settings.kv_transfer else None
         self.scheduler = Scheduler(
@@ -188,6 +211,7 @@ class EngineCore:
             on_preempt=self._log_preempted,
             on_reject=lambda request: self._log_end(request.request_id, 0, FinishReason.ERROR),
             logprob_model=sampler.logprobs,
+            lora=self.lora,
             kv_transfer=self.kv_transfer,
         )
         self._cadence = StatsCadence()
@@ -195,6 +219,7 @@ class EngineCore:
         self.utilities = Utilities(
             self.rank, clock, self.scheduler, self.kv, self.ledger, self.throttle, self.log, settings.supported_tasks, self.abort_all
         )
+        self.utilities.lora = self.lora
         self.shutting_down = False
         #: Only what the ledger cannot know: steps, tokens, preemptions (the
         #: scheduler's), utility calls, inputs dropped for a bad client index.
@@ -361,10 +386,26 @@ class EngineCore:
             reason = f"the prompt has {request.prompt_len} tokens, more than max_model_len {self.settings.max_model_len}"
             self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
             return self._answer_now(client, rid, FinishReason.ERROR, protocol.request_error("validation_error", reason))
+        lora_request = None
+        if request.lora_request is not None:
+            # a bad LoRARequest ends this request only (vLLM's would fail in
+            # msgspec or LoRARequest.__post_init__); without --enable-lora the
+            # error is vLLM's input processor's (_validate_lora)
+            try:
+                lora_request = decode_lora_request(request.lora_request)
+            except BadValue as exc:
+                reason = f"{str(exc):.200}"
+                self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
+                return self._answer_now(client, rid, FinishReason.ERROR, protocol.request_error("validation_error", reason))
+            if self.lora is None:
+                reason = f"Got lora_request {lora_request.lora_name!r} but LoRA is not enabled!"
+                self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
+                return self._answer_now(client, rid, FinishReason.ERROR, protocol.request_error("validation_error", reason))
         max_tokens = request.max_tokens or 0
         sampler = self.scheduler.sampler
         entry = Request(rid, client, max_tokens, sampler.tokens.initial_state(rid, request.prompt_token_ids), request.prompt_len, self.clock())
         entry.sampler = sampler
+        entry.lora_request = lora_request
         entry.pending_events = [protocol.engine_core_event(EngineCoreEventType.QUEUED, entry.queued_at)]
         settings = self.settings
         try:
@@ -381,17 +422,19 @@ class EngineCore:
             return self._answer_now(client, rid, FinishReason.ERROR, protocol.request_error("validation_error", reason))
         if settings.log_requests:
             self.log.info(
-                "mock request started engine={} request_id={} prompt_len={} max_tokens={} chunk={}",
+                "mock request started engine={} request_id={} prompt_len={} max_tokens={} chunk={}{}",
                 self.rank,
                 short(rid),
                 request.prompt_len,
                 max_tokens,
                 self.chunk,
+                # the adapter it names, for per-adapter counts from the log (README "LoRA adapters")
+                "" if lora_request is None else f" lora={short(lora_request.lora_name, 60)}",
             )
         if max_tokens == 0:
             return self._answer_now(client, rid, FinishReason.LENGTH)
         entry.priority = request.priority
-        entry.block_hashes = self.kv.hash_prompt(request.prompt_token_ids)
+        self.kv.track(entry, request.prompt_token_ids)
         if request.logprobs is not None or request.prompt_logprobs is not None:
             asked = max(request.logprobs or 0, request.prompt_logprobs or 0)
             if asked + 1 > self._logprob_span:
@@ -510,6 +553,12 @@ class EngineCore:
             for entry in done:
                 self._log_end(entry.request_id, entry.num_output_tokens, entry.finish)
         return self._flush()
+
+    def take_kv_events(self) -> List[Tuple[Any, ...]]:
+        """The KV events since the last call (prefix_cache.py tuples), in
+        order: the runtime calls this after each step and each input, and
+        hands them to the publisher as one batch (vLLM: one per step)."""
+        return self.kv.take_events()
 
     # -- helpers -----------------------------------------------------------
 

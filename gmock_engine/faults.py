@@ -14,9 +14,11 @@ whose value is a small spec of space-separated `key=value` words:
 * `limit=N`: fire at most N times (default: once for `at`, else no limit);
 * what the kind needs: `duration=`, `factor=`, `delay=`, `method=`.
 
-An occasion is a request (ADD) reaching the engine, or for `fail-utility`
-a utility call, or for `kv-transfer-*` a request that loads its KV from a
-prefill engine (`do_remote_prefill`, kv_transfer.py). What each kind does, and how the real frontends react, is
+An occasion is a request (ADD) reaching the engine, for `fail-utility`
+a utility call, for the event-plane faults (`kv-*`, with
+`--kv-events-config`) a batch of KV events being published, and for
+`kv-transfer-*` a consumer's request that loads its KV from a prefill
+engine (`do_remote_prefill`, kv_transfer.py). What each kind does, and how the real frontends react, is
 in the README ("Fault injection").
 
 `Faults` decides (per engine); `rewrite` applies the wire faults to the
@@ -45,7 +47,7 @@ CRASH_EXIT_STATUS = 70
 PROTECTED_METHODS = frozenset({"gmock_stats"})
 UTILITY_FAILURE_MESSAGE = "injected failure (gmock_engine --fault-fail-utility)"
 
-ENGINE, REQUEST, UTILITY = "engine", "request", "utility"
+ENGINE, REQUEST, UTILITY, KV_EVENTS = "engine", "request", "utility", "kv-events"
 #: P/D: a consumer request's KV transfer (kv_transfer.py).
 TRANSFER = "transfer"
 _REQUIRED = object()
@@ -55,7 +57,7 @@ _REQUIRED = object()
 class Kind:
     """One kind of fault: what it acts on and the parameters it takes."""
 
-    scope: str  # ENGINE (the whole engine), REQUEST (one request), UTILITY (one call) or TRANSFER (one KV load)
+    scope: str  # ENGINE (the whole engine), REQUEST (one request), UTILITY (one call), KV_EVENTS (one event batch) or TRANSFER (one KV load)
     params: Tuple[Tuple[str, Any], ...]  # (name, default); _REQUIRED: must be given
     help: str
 
@@ -81,6 +83,16 @@ KINDS: Dict[str, Kind] = {
     "kv-transfer-slow": Kind(TRANSFER, (("delay", 2.0),), "the request's KV transfer takes delay= (default 2s) longer"),
     "fail-utility": Kind(UTILITY, (("method", None),), "the utility call is answered with a failure_message "
                          "(method=: only calls of that method; default: any but gmock_stats)"),
+    # The event plane (kv_events.py, PROTOCOL.md Appendix D): the occasion is a KV event batch.
+    "kv-drop-batch": Kind(KV_EVENTS, (), "the KV event batch is not published (a seq gap; replay still has it)"),
+    "kv-duplicate-batch": Kind(KV_EVENTS, (), "the KV event batch is published twice (the same seq)"),
+    "kv-reorder-batches": Kind(KV_EVENTS, (), "the KV event batch is published after the next one (seq n+1 before n)"),
+    "kv-reset-seq": Kind(KV_EVENTS, (), "the KV event sequence restarts at 0 with an empty replay buffer "
+                         "(an engine restart as a router sees it; the cache itself is kept)"),
+    "kv-stall-replay": Kind(KV_EVENTS, (("duration", 10.0),), "the replay socket answers nothing for duration= "
+                            "(default 10s), then answers what waited"),
+    "kv-clear-storm": Kind(KV_EVENTS, (("count", 10),), "after the batch, count= (default 10) batches of one "
+                           "AllBlocksCleared each, though nothing was cleared"),
 }
 
 _TRIGGERS = ("rate", "every", "at")
@@ -126,6 +138,7 @@ class FaultSpec:
     factor: Optional[float] = None
     delay: Optional[float] = None
     method: Optional[str] = None
+    count: Optional[int] = None
 
     def __str__(self) -> str:  # as written: --print-config and all-options.ini show it so
         return self.text
@@ -160,6 +173,8 @@ def _parse_value(key: str, value: str) -> Any:
         if rate == 0.0:
             raise ValueError("rate=0 never fires; leave the fault out instead")
         return rate
+    if key == "count":
+        return _number(key, value, int, 1, 100_000)
     if key in ("every", "limit"):
         return _number(key, value, int, 1, 1 << 62)
     if key == "factor":
@@ -231,6 +246,7 @@ class Faults:
                 self._since[kind] = previous._since[kind]
         self._on_request = [s for s in self.specs if s.scope == REQUEST or (s.scope == ENGINE and s.at is None)]
         self._on_utility = [s for s in self.specs if s.scope == UTILITY]
+        self._on_kv_batch = [s for s in self.specs if s.scope == KV_EVENTS]
         self._on_transfer = [s for s in self.specs if s.scope == TRANSFER]
 
     def __bool__(self) -> bool:
@@ -261,6 +277,10 @@ class Faults:
             if wanted and self._fires(spec, now):
                 return spec
         return None
+
+    def on_kv_batch(self, now: float) -> List[FaultSpec]:
+        """A KV event batch is being published: the event-plane faults that fire."""
+        return [s for s in self._on_kv_batch if self._fires(s, now)] if self._on_kv_batch else []
 
     def _fires(self, spec: FaultSpec, now: float) -> bool:
         if spec.at is not None:

@@ -5,21 +5,28 @@ enforced (`--num-gpu-blocks` given) the scheduler asks here whether a
 request fits before it admits or grows it; otherwise blocks are only
 reported and the usage the frontends show is the running requests' tokens
 against the reported capacity. The prefix cache (prefix_cache.py) sits
-behind the manager: admission asks it how many prompt tokens are cached.
+behind the manager: admission asks it how many prompt tokens are cached,
+and the scheduler tells it as a request's tokens are computed (prefill
+chunks, then each step's generated tokens), so that full blocks are cached
+as vLLM's `allocate_slots` -> `cache_blocks` does. With KV events on
+(`--kv-events-config`) the cache records what it stores, evicts and
+clears; the engine takes those events once per step (`take_events`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .prefix_cache import PrefixCache, block_hashes
+from .prefix_cache import PrefixCache
 from .request import Request
 
 
 class KVCacheManager:
     """Blocks used by the running requests, and the prefix cache."""
 
-    def __init__(self, num_gpu_blocks: int, block_size: int, enforced_blocks: Optional[int], prefix_caching: bool) -> None:
+    def __init__(
+        self, num_gpu_blocks: int, block_size: int, enforced_blocks: Optional[int], prefix_caching: bool, kv_events: bool = False
+    ) -> None:
         self.block_size = block_size
         #: Blocks enforced (None: only reported, never a reason to wait).
         self.num_blocks = enforced_blocks
@@ -29,8 +36,10 @@ class KVCacheManager:
         self.tokens = 0
         self._capacity = max(1, num_gpu_blocks * block_size)
         self.prefix_cache: Optional[PrefixCache] = (
-            PrefixCache(enforced_blocks or num_gpu_blocks, block_size) if prefix_caching else None
+            PrefixCache(enforced_blocks or num_gpu_blocks, block_size, kv_events) if prefix_caching else None
         )
+        #: The scheduler reports computed tokens (`computed`, `on_output`) only when True.
+        self.caching = self.prefix_cache is not None
 
     @property
     def enforced(self) -> bool:
@@ -58,29 +67,69 @@ class KVCacheManager:
         """Give `request` `blocks` more blocks (the caller checked they fit)."""
         request.blocks += blocks
         self.used_blocks += blocks
+        if request.kv_blocks is not None and self.prefix_cache is not None:  # running: its new blocks now
+            self.prefix_cache.ensure(request, request.blocks)
 
     def admit(self, request: Request) -> int:
         """A request joins the running batch: its tokens count towards the
-        usage; returns the prompt tokens the prefix cache already holds."""
+        usage; returns the tokens the prefix cache already holds (the blocks
+        allocated before admission are taken here, after the hit blocks)."""
         self.tokens += request.num_tokens
-        if self.prefix_cache is None:
+        cache = self.prefix_cache
+        if cache is None or request.all_token_ids is None:
             return 0
-        return self.prefix_cache.admit(request.block_hashes, request.prompt_len)
+        cached = cache.admit(request)
+        cache.ensure(request, max(request.blocks, self.blocks_for(request.num_tokens)))
+        return cached
+
+    def computed(self, request: Request, tokens: int) -> None:
+        """The request's KV covers its first `tokens` tokens (a prefill or a
+        chunk of it was scheduled): its full blocks are cached."""
+        if request.kv_blocks is not None:
+            self.prefix_cache.cache(request, tokens)  # type: ignore[union-attr]
+
+    def on_output(self, request: Request, token_ids: List[int]) -> None:
+        """A step emitted `token_ids` for the request: its KV now covers every
+        token before them (a decode step computes the last sampled token), and
+        they join its token ids. Only called when `caching`; this is the
+        per-token path, so the pool is asked only at block boundaries."""
+        blocks = request.kv_blocks
+        if blocks is None:
+            return
+        all_token_ids = request.all_token_ids
+        computed = len(all_token_ids)  # type: ignore[arg-type]
+        size = self.block_size
+        if computed // size > request.num_cached_blocks:
+            self.prefix_cache.cache(request, computed)  # type: ignore[union-attr]
+        all_token_ids += token_ids  # type: ignore[operator]
+        if self.num_blocks is None and len(blocks) * size < computed + len(token_ids):
+            # not enforced: nobody allocated the new slots
+            self.prefix_cache.ensure(request, self.blocks_for(computed + len(token_ids)))  # type: ignore[union-attr]
 
     def free(self, request: Request) -> None:
         """A running request left the batch (finished, aborted, preempted)."""
         self.tokens -= request.num_tokens
         self.used_blocks -= request.blocks
         request.blocks = 0
+        if self.prefix_cache is not None:
+            self.prefix_cache.free(request)
 
-    def free_all(self) -> None:
+    def free_all(self, requests: Sequence[Request] = ()) -> None:
+        """Every running request (`requests`) left the batch at once."""
         self.tokens = self.used_blocks = 0
+        for request in requests:
+            request.blocks = 0
+            if self.prefix_cache is not None:
+                self.prefix_cache.free(request)
 
-    def hash_prompt(self, prompt_token_ids: Optional[Sequence[int]]) -> tuple:
-        """The prompt's chained block hashes, when prefix caching is on."""
-        if self.prefix_cache is None or not prompt_token_ids:
-            return ()
-        return block_hashes(prompt_token_ids, self.block_size)
+    def track(self, request: Request, prompt_token_ids: Optional[Sequence[int]]) -> None:
+        """A new request's prompt ids and block hashes, when prefix caching is on."""
+        if self.prefix_cache is not None and prompt_token_ids:
+            self.prefix_cache.track(request, prompt_token_ids)
+
+    def take_events(self) -> List[Tuple[Any, ...]]:
+        """KV events since the last call (prefix_cache.py tuples; none when off)."""
+        return self.prefix_cache.take_events() if self.prefix_cache is not None else []
 
     @property
     def usage(self) -> float:
@@ -97,6 +146,7 @@ class KVCacheManager:
     def take_prefix_cache_stats(self) -> Optional[Dict[str, Any]]:
         return self.prefix_cache.take_stats() if self.prefix_cache is not None else None
 
-    def reset_prefix_cache(self) -> None:
-        if self.prefix_cache is not None:
-            self.prefix_cache.reset()
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False (nothing changed) while running
+        requests hold blocks, as vLLM. True without prefix caching."""
+        return self.prefix_cache.reset() if self.prefix_cache is not None else True

@@ -13,6 +13,8 @@ figures are off by default (steps back to back, instant prefill).
   the batch back; the per-token part does (see the step time).
 * `jitter` scales each step and each fixed TTFT by a factor drawn uniformly
   from [1 - jitter, 1 + jitter] (seeded: the same seed gives the same run).
+* `lora_load_ms` delays the first token of a request whose scheduling
+  loaded its LoRA adapter (not registered before, or evicted since; lora.py).
 * `time_scale` multiplies every duration (0.5 = twice as fast).
 """
 
@@ -33,6 +35,7 @@ class LatencyModel:
     prefill_ms_per_token: float = 0.0
     jitter: float = 0.0
     time_scale: float = 1.0
+    lora_load_ms: float = 0.0
 
     @property
     def paced(self) -> bool:
@@ -54,3 +57,7 @@ class LatencyModel:
         fixed = self.ttft_ms if ttft_ms is None else ttft_ms
         ms = fixed * self._jitter(rng) + self.prefill_ms_per_token * prompt_len
         return ms * self.time_scale / 1000.0
+
+    def lora_load_seconds(self) -> float:
+        """Extra time to the first token of a request that loaded its adapter."""
+        return self.lora_load_ms * self.time_scale / 1000.0

@@ -51,7 +51,15 @@ class EngineCollector(Collector):
         generation = GaugeMetricFamily(
             "gmock_engine_config_generation", "configuration generation the engine runs with (its stepper took it)", labels=["engine"]
         )
+        # KV-cache events (kv_events.py): published batches and events, batches
+        # dropped at a full queue, replay requests served, batches replayed,
+        # malformed replay requests ignored; the kv-* faults count in gmock_faults_injected
+        kv_events = CounterMetricFamily("gmock_kv_events", "KV-cache event publisher counters, by name", labels=["engine", "counter"])
         for runner in self.runners:
+            publisher = getattr(runner, "kv_events", None)
+            if publisher is not None:
+                for name in ("batches", "events", "dropped_queue_full", "replay_requests", "replayed_batches", "bad_replay_requests"):
+                    kv_events.add_metric([str(runner.rank), name], publisher.counters[name])
             for kind, count in runner.faults.injected.items():
                 faults.add_metric([str(runner.rank), kind], count)
             generation.add_metric([str(runner.rank)], runner.generation)
@@ -77,7 +85,7 @@ class EngineCollector(Collector):
             summary = runner.step_lateness.summary()
             lateness.add_metric([rank, "0.5"], summary["p50"])
             lateness.add_metric([rank, "0.99"], summary["p99"])
-        yield from (running, waiting, started, finished, tokens, steps, preemptions, violations, bad_frames, utility, kv, queues, lateness, faults, generation)
+        yield from (running, waiting, started, finished, tokens, steps, preemptions, violations, bad_frames, utility, kv, queues, lateness, faults, generation, kv_events)
 
 
 class ConfigCollector(Collector):

@@ -115,8 +115,13 @@ class WireLayout:
     tensors_arity: int = 4
     #: 0.11.0's LogprobsLists holds plain nested lists, not ndarrays.
     logprobs_as_lists: bool = False
-    #: KV-cache events as maps tagged by "type" (0.26+) or tagged arrays (Appendix D).
+    #: KV-cache events (Appendix D, read in each release's
+    #: vllm/distributed/kv_events.py): maps tagged by "type" from 0.24 (tagged
+    #: arrays before), replay replies with the topic from 0.26, group_idx in
+    #: BlockStored/BlockRemoved from 0.20.
     kv_events_tagged_maps: bool = True
+    kv_events_replay_topic: bool = True
+    kv_events_group_idx: bool = True
     ready_response_keys: Tuple[str, ...] = ()
     request_index: Dict[str, int] = field(default_factory=dict)
 
@@ -151,6 +156,7 @@ _REQUEST_FIELDS_READ = (
     "priority",
     "external_req_id",
     "abort_immediately",
+    "lora_request",
 )
 #: §2.5: the full 0.33 key set; every older frontend ignores unknown keys.
 _READY_RESPONSE_KEYS = (
@@ -229,18 +235,23 @@ def _era(version: str, versions: str, req: Tuple[str, ...], out: Tuple[str, ...]
 
 
 _A, _E, _R = FinishReason.ABORT, FinishReason.ERROR, FinishReason.REPETITION
+#: KV events before 0.20 / in 0.20-0.23 / in 0.24-0.25 (Appendix D; 0.26+: the defaults).
+_KV_OLD = dict(kv_events_tagged_maps=False, kv_events_replay_topic=False, kv_events_group_idx=False)
+_KV_0_20 = dict(kv_events_tagged_maps=False, kv_events_replay_topic=False)
+_KV_0_24 = dict(kv_events_replay_topic=False)
 #: One entry per era: the first vLLM version whose layout it is (§8.1).
 _ERAS = (
     _era("0.11.0", "0.11.0", _REQ_0_11, _OUT_0_11_0, finish=_A, logprobs_arity=3, tensors_arity=3,
-         logprobs_as_lists=True, kv_events_tagged_maps=False),
-    _era("0.11.1", "0.11.1–0.12", _REQ_0_11, _OUT_0_11_1, finish=_A, tensors_arity=3, kv_events_tagged_maps=False),
-    _era("0.13", "0.13", _REQ_0_11, _OUT_0_11_1, finish=_E, tensors_arity=3, kv_events_tagged_maps=False),
-    _era("0.14", "0.14", _REQ_0_14, _OUT_0_14, finish=_E, tensors_arity=3, kv_events_tagged_maps=False),
-    _era("0.15", "0.15", _REQ_0_15, _OUT_0_14, finish=_E, tensors_arity=3, kv_events_tagged_maps=False),
-    _era("0.16", "0.16", _REQ_0_16, _OUT_0_16, finish=_E, kv_events_tagged_maps=False),
-    _era("0.17", "0.17–0.19", _REQ_0_17, _OUT_0_16, kv_events_tagged_maps=False),
-    _era("0.20", "0.20", _REQ_0_20, _OUT_0_20, kv_events_tagged_maps=False),
-    _era("0.21", "0.21–0.25", _REQ_0_21, _OUT_0_20, kv_events_tagged_maps=False),
+         logprobs_as_lists=True, **_KV_OLD),
+    _era("0.11.1", "0.11.1–0.12", _REQ_0_11, _OUT_0_11_1, finish=_A, tensors_arity=3, **_KV_OLD),
+    _era("0.13", "0.13", _REQ_0_11, _OUT_0_11_1, finish=_E, tensors_arity=3, **_KV_OLD),
+    _era("0.14", "0.14", _REQ_0_14, _OUT_0_14, finish=_E, tensors_arity=3, **_KV_OLD),
+    _era("0.15", "0.15", _REQ_0_15, _OUT_0_14, finish=_E, tensors_arity=3, **_KV_OLD),
+    _era("0.16", "0.16", _REQ_0_16, _OUT_0_16, finish=_E, **_KV_OLD),
+    _era("0.17", "0.17–0.19", _REQ_0_17, _OUT_0_16, **_KV_OLD),
+    _era("0.20", "0.20", _REQ_0_20, _OUT_0_20, **_KV_0_20),
+    _era("0.21", "0.21–0.23", _REQ_0_21, _OUT_0_20, **_KV_0_20),
+    _era("0.24", "0.24–0.25", _REQ_0_21, _OUT_0_20, **_KV_0_24),
     _era("0.26", "0.26–0.27", _REQ_0_21, _OUT_0_26),
     _era("0.28", "0.28", _REQ_0_28, _OUT_0_28),
     _era("0.29", "0.29–0.30", _REQ_0_28, _OUT_0_29),
@@ -303,7 +314,8 @@ def _conservative(base: WireLayout, versions: str, **changes: Any) -> WireLayout
 #: as ndarrays (0.11.0 alone wants lists); 20 (0.21–0.27): nothing past
 #: index 8 of an EngineCoreOutput, since 0.21–0.25 put prefill_stats at 10
 #: and 0.26–0.27 put ec_transfer_params there and an ndarray-or-nil at 12,
-#: where the older ones want the int num_nans_in_logits; 21 (0.28–0.30) and
+#: where the older ones want the int num_nans_in_logits (KV events: as
+#: 0.24–0.25, tagged maps without the replay topic); 21 (0.28–0.30) and
 #: 22 (0.31–0.33) differ only in appended fields, which msgspec skips.
 _FINGERPRINTS: Dict[Tuple[int, bool], Tuple[WireLayout, str]] = {
     (15, True): (_conservative(WIRE_LAYOUTS["0.13"], "0.11–0.13", max_finish_reason=FinishReason.ABORT),
@@ -313,7 +325,7 @@ _FINGERPRINTS: Dict[Tuple[int, bool], Tuple[WireLayout, str]] = {
     (17, False): (WIRE_LAYOUTS["0.17"], "17 elements with arrival_time at 5: 0.17 to 0.19"),
     (18, True): (WIRE_LAYOUTS["0.16"], "18 elements with eos_token_id at 5: 0.16"),
     (18, False): (WIRE_LAYOUTS["0.20"], "18 elements with arrival_time at 5: 0.20"),
-    (20, False): (_conservative(WIRE_LAYOUTS["0.21"], "0.21–0.27", output_fields=_OUT_HEAD),
+    (20, False): (_conservative(WIRE_LAYOUTS["0.24"], "0.21–0.27", output_fields=_OUT_HEAD),
                   "0.21 to 0.27 send 20 elements, and 0.21–0.25 and 0.26–0.27 place prefill_stats differently: "
                   "outputs carry nothing past index 8 (no prefill_stats, so vllm:prompt_tokens_total stays 0)"),
     (21, False): (_conservative(WIRE_LAYOUTS["0.28"], "0.28–0.30"),
@@ -427,6 +439,8 @@ class EngineCoreRequest:
     logit_bias: Dict[int, float] = field(default_factory=dict)
     #: SamplingParams.extra_args: what a client put in `vllm_xargs`.
     extra_args: Dict[str, Any] = field(default_factory=dict)
+    #: `lora_request` (index 6) as decoded by msgpack; lora.py checks it.
+    lora_request: Any = None
 
 
 @dataclass
@@ -573,6 +587,7 @@ def _decode_add_fields(payload: List[Any], ix: Dict[str, int], request_id: str, 
         external_req_id=external if isinstance(external, str) else None,
         abort_immediately=_field(payload, ix["abort_immediately"], False) is True,
         prompt_token_ids=prompt,
+        lora_request=_field(payload, ix["lora_request"]),
         **stops,
     )
 
@@ -945,6 +960,8 @@ def scheduler_stats(
     step_counter: int,
     current_wave: int = 0,
     prefix_cache_stats: Optional[Dict[str, Any]] = None,
+    waiting_lora_adapters: Optional[Dict[str, int]] = None,
+    running_lora_adapters: Optional[Dict[str, int]] = None,
 ) -> Dict[str, Any]:
     """A SchedulerStats map with the full 0.33 key set (§7.1).
 
@@ -977,8 +994,9 @@ def scheduler_stats(
         "spec_decoding_stats": None,
         "kv_connector_stats": None,
         "ec_connector_stats": None,
-        "waiting_lora_adapters": {},
-        "running_lora_adapters": {},
+        # requests per LoRA adapter name (vllm:lora_requests_info, lora.py)
+        "waiting_lora_adapters": waiting_lora_adapters or {},
+        "running_lora_adapters": running_lora_adapters or {},
         "cudagraph_stats": None,
         "perf_stats": None,
     }

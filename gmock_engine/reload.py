@@ -32,7 +32,7 @@ from .config import ConfigError, Source, _long_flag, build_parser
 from .faults import KINDS
 
 #: The latency model (latency.py): from each engine's next step.
-LATENCY = ("itl_ms", "itl_ms_per_request", "ttft_ms", "prefill_ms_per_token", "jitter", "time_scale")
+LATENCY = ("itl_ms", "itl_ms_per_request", "ttft_ms", "prefill_ms_per_token", "jitter", "time_scale", "lora_load_ms")
 #: How requests end, where tokens and logprobs come from: for new requests.
 GENERATION = ("output_len_dist", "eos_probability", "token_source", "token_id_range", "logprobs_top1", "logprobs_sampled_top1")
 #: The scheduler's limits, enforced from the next step (READY keeps what it said).

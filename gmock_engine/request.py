@@ -57,6 +57,9 @@ class Request:
         "ttft_ms",
         "block_hashes",
         "cached_tokens",
+        "all_token_ids",
+        "kv_blocks",
+        "num_cached_blocks",
         "num_logprobs",
         "num_prompt_logprobs",
         "logprob_state",
@@ -67,6 +70,7 @@ class Request:
         "forced",
         "shaped",
         "sampler",
+        "lora_request",
         # P/D disaggregation (kv_transfer.py)
         "kv",
     )
@@ -101,9 +105,15 @@ class Request:
         self.pending_events: Optional[List[Dict[str, Any]]] = None
         #: vllm_xargs mock_ttft_ms: this request's fixed time to first token.
         self.ttft_ms: Optional[float] = None
-        #: Prefix caching: the prompt's chained block hashes, and its cached tokens.
-        self.block_hashes: Tuple[int, ...] = ()
+        #: Prefix caching (prefix_cache.py): the chained hashes of its full
+        #: blocks (prompt, then generated), its cached tokens at admission,
+        #: its token ids (None: not cached at all), the physical blocks it
+        #: holds while running (None: not running) and how many are cached.
+        self.block_hashes: List[int] = []
         self.cached_tokens = 0
+        self.all_token_ids: Optional[List[int]] = None
+        self.kv_blocks: Optional[List[Any]] = None
+        self.num_cached_blocks = 0
         #: SamplingParams logprobs / prompt_logprobs (None: not asked; logprobs.py)
         self.num_logprobs: Optional[int] = None
         self.num_prompt_logprobs: Optional[int] = None
@@ -122,6 +132,8 @@ class Request:
         #: The scheduler's Sampler at its ADD (its token source and logprob
         #: model): a reload changes those for new requests only.
         self.sampler: Any = None
+        #: The LoRA adapter it names (lora.LoRARequest), None: the base model.
+        self.lora_request: Any = None
         #: P/D (kv_transfer.KVPlan): it prefills for a decode engine, or
         #: loads its prompt's KV from a prefill engine; None: neither.
         self.kv: Any = None

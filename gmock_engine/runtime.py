@@ -55,7 +55,7 @@ import gevent.queue
 import zmq.green as zmq
 from loguru import logger
 
-from . import fault_injection, faults, kv_transfer, lengths, logs, protocol, reload, tokens, transport
+from . import fault_injection, faults, kv_events, kv_transfer, lengths, logs, protocol, reload, tokens, transport
 from .engine import Drain, EngineCore, EngineSettings, LedgerViolation, Outbound
 from .faults import FaultSpec
 from .latency import LatencyModel
@@ -173,6 +173,15 @@ class EngineRunner:
         self.generation = 1
         #: A reload waiting for the stepper (taken between two steps).
         self._pending: Optional[Reconfiguration] = None
+        # -- KV-cache events (kv_events.py): None unless --kv-events-config enables them --
+        self.kv_events: Optional[kv_events.KVEventPublisher] = None
+        events_config = getattr(config, "kv_events_config", None)
+        if events_config is not None and events_config.enabled:
+            # the format of the frontend's era, read per batch: `auto` learns it from the first ADD
+            self.kv_events = kv_events.KVEventPublisher(
+                ctx, events_config, rank, config.block_size, self.log, self.throttle, lambda: self.faults,
+                lambda: kv_events.EventFormat.of(self.wire.layout),
+            )
 
     @property
     def bad_frames(self) -> int:
@@ -187,7 +196,11 @@ class EngineRunner:
     # -- startup ---------------------------------------------------------------
 
     def start(self) -> None:
-        """Spawn the handshake; it spawns the serving greenlets when done."""
+        """Bind the KV event sockets (kv_events.BindError if they cannot be),
+        then spawn the handshake; it spawns the serving greenlets when done."""
+        if self.kv_events is not None:
+            self.kv_events.bind()  # before the handshake: the ready response names the endpoints
+            self.kv_events.start(self.supervisor.spawn)
         self.handshake = self.supervisor.spawn(f"engine-{self.rank}-handshake", self._handshake)
 
     def ready_response(self, init: InitMessage) -> Dict[str, Any]:
@@ -210,12 +223,13 @@ class EngineRunner:
             "max_num_seqs": c.max_num_seqs,
             "max_num_batched_tokens": c.max_num_batched_tokens,
             "instance_id": f"gmock-{socket.gethostname()}-{os.getpid()}-{self.rank}",
-            "supports_lora": False,
-            "max_loras": 0,
+            # vLLM: supports_lora = lora_config is not None, max_loras 0 without it (core.py)
+            "supports_lora": c.enable_lora,
+            "max_loras": c.max_loras if c.enable_lora else 0,
             "mamba_block_size": None,
             "kv_cache_size_tokens": c.num_gpu_blocks * c.block_size,
             "kv_cache_max_concurrency": None,
-            "kv_events_config": None,
+            "kv_events_config": self.kv_events.config.ready_map() if self.kv_events is not None else None,
             "weight_transfer_backend": None,
             "enable_sleep_mode": False,
             "supports_draft_weight_updates": False,
@@ -263,6 +277,7 @@ class EngineRunner:
             max_num_batched_tokens=c.max_num_batched_tokens if enforced("max_num_batched_tokens") else None,
             scheduling_policy=c.scheduling_policy,
             prefix_caching=c.prefix_caching,
+            kv_events=self.kv_events is not None,
             kv_transfer=kv_transfer.settings_from(
                 c.kv_role, c.kv_transfer_config, c.kv_transfer_ms_per_token, c.kv_transfer_ms_per_block, c.data_parallel_size
             ),
@@ -279,7 +294,13 @@ class EngineRunner:
                 prefill_ms_per_token=c.prefill_ms_per_token,
                 jitter=c.jitter,
                 time_scale=c.time_scale,
+                lora_load_ms=c.lora_load_ms,
             ),
+            enable_lora=c.enable_lora,
+            max_loras=c.max_loras,
+            max_cpu_loras=c.max_cpu_loras,
+            max_lora_rank=c.max_lora_rank,
+            lora_check_adapter_dir=c.lora_check_adapter_dir,
             wire=self.wire,
         )
 
@@ -331,6 +352,9 @@ class EngineRunner:
         paced = engine.latency.paced
         clock = time.monotonic
         timer = StepTimer(wake.set)
+        # KV events: the step's (and the inputs') events go to the publisher
+        # greenlet as one batch; None when off (one check per round)
+        publish = self.kv_events.put if self.kv_events is not None else None
         next_step_at: Optional[float] = None
         started = 0.0  # when the last step started
         try:
@@ -349,6 +373,8 @@ class EngineRunner:
                 # Apply everything queued before the next step, so an ABORT
                 # or a new request takes effect at once.
                 self._drain_input()
+                if publish is not None:
+                    publish(engine.take_kv_events())  # e.g. reset_prefix_cache's AllBlocksCleared, at once
                 if not flowing.is_set():
                     continue  # an input hung the engine: no step
                 if not engine.has_work:
@@ -372,6 +398,8 @@ class EngineRunner:
                 except Exception as exc:  # noqa: BLE001 - contained: the requests of this step fail, the engine goes on
                     out = self._contain("step", None, exc)
                 self._emit(out)
+                if publish is not None:
+                    publish(engine.take_kv_events())
                 # Unpaced this is `now` (steps back to back) unless every
                 # running request waits for its prefill (e.g. mock_ttft_ms).
                 next_step_at = stretched(now, engine.next_step_time(now))
@@ -474,6 +502,9 @@ class EngineRunner:
         gevent.killall(greenlets, block=True, timeout=KILL_TIMEOUT_S)
         if self.sockets is not None:
             self.sockets.close(output_linger_ms=0)
+        if self.kv_events is not None:  # a crashed engine publishes nothing more
+            gevent.killall(self.kv_events.greenlets, block=True, timeout=KILL_TIMEOUT_S)
+            self.kv_events.close_sockets()
         raise gevent.GreenletExit
 
     def runtime_stats(self) -> Dict[str, Any]:
@@ -487,6 +518,7 @@ class EngineRunner:
             "output_queue": self.out_queue.qsize(),
             "faults": self.faults.summary(),
             "config_generation": self.generation,
+            **(self.kv_events.summary() if self.kv_events is not None else {}),
         }
 
     def _emit(self, messages: List[Outbound]) -> None:
@@ -542,7 +574,10 @@ class EngineRunner:
             self.sockets.send_dead(self.log)
 
     def close(self) -> None:
-        """Stage 3: close the sockets (outputs linger, bounded)."""
+        """Stage 3: close the sockets (outputs linger, bounded); the KV event
+        publisher sends what it has queued first (bounded too)."""
+        if self.kv_events is not None and not self.crashed:
+            self.kv_events.close()
         if self.sockets is not None and not self.crashed:
             self.sockets.close()
 
@@ -757,6 +792,8 @@ class App:
                 for key in ("steps", "tokens", "utility_calls", "preemptions", "rejected"):
                     counts[key] = engine.counters[key]
             counts.update(runner.faults.summary())
+            if runner.kv_events is not None:
+                counts.update(runner.kv_events.summary())
             out[runner.rank] = counts
         return out
 

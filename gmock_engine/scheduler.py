@@ -30,6 +30,7 @@ from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KV_LOAD_FAILURE_MESSAGE, KVTransfer
 from .latency import LatencyModel
 from .logprobs import LogprobModel
+from .lora import AdapterRegistry, LoRAError
 from .outbox import Outbox
 from .protocol import EngineCoreEventType, FinishReason
 from .request import Request
@@ -81,9 +82,13 @@ class Scheduler:
         on_preempt: Callable[[Request], None] = lambda request: None,
         on_reject: Callable[[Request], None] = lambda request: None,
         logprob_model: Optional[LogprobModel] = None,
+        lora: Optional[AdapterRegistry] = None,
         kv_transfer: Optional[KVTransfer] = None,
     ) -> None:
         self.kv = kv
+        #: The adapter registry (None: LoRA not enabled); the scheduler keeps
+        #: at most `lora.max_loras` distinct adapters in the running batch.
+        self.lora = lora
         #: P/D disaggregation (kv_transfer.py); None: off.
         self.kv_transfer = kv_transfer
         #: Consumer requests waiting for their KV (vLLM's WAITING_FOR_REMOTE_KVS):
@@ -208,12 +213,12 @@ class Scheduler:
     def remove_all(self) -> List[Request]:
         """Every running and waiting request, taken out (running first)."""
         out = [*self.running.values(), *self.waiting.requests()]
+        self.kv.free_all(list(self.running.values()))
         self.running.clear()
         self.waiting.clear()
         self.prefilling.clear()
         self.chunking.clear()
         self.transferring.clear()
-        self.kv.free_all()
         return out
 
     def _release(self, request: Request) -> None:
@@ -255,6 +260,8 @@ class Scheduler:
         """The per-token path: each ready running request's next tokens."""
         chunk = self.chunk
         sampler = self.sampler
+        # prefix caching: the step's tokens are computed KV (kv_cache_manager.py)
+        on_output = self.kv.on_output if self.kv.caching else None
         draw = sampler.tokens.draw
         make_output = protocol.engine_core_output
         prefilling = self.prefilling
@@ -296,6 +303,8 @@ class Scheduler:
                 finish = request.finish
                 if request.last_token is not None and tokens:
                     tokens[-1] = request.last_token
+            if on_output is not None:
+                on_output(request, tokens)
             kv_params = None
             if finish is not None and request.kv is not None and request.kv.produce:
                 kv_params = self._kv_response(request, finish)
@@ -346,13 +355,14 @@ class Scheduler:
             return None
         return self.kv_transfer.response(request.request_id, request.prompt_len, self.kv.block_size, request.cached_tokens)
 
-    def _kv_admit(self, request: Request, now: float, target: int) -> None:
+    def _kv_admit(self, request: Request, now: float, target: int, extra: float = 0.0) -> None:
         """A consumer request joins the batch: it waits for its KV (the
         prompt tokens not in the local cache) instead of prefilling them, as
         vLLM's WAITING_FOR_REMOTE_KVS; its first token comes when the
-        transfer is done (also at once: a failure is then seen in _emit)."""
+        transfer is done (also at once: a failure is then seen in _emit);
+        `extra`: a LoRA load in the same step."""
         assert self.kv_transfer is not None
-        wait = self.kv_transfer.admitted(request.kv, target, self.kv.block_size, self.latency.time_scale)
+        wait = self.kv_transfer.admitted(request.kv, target, self.kv.block_size, self.latency.time_scale) + extra
         request.prefill_left = 0
         request.ready_at = now + wait
         self.prefilling[request.request_id] = request.ready_at
@@ -426,9 +436,20 @@ class Scheduler:
         the token budget (`budget` left, None: unlimited) and the KV blocks
         allow; return the prompt tokens they prefill in this step."""
         prefill_tokens = 0
-        latency, kv, waiting = self.latency, self.kv, self.waiting
+        latency, kv, waiting, lora = self.latency, self.kv, self.waiting, self.lora
+        # max_loras: a request whose adapter would be one too many in the batch
+        # is skipped and keeps its place (vllm/v1/core/sched/scheduler.py,
+        # scheduled_loras / skipped_waiting_requests)
+        running_loras = self._running_lora_ids() if lora is not None else set()
+        skipped: List[Request] = []
         while waiting and self.can_admit and (budget is None or budget > 0):
             request = waiting.peek_request()
+            adapter = request.lora_request
+            if adapter is not None and lora is not None:
+                if adapter.lora_int_id not in running_loras and len(running_loras) >= lora.max_loras:
+                    skipped.append(waiting.pop_request())
+                    continue
+            need = 0
             if kv.enforced:
                 need = kv.blocks_to_admit(request, self._next_tokens(request))
                 if not kv.fits(need):
@@ -436,6 +457,17 @@ class Scheduler:
                         self._reject_too_long(waiting.pop_request(), outbox)
                         continue
                     break  # waits for blocks to free up, as vLLM
+            loaded = False
+            if adapter is not None and lora is not None:
+                loads = lora.loads
+                try:
+                    lora.add(adapter)  # what vLLM's model runner does for each adapter it schedules
+                except LoRAError as exc:
+                    self._reject_lora(waiting.pop_request(), str(exc), outbox)
+                    continue
+                loaded = lora.loads != loads
+                running_loras.add(adapter.lora_int_id)
+            if kv.enforced:
                 kv.allocate(request, need)
             waiting.pop_request()
             request.scheduled_at = now
@@ -448,13 +480,19 @@ class Scheduler:
             request.cached_tokens = kv.admit(request)
             target -= request.cached_tokens
             if request.kv is not None and request.kv.consume and not request.num_output_tokens:
-                self._kv_admit(request, now, target)  # its KV comes over the transfer: no prefill budget
+                # P/D consumer: its KV comes over the transfer, not from the token budget; the
+                # loaded blocks are cached, as vLLM's cache_blocks after a remote load
+                if kv.caching:
+                    kv.computed(request, request.num_tokens)
+                self._kv_admit(request, now, target, latency.lora_load_seconds() if loaded else 0.0)
                 continue
             take = target if budget is None else min(target, budget)
             prefill_tokens += take
             if budget is not None:
                 budget -= take
             request.prefill_left = target - take
+            if kv.caching:  # the prompt blocks prefilled in this step are cached now, as vLLM's
+                kv.computed(request, request.num_tokens - request.prefill_left)
             if request.prefill_left:
                 self.chunking[request.request_id] = request
             if request.ttft_ms is not None:
@@ -463,9 +501,38 @@ class Scheduler:
                 request.ready_at = now + latency.first_token_seconds(request.prompt_len, self._rng)
             else:
                 request.ready_at = now
+            if loaded:
+                request.ready_at += latency.lora_load_seconds()
             if request.prefill_left or request.ready_at > now:
                 self.prefilling[request.request_id] = float("inf") if request.prefill_left else request.ready_at
+        for request in reversed(skipped):
+            waiting.prepend_request(request)
         return prefill_tokens
+
+    def _running_lora_ids(self) -> "set[int]":
+        return {r.lora_request.lora_int_id for r in self.running.values() if r.lora_request is not None}
+
+    def _reject_lora(self, request: Request, message: str, outbox: Outbox) -> None:
+        """An adapter that cannot be loaded or activated: where vLLM's worker
+        raises (and its engine dies), this request ends with ERROR and
+        vLLM's message; the engine goes on."""
+        error = protocol.request_error("lora_load_failed", message)
+        outbox.end(request.client_index, request.request_id, protocol.engine_core_output(request.request_id, [], FinishReason.ERROR, error, self.wire.layout))
+        self._on_reject(request)
+
+    def lora_adapters(self) -> "tuple[Dict[str, int], Dict[str, int]]":
+        """SchedulerStats waiting_lora_adapters / running_lora_adapters:
+        requests per adapter name (§7.1; vLLM's LoRARequestStates)."""
+        waiting: Counter = Counter()
+        running: Counter = Counter()
+        if self.lora is not None:
+            for request in self.running.values():
+                if request.lora_request is not None:
+                    running[request.lora_request.lora_name] += 1
+            for request in self.waiting.requests():
+                if request.lora_request is not None:
+                    waiting[request.lora_request.lora_name] += 1
+        return dict(waiting), dict(running)
 
     def _reject_too_long(self, request: Request, outbox: Outbox) -> None:
         """A request whose KV can never fit: ERROR now, not a queue that never moves."""
@@ -484,6 +551,8 @@ class Scheduler:
             request.prefill_left -= take
             budget -= take
             prefilled += take
+            if self.kv.caching:
+                self.kv.computed(request, request.num_tokens - request.prefill_left)
             if not request.prefill_left:
                 del self.chunking[request.request_id]
                 if request.ready_at > now:
@@ -519,6 +588,12 @@ class Scheduler:
             kv.allocate(request, need)
         return preempted
 
+    def preempt_all(self, now: float) -> None:
+        """Every running request back to the queue, newest first (vLLM's
+        reset_prefix_cache(reset_running_requests=True))."""
+        while self.running:
+            self._preempt(next(reversed(self.running.values())), now)
+
     def _preempt(self, request: Request, now: float) -> None:
         """Back to the front of the queue; its KV is freed and recomputed later."""
         del self.running[request.request_id]
@@ -538,7 +613,10 @@ class Scheduler:
 
     def scheduler_stats(self, prefix_cache_stats: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """The engine's SchedulerStats now (§7.1)."""
+        waiting_loras, running_loras = self.lora_adapters()
         return protocol.scheduler_stats(
+            waiting_lora_adapters=waiting_loras,
+            running_lora_adapters=running_loras,
             prefix_cache_stats=prefix_cache_stats,
             num_running_reqs=len(self.running) - len(self.transferring),
             num_waiting_reqs=len(self.waiting) + len(self.transferring),

@@ -16,8 +16,9 @@ from . import protocol
 from .kv_cache_manager import KVCacheManager
 from .ledger import Ledger
 from .logs import Throttle, short
+from .lora import AdapterRegistry, LoRAError, decode_lora_request
 from .outbox import Outbound
-from .protocol import UtilityCall
+from .protocol import BadValue, UtilityCall
 from .request import cut
 from .scheduler import PauseState, Scheduler
 
@@ -62,6 +63,8 @@ class Utilities:
         self.reject_new_requests = False
         self.sleep_level = 0
         self.weight_version: Optional[str] = None
+        #: The engine's LoRA adapter registry (None: LoRA not enabled; set by the engine).
+        self.lora: Optional[AdapterRegistry] = None
         #: Utility calls answered when the engine has drained (pause mode "wait").
         self._replies_when_drained: List[Tuple[int, int]] = []
 
@@ -179,8 +182,11 @@ def _u_resume_scheduler(u: Utilities, call: UtilityCall) -> List[Outbound]:
 
 
 def _u_reset_prefix_cache(u: Utilities, call: UtilityCall) -> List[Outbound]:
-    u.kv.reset_prefix_cache()
-    return [u.reply(call, True)]
+    """As vLLM's: refused (False) while running requests hold blocks, unless
+    reset_running_requests (args[0]) preempts them first."""
+    if _arg(call, 0, False) is True and u.kv.caching and u.scheduler.running:
+        u.scheduler.preempt_all(u.clock())
+    return [u.reply(call, u.kv.reset_prefix_cache())]
 
 
 def _u_get_weight_version(u: Utilities, call: UtilityCall) -> List[Outbound]:
@@ -205,12 +211,66 @@ def _u_gmock_stats(u: Utilities, call: UtilityCall) -> List[Outbound]:
         "counters": dict(u.scheduler.counters),
         "ledger": u.ledger.summary(),
     }
+    if u.lora is not None:
+        stats["lora"] = u.lora.snapshot()
     stats.update(u.stats_provider())
     return [u.reply(call, stats)]
 
 
+# -- LoRA (vllm/v1/engine/core.py add_lora/remove_lora/list_loras/pin_lora,
+# answered by the executor's LRUCacheWorkerLoRAManager; lora.py) -------------
+
+
+def _registry(u: Utilities) -> AdapterRegistry:
+    if u.lora is None:
+        # what vLLM's worker says when the engine runs without a LoRA config
+        raise UtilityFailure("LoRA is not enabled. Use --enable-lora to enable LoRA.")
+    return u.lora
+
+
+def _lora_id(call: UtilityCall) -> int:
+    lora_id = _arg(call, 0, None)
+    if isinstance(lora_id, bool) or not isinstance(lora_id, int):
+        raise UtilityFailure(f"{call.method}: lora_id must be an int, got {cut(lora_id)}")
+    return lora_id
+
+
 def _u_add_lora(u: Utilities, call: UtilityCall) -> List[Outbound]:
-    raise UtilityFailure("LoRA is not supported by gmock_engine (supports_lora is false)")
+    registry = _registry(u)
+    try:
+        request = decode_lora_request(_arg(call, 0, None))
+    except BadValue as exc:
+        raise UtilityFailure(f"add_lora: {exc}") from None
+    if request is None:
+        raise UtilityFailure("add_lora: lora_request is nil")
+    try:
+        result = registry.add(request)
+    except LoRAError as exc:
+        raise UtilityFailure(str(exc)) from None
+    u.log.info("LoRA adapter {} (id {}) loaded from {}: {}", short(request.lora_name, 60), request.lora_int_id, short(request.lora_path, 120), registry.snapshot())
+    return [u.reply(call, result)]
+
+
+def _u_remove_lora(u: Utilities, call: UtilityCall) -> List[Outbound]:
+    registry, lora_id = _registry(u), _lora_id(call)
+    removed = registry.remove(lora_id)
+    u.log.info("LoRA adapter id {} removed: {} {}", lora_id, removed, registry.snapshot())
+    return [u.reply(call, removed)]
+
+
+def _u_pin_lora(u: Utilities, call: UtilityCall) -> List[Outbound]:
+    registry, lora_id = _registry(u), _lora_id(call)
+    try:
+        pinned = registry.pin(lora_id)
+    except LoRAError as exc:
+        raise UtilityFailure(str(exc)) from None
+    u.log.info("LoRA adapter id {} pinned: {}", lora_id, registry.snapshot())
+    return [u.reply(call, pinned)]
+
+
+def _u_list_loras(u: Utilities, call: UtilityCall) -> List[Outbound]:
+    # vLLM's engine without LoRA: the executor answers an empty set
+    return [u.reply(call, [] if u.lora is None else u.lora.list())]
 
 
 #: Utility methods and their answers (PROTOCOL.md §5, "recommended mock answer").
@@ -230,11 +290,11 @@ _UTILITIES: Dict[str, Handler] = {
     "execute_dummy_batch": _u_value(None),
     "get_weight_version": _u_get_weight_version,
     "set_weight_version": _u_set_weight_version,
-    "list_loras": _u_value([]),
+    "list_loras": _u_list_loras,
     "gmock_stats": _u_gmock_stats,
     "add_lora": _u_add_lora,
-    "remove_lora": _u_add_lora,
-    "pin_lora": _u_add_lora,
+    "remove_lora": _u_remove_lora,
+    "pin_lora": _u_pin_lora,
     "collective_rpc": _u_value([]),
     "compute_weight_checksums": _u_value([]),
     "release_kv_cache_memory": _u_value(None),

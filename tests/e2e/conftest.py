@@ -9,7 +9,9 @@ Select / deselect:  pytest -m e2e tests/e2e   |   pytest -m "not e2e"
 One topology:       pytest tests/e2e -k rs-dp4
 Environment knobs:  GMOCK_FRONTENDS_HOME, GMOCK_E2E_TIMEOUT_SCALE (multiplies the
 start-up deadlines), GMOCK_E2E_ENGINE_ARGS (extra run.sh arguments, shell-quoted),
-GMOCK_E2E_TOPOLOGIES (comma-separated ids, e.g. "py-dp1-api1,rs-dp4").
+GMOCK_E2E_TOPOLOGIES (comma-separated ids, e.g. "py-dp1-api1,rs-dp4"),
+GMOCK_E2E_VERSIONS (test_versions_e2e.py: which older frontends, e.g. "rs-0.22.0,py-0.28.0";
+"none" runs none).
 """
 
 from __future__ import annotations
@@ -86,7 +88,12 @@ def stack(request, frontends, model_dir, tmp_path_factory):
     # A test module may set ENGINE_ARGS (extra run.sh arguments for its stacks);
     # $GMOCK_E2E_ENGINE_ARGS comes after them, so it wins for a repeated flag.
     engine_args = list(getattr(request.module, "ENGINE_ARGS", []))
-    s = h.Stack(topo, frontends, model_dir, tmp_path_factory.mktemp(topo.id), engine_args=engine_args)
+    # A topology with a version (test_versions_e2e.py) gets that frontend, installed on first use.
+    fe = frontends if topo.version is None else h.install_version(topo.frontend, topo.version)
+    install_s = round(time.monotonic() - t0, 1)
+    s = h.Stack(topo, fe, model_dir, tmp_path_factory.mktemp(topo.id), engine_args=engine_args)
+    if topo.version is not None:
+        s.timings["install_s"] = install_s
     s.start()
     try:
         yield s

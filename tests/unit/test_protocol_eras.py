@@ -30,7 +30,8 @@ def era_add(layout, request_id="r", prompt=(1, 2, 3), sampling=None, **fields):
 @pytest.mark.parametrize("version, era", [
     ("0.11", "0.11.0"), ("0.11.0", "0.11.0"), ("0.11.1", "0.11.1"), ("0.11.2", "0.11.1"), ("0.12.0", "0.11.1"),
     ("0.13", "0.13"), ("0.14.1", "0.14"), ("0.15.1", "0.15"), ("0.16.0", "0.16"), ("0.17.1", "0.17"),
-    ("0.19.1", "0.17"), ("0.20.2", "0.20"), ("0.21.0", "0.21"), ("0.25", "0.21"), ("0.25.1", "0.21"),
+    ("0.19.1", "0.17"), ("0.20.2", "0.20"), ("0.21.0", "0.21"), ("0.23.0", "0.21"), ("0.24.0", "0.24"),
+    ("0.25", "0.24"), ("0.25.1", "0.24"),
     ("0.26.0", "0.26"), ("0.27.1", "0.26"), ("0.28.0", "0.28"), ("0.30", "0.29"), ("0.31.0", "0.31"),
     ("0.32.0", "0.32"), ("0.33", "0.33"), ("0.33.7", "0.33"),
 ])
@@ -79,7 +80,8 @@ def test_an_eos_id_at_index_5_is_checked_like_the_sampling_one():
 
 @pytest.mark.parametrize("era, detected", [
     ("0.11.0", "0.11–0.13"), ("0.11.1", "0.11–0.13"), ("0.13", "0.11–0.13"), ("0.14", "0.14"), ("0.15", "0.15"),
-    ("0.16", "0.16"), ("0.17", "0.17"), ("0.20", "0.20"), ("0.21", "0.21–0.27"), ("0.26", "0.21–0.27"),
+    ("0.16", "0.16"), ("0.17", "0.17"), ("0.20", "0.20"), ("0.21", "0.21–0.27"), ("0.24", "0.21–0.27"),
+    ("0.26", "0.21–0.27"),
     ("0.28", "0.28–0.30"), ("0.29", "0.28–0.30"), ("0.31", "0.31–0.33"), ("0.32", "0.31–0.33"), ("0.33", "0.31–0.33"),
 ])
 def test_auto_detects_the_era_from_the_first_add_and_says_why(era, detected):
@@ -128,11 +130,11 @@ def test_a_later_add_of_another_era_is_said_once_and_the_layout_stays():
 def test_an_explicit_version_always_wins_and_a_mismatch_is_said_once():
     said = []
     wire = Wire.from_setting("0.25.1", said.append)
-    assert wire.settled and wire.layout is WIRE_LAYOUTS["0.21"]
+    assert wire.settled and wire.layout is WIRE_LAYOUTS["0.24"]
     protocol.decode_add(era_add(WIRE_LAYOUTS["0.33"]), wire)
     protocol.decode_add(era_add(WIRE_LAYOUTS["0.33"]), wire)
-    assert wire.layout is WIRE_LAYOUTS["0.21"] and len(said) == 1
-    protocol.decode_add(era_add(WIRE_LAYOUTS["0.21"]), Wire.from_setting("0.25", said.append))
+    assert wire.layout is WIRE_LAYOUTS["0.24"] and len(said) == 1
+    protocol.decode_add(era_add(WIRE_LAYOUTS["0.24"]), Wire.from_setting("0.25", said.append))
     assert len(said) == 1  # the same shape: nothing to say
 
 
@@ -185,3 +187,13 @@ def test_the_flag_takes_auto_or_a_version_and_names_itself_when_wrong():
     assert parse_config([], env={"GMOCK_PROTOCOL_VERSION": "0.18"}).protocol_version == "0.18"
     with pytest.raises(ConfigError, match=r"--protocol-version: vLLM 0.9 has no wire layout here: known are 0.11.0 to 0.33.x; or auto"):
         parse_config(["--protocol-version", "0.9"], env={})
+
+
+@pytest.mark.parametrize("version, maps, topic, group", [
+    ("0.19.1", False, False, False), ("0.20.2", False, False, True), ("0.23.0", False, False, True),
+    ("0.24.0", True, False, True), ("0.25.1", True, False, True), ("0.26.0", True, True, True), ("0.33", True, True, True),
+])
+def test_kv_event_formats_follow_the_era(version, maps, topic, group):
+    """Appendix D, as each release's vllm/distributed/kv_events.py has it."""
+    layout = protocol.layout_for_version(version)
+    assert (layout.kv_events_tagged_maps, layout.kv_events_replay_topic, layout.kv_events_group_idx) == (maps, topic, group)
