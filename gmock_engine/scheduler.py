@@ -480,10 +480,9 @@ class Scheduler:
             request.cached_tokens = kv.admit(request)
             target -= request.cached_tokens
             if request.kv is not None and request.kv.consume and not request.num_output_tokens:
-                # P/D consumer: its KV comes over the transfer, not from the token budget; the
-                # loaded blocks are cached, as vLLM's cache_blocks after a remote load
-                if kv.caching:
-                    kv.computed(request, request.num_tokens)
+                # P/D consumer: its KV comes over the transfer, not from the token budget; its
+                # blocks are cached when its first token comes (kv.on_output), i.e. after the
+                # load, as vLLM caches them once the remote KV has arrived
                 self._kv_admit(request, now, target, latency.lora_load_seconds() if loaded else 0.0)
                 continue
             take = target if budget is None else min(target, budget)

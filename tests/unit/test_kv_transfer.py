@@ -364,3 +364,27 @@ def test_random_hostile_params_never_stop_the_engine():
     assert ended == set(ids)
     summary = engine.ledger.summary()
     assert summary.get("violations", 0) == 0 and engine.num_active == 0
+
+
+def test_a_consumer_caches_the_loaded_blocks_and_loads_only_the_rest_next_time():
+    """With --prefix-caching the decode engine keeps what it loaded, cached
+    once the load is done (vLLM caches the blocks after a remote load): the
+    same prompt again is a local hit, and only its uncached tail comes over
+    the transfer."""
+    clock = Clock()
+    settings = KVTransferSettings(role="consumer", ms_per_token=10.0)
+    engine = EngineCore(EngineSettings(rank=0, num_clients=1, kv_transfer=settings, block_size=16, prefix_caching=True), clock=clock)
+    prompt = list(range(1, 41))  # 40 tokens: 2 full blocks
+    for rid in ("first", "again"):
+        engine.apply(EngineCoreRequest(request_id=rid, prompt_len=40, prompt_token_ids=prompt, max_tokens=2,
+                                       has_sampling_params=True, extra_args={"kv_transfer_params": decode_params()}))
+        engine.step()
+        waits = engine.next_step_time(clock.now) - clock.now
+        sent = run(engine)
+        assert len(tokens_of(sent, rid)) == 2
+        if rid == "first":
+            assert waits == pytest.approx(0.4)  # all 40 tokens loaded
+        else:
+            assert waits == pytest.approx(0.08)  # 32 cached locally, 8 loaded
+            stats = outputs_of(sent, rid)[0][11]
+            assert stats["num_local_cached_tokens"] == 32 and stats["num_external_cached_tokens"] == 8
