@@ -200,3 +200,41 @@ def test_fault_specs_slow_and_failing_transfers(pd, frontends, model_dir, tmp_pa
     finally:
         problems = decode.stop()
     assert not problems, problems
+
+
+def test_dp2_pairs_name_each_prefill_rank(pd, frontends, model_dir, tmp_path_factory):
+    """DP 2 on both sides (Rust only, for its start-up time): each prefill
+    rank answers with its own engine id (`<engine_id>_dp<rank>`, as vLLM
+    names them) and side-channel port (+ rank); every stream is exact. The
+    prefill engines take 300 ms per request so that concurrent ones are in
+    flight together and the frontend spreads them over both ranks."""
+    if pd.kind != "rust":
+        pytest.skip("one frontend is enough for DP 2 (the engine side is the same)")
+    topology = h.Topology("rust", dp=2)
+    prefill = h.Stack(topology, frontends, model_dir, tmp_path_factory.mktemp("pd-rust-dp2-p"),
+                      engine_args=[*PRODUCER_ARGS, "--ttft-ms", "300"])
+    decode = h.Stack(topology, frontends, model_dir, tmp_path_factory.mktemp("pd-rust-dp2-d"), engine_args=CONSUMER_ARGS)
+    try:
+        prefill.start()
+        decode.start()
+        with PDProxy(prefill.base_url, decode.base_url) as proxy:
+            client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0, timeout=120)
+            results = [None] * 6
+
+            def one(i):
+                results[i] = stream_chat(client, 4 + i)
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(results))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            for i, (contents, finishes, usage, first, error) in enumerate(results):
+                assert error is None and finishes == ["length"] and usage.completion_tokens == 4 + i, (error, finishes, usage)
+            seen = {(e["kv_transfer_params"]["remote_engine_id"], e["kv_transfer_params"]["remote_port"]) for e in proxy.exchanges}
+        assert seen == {("prefill-e2e_dp0", 5600), ("prefill-e2e_dp1", 5601)}, seen
+        consumed = [params for _, role, params in kv_log(decode) if role == "consumer"]
+        assert len(consumed) == 6
+    finally:
+        problems = decode.stop() + prefill.stop()
+    assert not problems, problems
