@@ -117,6 +117,8 @@ def main() -> None:
     """`python tests/e2e/pd_proxy.py --prefill URL --decode URL [--port N]`:
     the proxy in the foreground, for trying a P/D pair by hand."""
     import argparse
+    import signal
+    import sys
     import time
 
     parser = argparse.ArgumentParser(description="minimal two-step P/D proxy (vLLM's toy_proxy_server, reduced)")
@@ -124,12 +126,14 @@ def main() -> None:
     parser.add_argument("--decode", required=True, help="base URL of the decode frontend, e.g. http://127.0.0.1:8200")
     parser.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 to serve /v1/chat/completions and /v1/completions")
     args = parser.parse_args()
+    # SIGTERM stops it as Ctrl-C does (a background job started by a script ignores SIGINT)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with PDProxy(args.prefill, args.decode, args.port) as proxy:
         print(f"P/D proxy on {proxy.url}/v1: prefill {proxy.prefill_url}, decode {proxy.decode_url}; Ctrl-C stops", flush=True)
         try:
             while True:
                 time.sleep(3600)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, SystemExit):
             pass
 
 
