@@ -101,7 +101,12 @@ class PrefixCache:
         if token_ids is None:
             return
         request.all_token_ids = list(token_ids)
-        request.block_hashes = list(block_hashes(token_ids, self.block_size))
+        # vLLM hashes a LoRA request's blocks with its adapter's name as an
+        # extra key (kv_cache_utils._gen_lora_extra_hash_keys): the same prompt
+        # under another adapter shares no block. A root per adapter does that.
+        lora = getattr(request, "lora_request", None)
+        root = 0 if lora is None else hash(("lora", lora.lora_name)) & HASH_MASK
+        request.block_hashes = list(block_hashes(token_ids, self.block_size, root))
 
     def admit(self, request: Any) -> int:
         """A request joins the running batch: touch the cached blocks of its
@@ -183,7 +188,12 @@ class PrefixCache:
         request.num_cached_blocks = full
         if self.events is not None:
             parent = hashes[start - 1] if start else None
-            self.events.append((STORED, hashes[start:full], parent, request.all_token_ids[start * size : full * size]))
+            tokens = request.all_token_ids[start * size : full * size]
+            lora = getattr(request, "lora_request", None)
+            if lora is None:
+                self.events.append((STORED, hashes[start:full], parent, tokens))
+            else:  # BlockStored's lora_id / lora_name (Appendix D)
+                self.events.append((STORED, hashes[start:full], parent, tokens, lora.lora_int_id, lora.lora_name))
 
     def free(self, request: Any) -> None:
         """The request left the batch: its blocks are released, the tail

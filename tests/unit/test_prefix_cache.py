@@ -163,3 +163,28 @@ def test_engine_reports_cached_tokens_and_resets():
     assert engine.take_kv_events() == [(CLEARED,)]
     out, _ = first_output("c")
     assert out[11]["num_cached_tokens"] == 0
+
+
+def test_an_adapter_keeps_its_own_blocks_and_names_itself_in_the_events():
+    """vLLM hashes a LoRA request's blocks with the adapter's name (extra keys):
+    the same prompt under another adapter, or none, hits nothing; BlockStored
+    carries lora_id and lora_name (Appendix D)."""
+    from gmock_engine.kv_events import EventFormat, encode_events
+    from gmock_engine.lora import LoRARequest
+
+    kv = KVCacheManager(100, 4, None, True, kv_events=True)
+    prompt = list(range(12))
+    sql = _request("a", prompt)
+    sql.lora_request = LoRARequest("sql", 7, "/adapters/sql")
+    assert _run(kv, sql, prompt) == 0
+    kv.free(sql)
+    base = _request("b", prompt)
+    assert _run(kv, base, prompt) == 0  # the base model does not share the adapter's KV
+    kv.free(base)
+    again = _request("c", prompt)
+    again.lora_request = LoRARequest("sql", 7, "/adapters/sql")
+    assert _run(kv, again, prompt) == 8  # the same adapter does
+    stored = [e for e in kv.take_events() if e[0] == STORED]
+    assert stored[0][4:] == (7, "sql") and len(stored[1]) == 4
+    item = encode_events(stored[:1], 4, EventFormat())[0]
+    assert (item["lora_id"], item["lora_name"], item["token_ids"]) == (7, "sql", prompt)
