@@ -249,7 +249,9 @@ _ERAS = (
     _era("0.15", "0.15", _REQ_0_15, _OUT_0_14, finish=_E, tensors_arity=3, **_KV_OLD),
     _era("0.16", "0.16", _REQ_0_16, _OUT_0_16, finish=_E, **_KV_OLD),
     _era("0.17", "0.17–0.19", _REQ_0_17, _OUT_0_16, **_KV_OLD),
-    _era("0.20", "0.20", _REQ_0_20, _OUT_0_20, **_KV_0_20),
+    # 0.20.0 still sends the 0.17 request; reasoning_parser_kwargs came in 0.20.1
+    _era("0.20.0", "0.20.0", _REQ_0_17, _OUT_0_20, **_KV_0_20),
+    _era("0.20.1", "0.20.1–0.20.2", _REQ_0_20, _OUT_0_20, **_KV_0_20),
     _era("0.21", "0.21–0.23", _REQ_0_21, _OUT_0_20, **_KV_0_20),
     _era("0.24", "0.24–0.25", _REQ_0_21, _OUT_0_20, **_KV_0_24),
     _era("0.26", "0.26–0.27", _REQ_0_21, _OUT_0_26),
@@ -310,7 +312,9 @@ def _conservative(base: WireLayout, versions: str, **changes: Any) -> WireLayout
 #: why. Python sends every field (array_like structs are never cut short);
 #: vllm-rs sends the layout of the Python release it was built with.
 #: A length shared by eras whose outputs differ gets a layout that every one
-#: of them decodes: 15 (0.11.0–0.13): no ERROR (ABORT instead), LogprobsLists
+#: of them decodes: 17 without eos_token_id (0.17–0.20.0): nothing past index 9
+#: (0.20.0 put prefill_stats where 0.17–0.19 have num_cached_tokens);
+#: 15 (0.11.0–0.13): no ERROR (ABORT instead), LogprobsLists
 #: as ndarrays (0.11.0 alone wants lists); 20 (0.21–0.27): nothing past
 #: index 8 of an EngineCoreOutput, since 0.21–0.25 put prefill_stats at 10
 #: and 0.26–0.27 put ec_transfer_params there and an ndarray-or-nil at 12,
@@ -322,9 +326,11 @@ _FINGERPRINTS: Dict[Tuple[int, bool], Tuple[WireLayout, str]] = {
                  "0.11.0 to 0.13 send 15 elements; their outputs differ (ERROR from 0.13, list logprobs in 0.11.0)"),
     (16, True): (WIRE_LAYOUTS["0.14"], "only 0.14 sends 16 elements"),
     (17, True): (WIRE_LAYOUTS["0.15"], "17 elements with eos_token_id at 5: 0.15"),
-    (17, False): (WIRE_LAYOUTS["0.17"], "17 elements with arrival_time at 5: 0.17 to 0.19"),
+    (17, False): (_conservative(WIRE_LAYOUTS["0.17"], "0.17–0.20.0", output_fields=_OUT_HEAD + ("trace_headers",)),
+                  "17 elements with arrival_time at 5: 0.17 to 0.20.0, and 0.20.0 has prefill_stats (a map) at 10 "
+                  "where 0.17–0.19 have num_cached_tokens (an int): outputs carry nothing past index 9"),
     (18, True): (WIRE_LAYOUTS["0.16"], "18 elements with eos_token_id at 5: 0.16"),
-    (18, False): (WIRE_LAYOUTS["0.20"], "18 elements with arrival_time at 5: 0.20"),
+    (18, False): (WIRE_LAYOUTS["0.20.1"], "18 elements with arrival_time at 5: 0.20.1 and 0.20.2"),
     (20, False): (_conservative(WIRE_LAYOUTS["0.24"], "0.21–0.27", output_fields=_OUT_HEAD),
                   "0.21 to 0.27 send 20 elements, and 0.21–0.25 and 0.26–0.27 place prefill_stats differently: "
                   "outputs carry nothing past index 8 (no prefill_stats, so vllm:prompt_tokens_total stays 0)"),

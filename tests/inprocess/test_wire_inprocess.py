@@ -29,25 +29,25 @@ def wire_gauge(app):
     raise AssertionError("no gmock_wire_layout sample")
 
 
-def test_auto_answers_a_0_17_frontend_in_its_own_layout_and_says_so_once():
+def test_auto_answers_a_0_16_frontend_in_its_own_layout_and_says_so_once():
     lines = []
     sink = logger.add(lambda message: lines.append(str(message)), level="INFO")
     frontend = FakeFrontend(num_clients=1, dp=1)
     try:
         with serving(frontend) as app:
             assert wire_gauge(app) == {"era": "0.33", "versions": "0.33", "how": "pending"}
-            old = WIRE_LAYOUTS["0.17"]  # no eos_token_id: client_index at 10 (§8.1)
+            old = WIRE_LAYOUTS["0.16"]  # eos_token_id at 5, 18 elements (§8.1)
             for rid in ("a", "b"):
-                frontend.send_raw(0, 0, add_frames(era_add(old, rid, 3)))
+                frontend.send_raw(0, 0, add_frames(era_add(old, rid, 3, eos_token_id=None)))
             collected = frontend.collect(["a", "b"])
             final = collected.outputs["a"][-1]
             assert len(collected.tokens("a")) == 3 and final[5] == FinishReason.LENGTH
             # the first output's prefill accounting is num_cached_tokens (an int) at 10, not a map
             first = collected.outputs["a"][0]
             assert len(first) == 11 and first[10] == 0
-            assert wire_gauge(app) == {"era": "0.17", "versions": "0.17–0.19", "how": "detected"}
+            assert wire_gauge(app) == {"era": "0.16", "versions": "0.16", "how": "detected"}
         said = [line for line in lines if "protocol: the frontend speaks" in line]
-        assert len(said) == 1 and "vLLM 0.17–0.19" in said[0] and "arrival_time at 5" in said[0]
+        assert len(said) == 1 and "vLLM 0.16" in said[0] and "eos_token_id at 5" in said[0]
     finally:
         logger.remove(sink)
 
