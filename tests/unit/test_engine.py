@@ -6,6 +6,7 @@ import pytest
 
 from gmock_engine.engine import EngineCore, EngineSettings
 from gmock_engine.protocol import AbortRequests, EngineCoreRequest, FinishReason, StartDPWave, UtilityCall
+from engine_steps import outputs_of, run, tokens_of
 
 
 class Clock:
@@ -32,24 +33,6 @@ def add(rid, max_tokens=16, client=0, sampling=True, **kw):
         client_index=client,
         **kw,
     )
-
-
-def run(engine, limit=10000):
-    """Step until idle; return every (client, message) sent."""
-    sent = []
-    for _ in range(limit):
-        if not engine.has_work:
-            return sent
-        sent.extend(engine.step())
-    raise AssertionError("engine never went idle")
-
-
-def outputs_of(sent, rid):
-    return [o for _, m in sent for o in m[1] if o[0] == rid]
-
-
-def tokens_of(sent, rid):
-    return [t for o in outputs_of(sent, rid) for t in o[1]]
 
 
 def finished_of(sent):

@@ -11,6 +11,7 @@ from gmock_engine.engine import EngineCore, EngineSettings
 from gmock_engine.faults import parse_spec
 from gmock_engine.kv_transfer import KVTransferSettings, parse_kv_transfer_config
 from gmock_engine.protocol import EngineCoreRequest, FinishReason
+from engine_steps import outputs_of, tokens_of
 
 #: What vLLM's disaggregated-serving proxy sends the prefill server (toy_proxy_server.py).
 PROXY_PREFILL_PARAMS = {
@@ -53,14 +54,6 @@ def run(engine, limit=1000):
         engine.clock.now = max(engine.clock.now, due)
         sent.extend(engine.step())
     raise AssertionError("engine never went idle")
-
-
-def outputs_of(sent, rid):
-    return [o for _, m in sent for o in m[1] if o[0] == rid]
-
-
-def tokens_of(sent, rid):
-    return [t for o in outputs_of(sent, rid) for t in o[1]]
 
 
 def decode_params(**over):

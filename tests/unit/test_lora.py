@@ -10,6 +10,7 @@ from gmock_engine.engine import EngineCore, EngineSettings
 from gmock_engine.latency import LatencyModel
 from gmock_engine.lora import AdapterRegistry, LoRAError, LoRARequest, decode_lora_request
 from gmock_engine.protocol import BadValue, EngineCoreRequest, FinishReason, UtilityCall, Wire, decode_add, pack, unpack
+from engine_steps import outputs_of, run
 
 
 class Clock:
@@ -23,20 +24,6 @@ class Clock:
 
 def add(rid, max_tokens=16, **kw):
     return EngineCoreRequest(request_id=rid, prompt_len=3, max_tokens=max_tokens, has_sampling_params=True, **kw)
-
-
-def run(engine, limit=10000):
-    """Step until idle; return every (client, message) sent."""
-    sent = []
-    for _ in range(limit):
-        if not engine.has_work:
-            return sent
-        sent.extend(engine.step())
-    raise AssertionError("engine never went idle")
-
-
-def outputs_of(sent, rid):
-    return [o for _, m in sent for o in m[1] if o[0] == rid]
 
 
 def error_of(output):
