@@ -407,7 +407,14 @@ class EngineRunner:
                 # running request waits for its prefill (e.g. mock_ttft_ms).
                 next_step_at = stretched(now, engine.next_step_time(now))
                 # Yield to the hub between rounds: readers and the sender run.
-                gevent.sleep(0)
+                # Not sleep(0): gevent runs ready callbacks (each sleep(0) is one)
+                # for up to its switch interval, 5 ms, before it polls the
+                # sockets again, so back-to-back steps left new ADDs unread for
+                # up to 5 ms (issue 17: TTFT). gevent.idle() returns after one
+                # loop iteration with its socket poll; the readers yield when
+                # their socket is empty or the input queue is full, so the
+                # stepper is never starved.
+                gevent.idle()
         finally:
             timer.close()
 
