@@ -132,7 +132,9 @@ class Request:
         self.shaped = False
         #: The scheduler's Sampler when the request is in its steady state
         #: (scheduler._emit's short branch: past its first output, nothing
-        #: pending), None: its next output takes the full branch.
+        #: pending), None: its next output takes the full branch. Whatever
+        #: gives a running request something for its next output (events,
+        #: a field of its first output...) sets this to None.
         self.steady: Any = None
         #: The scheduler's Sampler at its ADD (its token source and logprob
         #: model): a reload changes those for new requests only.
