@@ -69,6 +69,7 @@ class Request:
         "banned",
         "forced",
         "shaped",
+        "steady",
         "sampler",
         "lora_request",
         # P/D disaggregation (kv_transfer.py)
@@ -129,6 +130,12 @@ class Request:
         self.forced = False
         #: A pool or logprobs: its tokens take the scheduler's slower path.
         self.shaped = False
+        #: The scheduler's Sampler when the request is in its steady state
+        #: (scheduler._emit's short branch: past its first output, nothing
+        #: pending), None: its next output takes the full branch. Whatever
+        #: gives a running request something for its next output (events,
+        #: a field of its first output...) sets this to None.
+        self.steady: Any = None
         #: The scheduler's Sampler at its ADD (its token source and logprob
         #: model): a reload changes those for new requests only.
         self.sampler: Any = None

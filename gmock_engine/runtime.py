@@ -151,6 +151,8 @@ class EngineRunner:
         self.fault_timer: Optional[gevent.Greenlet] = None
         self.stepper: Optional[gevent.Greenlet] = None
         self.sender: Optional[gevent.Greenlet] = None
+        #: transport.Sender.send_now once joined: the stepper's direct send
+        self.send_now: Callable[[Outbound], bool] = lambda item: False
         self.joined = gevent.event.Event()
         #: Rate-limited warnings for what the frontend (or anyone) sends.
         self.throttle = Throttle(self.log, BAD_FRAME_LOGS, BAD_FRAME_WINDOW_S)
@@ -326,6 +328,7 @@ class EngineRunner:
         self.stepper = spawn(f"engine-{self.rank}-stepper", self._stepper)
         sender = transport.Sender(self.sockets, self.wire, self.out_queue.get, injector.outputs_flowing, self.incidents, self.throttle)
         self.sender = spawn(f"engine-{self.rank}-sender", sender.run)
+        self.send_now = sender.send_now
         fire_timed = injector.joined(self.engine, time.monotonic())
         if fire_timed is not None:
             self.fault_timer = spawn(f"engine-{self.rank}-fault-timer", fire_timed)
@@ -404,7 +407,14 @@ class EngineRunner:
                 # running request waits for its prefill (e.g. mock_ttft_ms).
                 next_step_at = stretched(now, engine.next_step_time(now))
                 # Yield to the hub between rounds: readers and the sender run.
-                gevent.sleep(0)
+                # Not sleep(0): gevent runs ready callbacks (each sleep(0) is one)
+                # for up to its switch interval, 5 ms, before it polls the
+                # sockets again, so back-to-back steps left new ADDs unread for
+                # up to 5 ms (issue 17: TTFT). gevent.idle() returns after one
+                # loop iteration with its socket poll; the readers yield when
+                # their socket is empty or the input queue is full, so the
+                # stepper is never starved.
+                gevent.idle()
         finally:
             timer.close()
 
@@ -524,9 +534,13 @@ class EngineRunner:
     def _emit(self, messages: List[Outbound]) -> None:
         """Queue a batch for the sender, as the fault layer lets it go (once
         per batch, never per output: this is the per-token path)."""
-        put = self.out_queue.put
+        out_queue = self.out_queue
+        send_now = self.send_now
         for item in self.injector.on_outputs(messages):
-            put(item)
+            # the sender idle and nothing queued: sent from here, at once
+            # (transport.Sender.send_now); else queued, in order
+            if not (out_queue.empty() and send_now(item)):
+                out_queue.put(item)
 
     # -- shutdown ------------------------------------------------------------------
 

@@ -257,7 +257,18 @@ class Scheduler:
         return done
 
     def _emit(self, now: float, outbox: Outbox) -> List[Request]:
-        """The per-token path: each ready running request's next tokens."""
+        """The per-token path: each ready running request's next tokens.
+
+        A request in its steady state (`Request.steady`: past its first
+        output, nothing pending, no sampling controls or logprobs, drawing
+        from the current sampler, not at its last output) takes the short
+        branch at the top of the loop: its tokens, its stop-id check if it
+        carries stop ids, one `[id, tokens]` output. Everything else (the
+        first output with its events and prefill stats, the last one with
+        its finish, shaped requests, a request from before a reload) takes
+        the full branch below it, which also decides when a request may
+        take the short one (issue 17: the steady state pays for nothing
+        but its tokens)."""
         chunk = self.chunk
         sampler = self.sampler
         # prefix caching: the step's tokens are computed KV (kv_cache_manager.py)
@@ -269,6 +280,8 @@ class Scheduler:
         new_batch = outbox.batch
         done: List[Request] = []
         emitted = 0
+        client = None  # the client of `append` (the batch of the previous request)
+        append = None
         for request in self.running.values():
             if prefilling:
                 ready_at = prefilling.get(request.request_id)
@@ -280,10 +293,26 @@ class Scheduler:
                         self.transferring.discard(request.request_id)
                         if request.kv.fail and self._kv_load_failed(request, now, batches, new_batch, done):
                             continue
-            batch = batches.get(request.client_index)
-            if batch is None:
-                batch = new_batch(request.client_index)
+            if request.client_index != client:
+                client = request.client_index
+                batch = batches.get(client)
+                if batch is None:
+                    batch = new_batch(client)
+                append = batch.outputs.append
             remaining = request.max_tokens - request.num_output_tokens
+            if request.steady is sampler and remaining > chunk:
+                # the steady state (see above): the same as the full branch's
+                # running output, without the checks it cannot need
+                tokens, request.rng_state = draw(request.rng_state, chunk)
+                stop_ids = request.stop_ids
+                if stop_ids is not None and not stop_ids.isdisjoint(tokens):
+                    tokens = sampler.tokens.avoid(tokens, stop_ids)
+                request.num_output_tokens += chunk
+                emitted += chunk
+                if on_output is not None:
+                    on_output(request, tokens)
+                append([request.request_id, tokens])
+                continue
             n = chunk if chunk < remaining else remaining
             if request.sampler is sampler:
                 tokens, request.rng_state = draw(request.rng_state, n)
@@ -331,10 +360,14 @@ class Scheduler:
                 output = [request.request_id, tokens]
             else:
                 output = make_output(request.request_id, tokens, finish, new_logprobs=new_logprobs)
-            batch.outputs.append(output)
+            append(output)
             if finish is not None:
                 batch.finished.append(request.request_id)
                 done.append(request)
+            elif not request.shaped:
+                # from its next output on, the short branch does what this one
+                # would (until an admission or a reload changes that)
+                request.steady = request.sampler
         self.counters["steps"] += 1
         self.counters["tokens"] += emitted
         self.kv.tokens += emitted
@@ -471,6 +504,7 @@ class Scheduler:
                 kv.allocate(request, need)
             waiting.pop_request()
             request.scheduled_at = now
+            request.steady = None  # its next output carries events (the full branch of _emit)
             events = request.pending_events or []
             events.append(protocol.engine_core_event(EngineCoreEventType.SCHEDULED, now))
             request.pending_events = events
@@ -597,6 +631,7 @@ class Scheduler:
         """Back to the front of the queue; its KV is freed and recomputed later."""
         del self.running[request.request_id]
         self._release(request)
+        request.steady = None
         # Events not sent yet (QUEUED, SCHEDULED of a request preempted before
         # its first token) stay: they all ride on its next output, as in vLLM.
         request.pending_events = (request.pending_events or []) + [protocol.engine_core_event(EngineCoreEventType.PREEMPTED, now)]

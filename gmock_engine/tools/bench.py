@@ -14,9 +14,10 @@ summary per target:
 * idle CPU % of the engine in a window with no requests;
 * the driver's own CPU per token, so a driver bottleneck shows.
 
-Targets: `gmock` (this package) and `reference`, the bare pyzmq + msgpack
-emitter of tools/reference_emitter.py, run under the same load in the same run;
-gmock's CPU per token is reported as a ratio to it.
+Targets: `gmock` (this package) and `reference`, the pyzmq + msgpack floor
+of tools/reference_emitter.py (the same wire messages at the least a Python
+loop spends), run under the same load in the same run; gmock's CPU per token
+and TTFT are reported as ratios to it.
 
 It sends what the frontends send: full 22-element EngineCoreRequests and
 ABORT / UTILITY frames from tools/frontend.py (the tests' fake frontend uses
@@ -462,6 +463,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         ratio = by_target["gmock"]["cpu_us_per_token"] / by_target["reference"]["cpu_us_per_token"]
         print(f"ratio gmock/reference CPU per token: {ratio:.2f}")
         by_target["gmock"]["ratio_vs_reference"] = ratio
+        g, r = by_target["gmock"], by_target["reference"]
+        if g["ttft_count"] and r["ttft_count"] and r["ttft_p50_ms"] > 0 and r["ttft_p99_ms"] > 0:
+            print(f"ratio gmock/reference TTFT p50: {g['ttft_p50_ms'] / r['ttft_p50_ms']:.2f}, p99: {g['ttft_p99_ms'] / r['ttft_p99_ms']:.2f}")
     if args.json:
         with open(args.json, "a") as handle:
             handle.write(json.dumps({"args": vars(args), "results": results}) + "\n")

@@ -1,12 +1,31 @@
-"""The bare reference emitter: the simplest pyzmq + msgpack engine loop.
+"""The reference emitter: the floor of a Python engine, in pyzmq + msgpack.
 
 `gmock-engine bench` runs this beside gmock_engine under the same load and
-reports gmock's CPU per token as a ratio to it, so results hold on a noisy
-machine. It joins the same handshake (no coordinator), answers every utility
-call with nil, and emits the same output messages as gmock_engine (same
-shapes, same token generator), in one thread with a blocking poll: no
-gevent, no queues, no validation, no logging. It is a yardstick, not a
-product: bad input crashes it.
+reports gmock's CPU per token as a ratio to it. It is meant as the floor,
+the least a Python engine has to spend to send the messages gmock sends
+(issue 17), so the ratio says how far gmock is from it:
+
+* the same wire messages: the same token ids (the LCG of tokens.py, seeded
+  per request as gmock seeds it), a first output carrying the QUEUED and
+  SCHEDULED events and the prefill stats, a final output with
+  finish_reason LENGTH and its id in finished_requests, SchedulerStats on the
+  first message of a step when the counts moved (at most every 50 ms while
+  requests run, at once when the engine goes idle), one EngineCoreOutputs
+  per client per step. Only the order of the outputs inside one message
+  differs (ended requests first);
+* no more work than that: a request's finish step is known at its first
+  step and bucketed, so the running loop never checks a length; each request
+  keeps one `[request_id, tokens]` list, reused for every running output. A
+  step is one loop that takes one LCG step per token (inline) and swaps the
+  new token list into each of those lists, then one `pack` and one `send`
+  per client. (Drawing every id at ADD instead, as issue 17 suggests, was
+  slower here: 0.74-0.93 µs per token in-process against 0.40-0.46 inline,
+  a list per token kept for the whole request; and a burst of ADDs then
+  stalls the loop for tens of ms.)
+* one thread, a blocking poll, no gevent, no queues, no validation, no
+  logging, no token budget, KV cache or latency model. Bad input crashes it.
+
+It answers every utility call with nil and an ABORT with an ABORT output.
 
     python -m gmock_engine.tools.reference_emitter --handshake-address tcp://127.0.0.1:29550 \\
         [--engine-count N] [--output-token-chunk-size K] [--vocab-size V] [--seed S]
@@ -15,15 +34,157 @@ product: bad input crashes it.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import signal
 import sys
 import time
+from typing import Any, Dict, List
 
 import msgpack
 import zmq
 
-MASK64 = (1 << 64) - 1
+from .. import protocol
+from ..outbox import STATS_INTERVAL_S
+from ..protocol import EngineCoreEventType, FinishReason
+from ..tokens import _LCG_INC, _LCG_MUL, _MASK64, RandomTokens
+
+#: EngineCoreRequest fields read here (the 0.33 layout the bench driver sends).
+_PROMPT, _SAMPLING, _CLIENT = 1, 3, 11
+
+
+class Engine:
+    """One DP rank: its sockets, its requests by client, its finish buckets."""
+
+    def __init__(self, rank: int, chunk: int, tokens: RandomTokens, layout: protocol.WireLayout) -> None:
+        self.rank = rank
+        self.chunk = chunk
+        self.tokens = tokens
+        self.layout = layout
+        self.inputs: List[Any] = []
+        self.outputs: List[Any] = []
+        self.step = 0
+        #: client -> request id -> [reused output list, generator state, tokens of its last output]
+        self.running: Dict[int, Dict[str, List[Any]]] = {}
+        #: requests added since the last step: (client, id, max_tokens, state, events, prompt length)
+        self.fresh: List[Any] = []
+        #: step -> [(client, id)] whose last chunk goes out in that step
+        self.finish_at: Dict[int, List[Any]] = {}
+        self.count = 0
+        self._stats_counts = (0, 0)
+        self._stats_at = float("-inf")
+
+    @property
+    def busy(self) -> bool:
+        return self.count > 0
+
+    def add(self, body: List[Any]) -> None:
+        """ADD: its generator state, its QUEUED event; its finish step is fixed at its first step."""
+        rid, client = body[0], body[_CLIENT]
+        n = body[_SAMPLING].get("max_tokens", 16)
+        events = [protocol.engine_core_event(EngineCoreEventType.QUEUED, time.monotonic())]
+        self.fresh.append((client, rid, n, self.tokens.initial_state(rid), events, len(body[_PROMPT] or ())))
+        self.count += 1
+
+    def abort(self, rid: str) -> None:
+        for client, requests in self.running.items():
+            if requests.pop(rid, None) is not None:
+                break
+        else:
+            for i, entry in enumerate(self.fresh):
+                if entry[1] == rid:
+                    client = entry[0]
+                    del self.fresh[i]
+                    break
+            else:
+                return
+        self.count -= 1
+        out = protocol.engine_core_output(rid, [], FinishReason.ABORT, None, self.layout)
+        self.outputs[client].send(pack([self.rank, [out], None, time.monotonic(), None, [rid]]))
+
+    def run_step(self) -> None:
+        """One step: last outputs, one draw per running request, then first outputs."""
+        step = self.step = self.step + 1
+        chunk, span = self.chunk, self.tokens.span
+        batches: Dict[int, Any] = {}
+        now = time.monotonic()
+        ending = self.finish_at.pop(step, None)
+        if ending:
+            for client, rid in ending:
+                entry = self.running[client].pop(rid, None)
+                if entry is None:
+                    continue  # aborted
+                tokens, entry[1] = self.tokens.draw(entry[1], entry[2])
+                batch = batches.get(client) or batches.setdefault(client, ([], []))
+                batch[0].append([rid, tokens, None, None, None, 1])
+                batch[1].append(rid)
+                self.count -= 1
+        for client, requests in self.running.items():
+            batch = batches.get(client) or batches.setdefault(client, ([], []))
+            append = batch[0].append
+            if chunk == 1:
+                # The per-token work and nothing else: one LCG step (tokens.py's
+                # RandomTokens.draw, inline), a new token list swapped into the
+                # request's reused [request_id, tokens] list.
+                for entry in requests.values():
+                    state = entry[1] = (entry[1] * _LCG_MUL + _LCG_INC) & _MASK64
+                    out = entry[0]
+                    out[1] = [((state >> 32) * span) >> 32]
+                    append(out)
+            else:
+                for entry in requests.values():
+                    state = entry[1]
+                    tokens = []
+                    for _ in range(chunk):
+                        state = (state * _LCG_MUL + _LCG_INC) & _MASK64
+                        tokens.append(((state >> 32) * span) >> 32)
+                    entry[1] = state
+                    out = entry[0]
+                    out[1] = tokens
+                    append(out)
+        if self.fresh:  # after the draw loop: their next tokens are for the next step
+            scheduled = protocol.engine_core_event(EngineCoreEventType.SCHEDULED, now)
+            for client, rid, n, state, events, prompt_len in self.fresh:
+                events.append(scheduled)
+                first_n = chunk if chunk < n else n
+                tokens, state = self.tokens.draw(state, first_n)
+                left = n - first_n
+                first = protocol.engine_core_output(
+                    rid, tokens, None if left else FinishReason.LENGTH, None, self.layout,
+                    events=events, prefill_stats=protocol.prefill_stats(prompt_len),
+                )  # fmt: skip
+                batch = batches.get(client) or batches.setdefault(client, ([], []))
+                batch[0].append(first)
+                if not left:
+                    batch[1].append(rid)
+                    self.count -= 1
+                    continue
+                # the finish step, bucketed now: the running loop never checks a length
+                steps = -(-left // chunk)
+                self.running.setdefault(client, {})[rid] = [[rid, None], state, left - (steps - 1) * chunk]
+                self.finish_at.setdefault(step + steps, []).append((client, rid))
+            self.fresh = []
+        stats = self._stats_if_due(now)
+        for client, (outputs, finished) in batches.items():
+            if not outputs and not finished:
+                continue
+            message = [self.rank, outputs, stats, now]
+            if finished:
+                message += [None, finished]
+            self.outputs[client].send(pack(message))
+            stats = None
+
+    def _stats_if_due(self, now: float) -> Any:
+        """outbox.StatsCadence's rule (no waiting queue, no KV usage here)."""
+        running = self.count
+        if running and now - self._stats_at < STATS_INTERVAL_S:
+            return None
+        counts = (running, 0)
+        if counts == self._stats_counts:
+            return None
+        self._stats_counts, self._stats_at = counts, now
+        return protocol.scheduler_stats(running, 0, 0.0, self.step)
+
+
+pack = msgpack.Packer(use_bin_type=True).pack
 
 
 def main(argv=None) -> int:
@@ -38,9 +199,8 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
     ctx = zmq.Context()
-    pack = msgpack.Packer(use_bin_type=True).pack
-    chunk, vocab = args.output_token_chunk_size, args.vocab_size
-    engines = []
+    layout = protocol.layout_for_version(protocol.DEFAULT_PROTOCOL_VERSION)
+    engines: List[Engine] = []
     poller = zmq.Poller()
     for rank in range(args.data_parallel_start_rank, args.data_parallel_start_rank + args.engine_count):
         identity = rank.to_bytes(2, "little")
@@ -56,24 +216,24 @@ def main(argv=None) -> int:
             "data_parallel_rank": rank, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
             "instance_id": f"reference-{rank}", "supports_lora": False, "max_loras": 0,
         }  # fmt: skip
-        engine = {"rank": rank, "inputs": [], "outputs": [], "active": {}}
+        engine = Engine(rank, args.output_token_chunk_size, RandomTokens(args.vocab_size, args.seed, rank), layout)
         for address in addresses["inputs"]:
             dealer = ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.IDENTITY, identity)
             dealer.connect(address)
             dealer.send(pack(ready))
             poller.register(dealer, zmq.POLLIN)
-            engine["inputs"].append(dealer)
+            engine.inputs.append(dealer)
         for address in addresses["outputs"]:
             push = ctx.socket(zmq.PUSH)
             push.connect(address)
-            engine["outputs"].append(push)
+            engine.outputs.append(push)
         hs.send(pack({"status": "READY", "local": False, "headless": True, "num_gpu_blocks": 65536}))
         engines.append(engine)
-    owner = {sock: e for e in engines for sock in e["inputs"]}
+    owner = {sock: e for e in engines for sock in e.inputs}
 
     while True:
-        busy = any(e["active"] for e in engines)
+        busy = any(e.busy for e in engines)
         for sock, _ in poller.poll(0 if busy else None):
             engine = owner[sock]
             while True:
@@ -83,53 +243,17 @@ def main(argv=None) -> int:
                     break
                 kind, body = frames[0], msgpack.unpackb(frames[1], strict_map_key=False)
                 if kind == b"\x00":
-                    rid, sp = body[0], body[3]
-                    seed = int.from_bytes(
-                        hashlib.blake2b(f"{args.seed}\0{engine['rank']}\0{rid}".encode(), digest_size=8).digest(), "little"
-                    )
-                    # [client, remaining, rng state]
-                    engine["active"][rid] = [body[11], sp.get("max_tokens", 16), seed]
+                    engine.add(body)
                 elif kind == b"\x01":
                     for rid in body:
-                        entry = engine["active"].pop(rid, None)
-                        if entry is not None:
-                            out = [engine["rank"], [[rid, [], None, None, None, 2]], None, time.monotonic(), None, [rid]]
-                            engine["outputs"][entry[0]].send(pack(out))
+                        engine.abort(rid)
                 elif kind == b"\x03":
                     client, call_id = body[0], body[1]
-                    reply = [engine["rank"], [], None, time.monotonic(), [call_id, None, [None, None]]]
-                    engine["outputs"][client].send(pack(reply))
+                    reply = [engine.rank, [], None, time.monotonic(), [call_id, None, [None, None]]]
+                    engine.outputs[client].send(pack(reply))
         for engine in engines:
-            active = engine["active"]
-            if not active:
-                continue
-            batches = {}
-            done = []
-            for rid, entry in active.items():
-                client, remaining, state = entry
-                n = chunk if chunk < remaining else remaining
-                tokens = []
-                for _ in range(n):
-                    state = (state * 6364136223846793005 + 1442695040888963407) & MASK64
-                    tokens.append(((state >> 32) * vocab) >> 32)
-                entry[1], entry[2] = remaining - n, state
-                batch = batches.get(client)
-                if batch is None:
-                    batch = batches[client] = ([], [])
-                if n == remaining:
-                    batch[0].append([rid, tokens, None, None, None, 1])
-                    batch[1].append(rid)
-                    done.append(rid)
-                else:
-                    batch[0].append([rid, tokens])
-            for rid in done:
-                del active[rid]
-            now = time.monotonic()
-            for client, (outputs, finished) in batches.items():
-                message = [engine["rank"], outputs, None, now]
-                if finished:
-                    message += [None, finished]
-                engine["outputs"][client].send(pack(message))
+            if engine.busy:
+                engine.run_step()
 
 
 if __name__ == "__main__":
