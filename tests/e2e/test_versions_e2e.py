@@ -9,7 +9,7 @@ protocol setting (`auto`: the era detected from the first ADD) and the
 $GMOCK_FRONTENDS_HOME (tools/frontends.py): a Rust one is one wheel download
 (~3 s here, 36-61 MB kept), a Python one a small venv sharing the default
 venv's torch (~40 s, ~0.45 GB). `GMOCK_E2E_VERSIONS` picks a subset by id
-(e.g. "rs-0.22.0,py-0.28.0"; "none" for none). The stack timings (with
+(e.g. "rs-0.22.0-pinned,py-0.28.0"; "none" for none). The stack timings (with
 `install_s`) are printed at the end of the session, as for the other stacks.
 """
 
