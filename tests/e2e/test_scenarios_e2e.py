@@ -79,5 +79,6 @@ def test_a_repeated_prompt_hits_the_prefix_cache(stack):
         return seen["queries"] >= sum(prompt_tokens) and seen["hits"] > 0
 
     h.wait_until(counted, 15, "the frontend to count prefix-cache queries and hits", interval=0.5)
-    # the second request found every full 16-token block of the first
-    assert seen["hits"] == (prompt_tokens[1] // 16) * 16 or seen["hits"] == prompt_tokens[1] - 1, seen
+    # the second request found the full 16-token blocks of the first, short of
+    # its last token (vLLM computes at least one: a 496-token prompt hits 480)
+    assert seen["hits"] == ((prompt_tokens[1] - 1) // 16) * 16, seen
