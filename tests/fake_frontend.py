@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import gevent
@@ -270,3 +271,18 @@ class Collected:
 
     def tokens(self, rid: str) -> List[int]:
         return [t for output in self.outputs.get(rid, []) for t in output[1]]
+
+
+#: Field values an era's frontend sends when nothing is asked for (by name).
+_ERA_DEFAULTS = {"resumable": False, "abort_immediately": False, "client_index": 0, "current_wave": 0, "priority": 0}
+
+
+def era_request(layout: Any, request_id: str = "r", prompt: Sequence[int] = (1, 2, 3),
+                sampling: Optional[Dict[str, Any]] = None, **fields: Any) -> List[Any]:
+    """A full EngineCoreRequest array in `layout` (a protocol.WireLayout), as
+    that era's Python frontend sends it (PROTOCOL.md §8.1): its fields by name,
+    sampling {"max_tokens": 4} unless given, arrival now, nil for the rest."""
+    values = {**_ERA_DEFAULTS, "request_id": request_id, "prompt_token_ids": list(prompt),
+              "sampling_params": {"max_tokens": 4} if sampling is None else sampling,
+              "arrival_time": time.time(), **fields}
+    return [values.get(name) for name in layout.request_fields]

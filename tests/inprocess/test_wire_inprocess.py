@@ -2,23 +2,13 @@
 auto` settles on the era of the first ADD and answers every request in it;
 an explicit version wins; /metrics says which layout is in use."""
 
-import time
-
 from loguru import logger
 
-from fake_frontend import FakeFrontend
+from fake_frontend import FakeFrontend, era_request
 from gmock_engine import metrics, protocol
 from gmock_engine.protocol import WIRE_LAYOUTS, FinishReason
 from gmock_engine.tools.frontend import add_frames
 from test_engine_inprocess import serving
-
-
-def era_add(layout, request_id, max_tokens, **fields):
-    """A full EngineCoreRequest of `layout`'s era (as its Python frontend sends it)."""
-    values = {"request_id": request_id, "prompt_token_ids": [1, 2, 3, 4], "sampling_params": {"max_tokens": max_tokens},
-              "arrival_time": time.time(), "client_index": 0, "current_wave": 0, "priority": 0, "resumable": False,
-              "abort_immediately": False, **fields}
-    return [values.get(name) for name in layout.request_fields]
 
 
 def wire_gauge(app):
@@ -38,7 +28,7 @@ def test_auto_answers_a_0_16_frontend_in_its_own_layout_and_says_so_once():
             assert wire_gauge(app) == {"era": "0.33", "versions": "0.33", "how": "pending"}
             old = WIRE_LAYOUTS["0.16"]  # eos_token_id at 5, 18 elements (§8.1)
             for rid in ("a", "b"):
-                frontend.send_raw(0, 0, add_frames(era_add(old, rid, 3, eos_token_id=None)))
+                frontend.send_raw(0, 0, add_frames(era_request(old, rid, (1, 2, 3, 4), {"max_tokens": 3}, eos_token_id=None)))
             collected = frontend.collect(["a", "b"])
             final = collected.outputs["a"][-1]
             assert len(collected.tokens("a")) == 3 and final[5] == FinishReason.LENGTH
@@ -57,8 +47,8 @@ def test_an_explicit_version_is_used_from_the_start_and_errors_end_as_its_era_kn
     with serving(frontend, "--protocol-version", "0.12.0") as app:
         assert wire_gauge(app) == {"era": "0.11.1", "versions": "0.11.1–0.12", "how": "configured"}
         layout = WIRE_LAYOUTS["0.11.1"]
-        frontend.send_raw(0, 0, add_frames(era_add(layout, "e", 4, eos_token_id=None,
-                                                   sampling_params={"max_tokens": 4, "extra_args": {"mock_finish": "error"}})))
+        frontend.send_raw(0, 0, add_frames(era_request(layout, "e", (1, 2, 3, 4), {"max_tokens": 4, "extra_args": {"mock_finish": "error"}},
+                                                       eos_token_id=None)))
         collected = frontend.collect(["e"])
         # 0.11/0.12 have no ERROR: the request ends as ABORT, with no RequestError field
         assert collected.terminal["e"] == FinishReason.ABORT

@@ -7,25 +7,13 @@ test_golden_frames.py; these tests pin the rules the table encodes."""
 from __future__ import annotations
 
 import array
-import time
 
 import pytest
 
+from fake_frontend import era_request as era_add
 from gmock_engine import protocol
 from gmock_engine.config import ConfigError, parse_config
 from gmock_engine.protocol import WIRE_LAYOUTS, FinishReason, Wire
-
-#: Field values an era's frontend sends when nothing is asked for (by name).
-_DEFAULTS = {"resumable": False, "abort_immediately": False, "client_index": 0, "current_wave": 0, "priority": 0}
-
-
-def era_add(layout, request_id="r", prompt=(1, 2, 3), sampling=None, **fields):
-    """A full EngineCoreRequest array in `layout`, as that era's Python frontend sends it."""
-    values = {**_DEFAULTS, "request_id": request_id, "prompt_token_ids": list(prompt),
-              "sampling_params": {"max_tokens": 4} if sampling is None else sampling,
-              "arrival_time": time.time(), **fields}
-    return [values.get(name) for name in layout.request_fields]
-
 
 @pytest.mark.parametrize("version, era", [
     ("0.11", "0.11.0"), ("0.11.0", "0.11.0"), ("0.11.1", "0.11.1"), ("0.11.2", "0.11.1"), ("0.12.0", "0.11.1"),
