@@ -9,16 +9,18 @@ and for stop ids (a real engine stops on them, the mock's plan decides the
 end): `only_emits(state, ids)` (can the request make no other id?) and
 `avoid(tokens, ids)` (move drawn ids off them, staying within the source).
 
-Each request carries its own generator state seeded from (seed, engine rank,
-request id), so a run with the same seed and the same request ids produces
-the same tokens, whatever the interleaving of requests (the Rust mock's rule,
-PROTOCOL.md §9.2).
+Random and file ids come from a pool drawn (or read) once: a request's state
+is its position in the pool, starting at an offset seeded from (seed, engine
+rank, request id), so a run with the same seed and the same request ids
+produces the same tokens, whatever the interleaving of requests (the Rust
+mock's rule, PROTOCOL.md §9.2). Drawing `n` ids is then one list slice,
+which is what makes the per-token path cheap (issue 17): the scheduler's
+steady state slices `TokenPool.ids` itself.
 
-The generator is a 64-bit LCG (Knuth's MMIX constants) whose top 32 bits are
-scaled onto [0, vocab_size) by multiply-shift. That is plenty uniform for a
-mock, costs a few integer operations per token and keeps the per-request
-state to one int (a `random.Random` is ~2.5 KB, which matters at 100 000
-active requests).
+The random pool holds RANDOM_POOL_SIZE ids from a 64-bit LCG (Knuth's MMIX
+constants) whose top 32 bits are scaled onto [low, high) by multiply-shift,
+seeded by `--seed` alone: every engine of a process shares it (~2.5 MB),
+and a request repeats its ids only after RANDOM_POOL_SIZE tokens.
 """
 
 from __future__ import annotations
@@ -39,7 +41,81 @@ def request_seed(seed: int, rank: int, request_id: str) -> int:
     return int.from_bytes(digest, "little")
 
 
-class RandomTokens:
+#: Ids in the random pool; a request's ids repeat after this many tokens.
+RANDOM_POOL_SIZE = 1 << 16
+#: The pool list carries its first POOL_PAD ids again at its end, so that a
+#: slice of up to POOL_PAD ids from any position in [0, size) never wraps.
+POOL_PAD = 64
+
+_random_pools: "dict[Tuple[int, int, int], List[int]]" = {}
+
+
+class TokenPool:
+    """Ids drawn by slicing a fixed pool; the state is a position in [0, size).
+
+    `ids` is the pool followed by its first POOL_PAD ids, so that
+    `ids[pos:pos + n]` for n <= POOL_PAD is the next n ids after `pos`
+    (the scheduler's steady state inlines exactly that)."""
+
+    ids: List[int]
+    size: int
+    seed: int
+    rank: int
+
+    def _init_pool(self, padded: List[int], size: int, seed: int, rank: int) -> None:
+        """`padded`: the pool's `size` ids and then its first POOL_PAD again
+        (shared, never mutated: every draw returns a new list)."""
+        self.size = size
+        self.ids = padded
+        self.seed = seed
+        self.rank = rank
+
+    def initial_state(self, request_id: str, prompt_token_ids: Optional[Sequence[int]] = None) -> int:
+        """A new request's position: seeded by (seed, rank, request id)."""
+        return request_seed(self.seed, self.rank, request_id) % self.size
+
+    def draw(self, state: int, n: int) -> Tuple[List[int], int]:
+        """The next `n` ids after position `state`, and the position after them."""
+        size = self.size
+        if not 0 <= state < size:
+            state %= size
+        if n <= POOL_PAD:
+            end = state + n
+            return self.ids[state:end], (end if end < size else end % size)
+        ids = self.ids
+        tokens: List[int] = []
+        left = n
+        while left:
+            take = min(left, size - state)
+            tokens += ids[state : state + take]
+            left -= take
+            state = (state + take) % size
+        return tokens, state
+
+
+
+def _padded(ids: Sequence[int]) -> List[int]:
+    return list(ids) + [ids[i % len(ids)] for i in range(POOL_PAD)]
+
+
+def random_pool(seed: int, low: int, span: int) -> List[int]:
+    """RANDOM_POOL_SIZE ids in [low, low + span), padded (TokenPool.ids),
+    the same for the same arguments (cached: every engine of a process
+    shares one)."""
+    key = (seed, low, span)
+    pool = _random_pools.get(key)
+    if pool is None:
+        state = request_seed(seed, -1, "token-pool")
+        pool = []
+        append = pool.append
+        for _ in range(RANDOM_POOL_SIZE):
+            state = (state * _LCG_MUL + _LCG_INC) & _MASK64
+            append(low + (((state >> 32) * span) >> 32))
+        pool = _random_pools[key] = _padded(pool)
+    return pool
+
+
+class RandomTokens(TokenPool):
     """Token ids drawn uniformly from [low, high) (default [0, vocab_size))."""
 
     def __init__(self, vocab_size: int, seed: int, rank: int, low: int = 0, high: Optional[int] = None) -> None:
@@ -47,29 +123,13 @@ class RandomTokens:
         if not 0 <= low < high:
             raise ValueError(f"empty token id range [{low}, {high})")
         self.vocab_size = vocab_size
-        self.seed = seed
-        self.rank = rank
         self.low = low
         self.span = high - low
-
-    def initial_state(self, request_id: str, prompt_token_ids: Optional[Sequence[int]] = None) -> int:
-        """The generator state of a new request."""
-        return request_seed(self.seed, self.rank, request_id)
-
-    def draw(self, state: int, n: int) -> Tuple[List[int], int]:
-        """The next `n` token ids after `state`, and the state after them."""
-        span, low = self.span, self.low
-        if n == 1:  # the common case (chunk 1): no loop, no list growth
-            state = (state * _LCG_MUL + _LCG_INC) & _MASK64
-            return [low + (((state >> 32) * span) >> 32)], state
-        tokens = []
-        for _ in range(n):
-            state = (state * _LCG_MUL + _LCG_INC) & _MASK64
-            tokens.append(low + (((state >> 32) * span) >> 32))
-        return tokens, state
+        self._init_pool(random_pool(seed, low, self.span), RANDOM_POOL_SIZE, seed, rank)
 
     def only_emits(self, state: int, ids: AbstractSet[int]) -> bool:
-        """True when every id of [low, high) is in `ids`."""
+        """True when every id of [low, high) is in `ids` (the range, not the
+        pool: `avoid` moves ids within the range)."""
         if len(ids) < self.span:
             return False  # the common case: a few stop ids
         low = self.low
@@ -108,25 +168,15 @@ class EchoTokens:
         return _avoid_by_increment(tokens, ids)
 
 
-class FileTokens:
+class FileTokens(TokenPool):
     """Ids from a file (whitespace-separated integers), cycled; each request
     starts at an offset seeded by (seed, rank, request id)."""
 
     def __init__(self, ids: Sequence[int], seed: int, rank: int) -> None:
         if not ids:
             raise ValueError("no token ids")
-        self.ids = tuple(ids)
-        self._distinct = frozenset(self.ids)
-        self.seed = seed
-        self.rank = rank
-
-    def initial_state(self, request_id: str, prompt_token_ids: Optional[Sequence[int]] = None) -> int:
-        return request_seed(self.seed, self.rank, request_id) % len(self.ids)
-
-    def draw(self, state: int, n: int) -> Tuple[List[int], int]:
-        ids = self.ids
-        tokens = [ids[(state + i) % len(ids)] for i in range(n)]
-        return tokens, (state + n) % len(ids)
+        self._init_pool(_padded(ids), len(ids), seed, rank)
+        self._distinct = frozenset(ids)
 
     def only_emits(self, state: int, ids: AbstractSet[int]) -> bool:
         """True when every id of the file is in `ids`."""

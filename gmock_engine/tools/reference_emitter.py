@@ -5,8 +5,8 @@ reports gmock's CPU per token as a ratio to it. It is meant as the floor,
 the least a Python engine has to spend to send the messages gmock sends
 (issue 17), so the ratio says how far gmock is from it:
 
-* the same wire messages: the same token ids (the LCG of tokens.py, seeded
-  per request as gmock seeds it), a first output carrying the QUEUED and
+* the same wire messages: the same token ids (tokens.py's pool, at the
+  position gmock seeds per request), a first output carrying the QUEUED and
   SCHEDULED events and the prefill stats, a final output with
   finish_reason LENGTH and its id in finished_requests, SchedulerStats on the
   first message of a step when the counts moved (at most every 50 ms while
@@ -16,12 +16,9 @@ the least a Python engine has to spend to send the messages gmock sends
 * no more work than that: a request's finish step is known at its first
   step and bucketed, so the running loop never checks a length; each request
   keeps one `[request_id, tokens]` list, reused for every running output. A
-  step is one loop that takes one LCG step per token (inline) and swaps the
-  new token list into each of those lists, then one `pack` and one `send`
-  per client. (Drawing every id at ADD instead, as issue 17 suggests, was
-  slower here: 0.74-0.93 µs per token in-process against 0.40-0.46 inline,
-  a list per token kept for the whole request; and a burst of ADDs then
-  stalls the loop for tens of ms.)
+  step is one loop that slices each request's next ids out of the pool
+  (inline) and swaps them into each of those lists, then one `pack` and one
+  `send` per client.
 * one thread, a blocking poll, no gevent, no queues, no validation, no
   logging, no token budget, KV cache or latency model. Bad input crashes it.
 
@@ -45,7 +42,7 @@ import zmq
 from .. import protocol
 from ..outbox import STATS_INTERVAL_S
 from ..protocol import EngineCoreEventType, FinishReason
-from ..tokens import _LCG_INC, _LCG_MUL, _MASK64, RandomTokens
+from ..tokens import POOL_PAD, RandomTokens
 
 #: EngineCoreRequest fields read here (the 0.33 layout the bench driver sends).
 _PROMPT, _SAMPLING, _CLIENT = 1, 3, 11
@@ -103,7 +100,7 @@ class Engine:
     def run_step(self) -> None:
         """One step: last outputs, one draw per running request, then first outputs."""
         step = self.step = self.step + 1
-        chunk, span = self.chunk, self.tokens.span
+        chunk = self.chunk
         batches: Dict[int, Any] = {}
         now = time.monotonic()
         ending = self.finish_at.pop(step, None)
@@ -117,28 +114,32 @@ class Engine:
                 batch[0].append([rid, tokens, None, None, None, 1])
                 batch[1].append(rid)
                 self.count -= 1
+        ids, size = self.tokens.ids, self.tokens.size
         for client, requests in self.running.items():
             batch = batches.get(client) or batches.setdefault(client, ([], []))
             append = batch[0].append
-            if chunk == 1:
-                # The per-token work and nothing else: one LCG step (tokens.py's
-                # RandomTokens.draw, inline), a new token list swapped into the
-                # request's reused [request_id, tokens] list.
+            if chunk == 1:  # as below, one index instead of a slice
                 for entry in requests.values():
-                    state = entry[1] = (entry[1] * _LCG_MUL + _LCG_INC) & _MASK64
+                    position = entry[1]
                     out = entry[0]
-                    out[1] = [((state >> 32) * span) >> 32]
+                    out[1] = [ids[position]]
+                    position += 1
+                    entry[1] = position if position < size else 0
+                    append(out)
+            elif chunk <= POOL_PAD:
+                # The per-token work and nothing else: the next ids of the
+                # request's pool position (tokens.py's TokenPool.draw, inline:
+                # one slice) swapped into its reused [request_id, tokens] list.
+                for entry in requests.values():
+                    end = entry[1] + chunk
+                    out = entry[0]
+                    out[1] = ids[entry[1] : end]
+                    entry[1] = end if end < size else end % size
                     append(out)
             else:
                 for entry in requests.values():
-                    state = entry[1]
-                    tokens = []
-                    for _ in range(chunk):
-                        state = (state * _LCG_MUL + _LCG_INC) & _MASK64
-                        tokens.append(((state >> 32) * span) >> 32)
-                    entry[1] = state
                     out = entry[0]
-                    out[1] = tokens
+                    out[1], entry[1] = self.tokens.draw(entry[1], chunk)
                     append(out)
         if self.fresh:  # after the draw loop: their next tokens are for the next step
             scheduled = protocol.engine_core_event(EngineCoreEventType.SCHEDULED, now)

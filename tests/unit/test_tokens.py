@@ -67,3 +67,33 @@ def test_bad_token_files(tmp_path, text, reason):
     path.write_text(text)
     with pytest.raises(ValueError, match=reason):
         read_token_file(str(path))
+
+
+from gmock_engine.tokens import POOL_PAD, RANDOM_POOL_SIZE  # noqa: E402
+
+
+def test_the_random_pool_is_drawn_once_per_seed_and_range_and_shared_by_the_engines():
+    a, b = RandomTokens(32000, 0, 0), RandomTokens(32000, 0, 7)
+    assert a.ids is b.ids and len(a.ids) == RANDOM_POOL_SIZE + POOL_PAD
+    assert a.ids[RANDOM_POOL_SIZE:] == a.ids[:POOL_PAD]  # the pad repeats the start
+    assert RandomTokens(32000, 1, 0).ids != a.ids  # another seed, another pool
+    assert a.initial_state("r") != b.initial_state("r")  # the rank moves the offset (§9.2)
+    assert 0 <= a.initial_state("r") < RANDOM_POOL_SIZE
+
+
+@pytest.mark.parametrize("n", [1, 3, POOL_PAD, POOL_PAD + 1, 3 * RANDOM_POOL_SIZE + 5])
+def test_draws_wrap_around_the_pool_end_as_one_sequence(n):
+    source = RandomTokens(1000, 4, 0)
+    near_end = RANDOM_POOL_SIZE - 2
+    tokens, state = source.draw(near_end, n)
+    assert len(tokens) == n
+    whole = source.ids[:RANDOM_POOL_SIZE]
+    assert tokens == [whole[(near_end + i) % RANDOM_POOL_SIZE] for i in range(n)]
+    assert state == (near_end + n) % RANDOM_POOL_SIZE
+    assert source.draw(state, 1)[0] == [whole[state]]
+
+
+def test_a_file_shorter_than_the_pad_still_cycles_in_every_slice():
+    source = FileTokens([10, 11, 12], seed=0, rank=0)
+    tokens, state = source.draw(2, 7)
+    assert tokens == [12, 10, 11, 12, 10, 11, 12] and state == 0
