@@ -69,7 +69,8 @@ class Request:
         "banned",
         "forced",
         "shaped",
-        "steady",
+        "lane",
+        "lane_exit",
         "sampler",
         "lora_request",
         # P/D disaggregation (kv_transfer.py)
@@ -130,12 +131,12 @@ class Request:
         self.forced = False
         #: A pool or logprobs: its tokens take the scheduler's slower path.
         self.shaped = False
-        #: The scheduler's Sampler when the request is in its steady state
-        #: (scheduler._emit's short branch: past its first output, nothing
-        #: pending), None: its next output takes the full branch. Whatever
-        #: gives a running request something for its next output (events,
-        #: a field of its first output...) sets this to None.
-        self.steady: Any = None
+        #: The scheduler's lane (its key) while the request is in its steady
+        #: state (scheduler._emit: past its first output, nothing pending,
+        #: not at its last output), None: its next output takes the full path.
+        self.lane: Any = None
+        #: The step (scheduler._emit call) it leaves its lane in.
+        self.lane_exit = 0
         #: The scheduler's Sampler at its ADD (its token source and logprob
         #: model): a reload changes those for new requests only.
         self.sampler: Any = None

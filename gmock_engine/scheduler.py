@@ -35,7 +35,7 @@ from .outbox import Outbox
 from .protocol import EngineCoreEventType, FinishReason
 from .request import Request
 from .request_queue import create_request_queue
-from .tokens import TokenSource
+from .tokens import POOL_PAD, TokenPool, TokenSource
 
 #: The error of a request ended by mock_fail_after (vllm_xargs, or --fault-error-mid-stream).
 MOCK_FAILURE_MESSAGE = "mock failure on request (vllm_xargs mock_fail_after or --fault-error-mid-stream)"
@@ -104,6 +104,13 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         #: The running batch, in admission order (the newest is preempted first).
         self.running: Dict[str, Request] = {}
+        #: Running requests on the full path of `_emit` (the others are in a lane).
+        self._full: Dict[str, Request] = {}
+        #: (client, carries stop ids) -> the steady requests of that lane (`_emit`).
+        self.lanes: Dict[Any, Dict[str, Request]] = {}
+        #: `_emit` call -> the lane members that go back to the full path then.
+        self._lane_exits: Dict[int, List[Request]] = {}
+        self._emitted_steps = 0
         self.waiting = create_request_queue(policy)
         #: Running requests whose prefill is not done: id -> ready_at (inf: chunks left).
         self.prefilling: Dict[str, float] = {}
@@ -146,6 +153,13 @@ class Scheduler:
         if latency != self.latency:
             self.latency = latency
             self.step_delay = latency.step_seconds(len(self.running), 0, self._rng) if latency.paced else 0.0
+        if sampler is not self.sampler:
+            # a lane draws from the current sampler: its members, from the
+            # old one, go on on the full path (each with its own sampler)
+            for lane in list(self.lanes.values()):
+                for request in list(lane.values()):
+                    self._out_of_lane(request)
+                    self._full[request.request_id] = request
         self.sampler = sampler
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -214,7 +228,12 @@ class Scheduler:
         """Every running and waiting request, taken out (running first)."""
         out = [*self.running.values(), *self.waiting.requests()]
         self.kv.free_all(list(self.running.values()))
+        for request in self.running.values():
+            request.lane = None
         self.running.clear()
+        self._full.clear()
+        self.lanes.clear()
+        self._lane_exits.clear()
         self.waiting.clear()
         self.prefilling.clear()
         self.chunking.clear()
@@ -223,6 +242,10 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         """Account for a running request that left `running` (its KV is freed)."""
+        if request.lane is not None:
+            self._out_of_lane(request)
+        else:
+            self._full.pop(request.request_id, None)
         self.kv.free(request)
         self.prefilling.pop(request.request_id, None)
         self.chunking.pop(request.request_id, None)
@@ -259,30 +282,33 @@ class Scheduler:
     def _emit(self, now: float, outbox: Outbox) -> List[Request]:
         """The per-token path: each ready running request's next tokens.
 
-        A request in its steady state (`Request.steady`: past its first
-        output, nothing pending, no sampling controls or logprobs, drawing
-        from the current sampler, not at its last output) takes the short
-        branch at the top of the loop: its tokens, its stop-id check if it
-        carries stop ids, one `[id, tokens]` output. Everything else (the
-        first output with its events and prefill stats, the last one with
-        its finish, shaped requests, a request from before a reload) takes
-        the full branch below it, which also decides when a request may
-        take the short one (issue 17: the steady state pays for nothing
-        but its tokens)."""
+        A request in its steady state (past its first output, nothing
+        pending, no sampling controls or logprobs, drawing from the current
+        sampler) sits in a lane (`lanes`, per client) until its last output:
+        a lane is one tight loop per step (its next ids out of the token
+        pool, one `[id, tokens]` output each), and when a request joins
+        one, the step it leaves it in is fixed (`_lane_exits`), so the loop
+        checks nothing per request (issue 17: the steady state pays for
+        nothing but its tokens). Everything else (the first output with its
+        events and prefill stats, the last one with its finish, shaped
+        requests, a request from before a reload) takes the full path
+        (`_full`), which also decides when a request may join a lane."""
+        step = self._emitted_steps = self._emitted_steps + 1
+        exits = self._lane_exits.pop(step, None)
+        if exits:
+            self._leave_lanes(exits)
         chunk = self.chunk
         sampler = self.sampler
         # prefix caching: the step's tokens are computed KV (kv_cache_manager.py)
         on_output = self.kv.on_output if self.kv.caching else None
-        draw = sampler.tokens.draw
         make_output = protocol.engine_core_output
         prefilling = self.prefilling
         batches = outbox.batches
         new_batch = outbox.batch
         done: List[Request] = []
-        emitted = 0
-        client = None  # the client of `append` (the batch of the previous request)
-        append = None
-        for request in self.running.values():
+        joining: List[Request] = []
+        emitted = self._emit_lanes(batches, new_batch, on_output) if self.lanes else 0
+        for request in self._full.values():
             if prefilling:
                 ready_at = prefilling.get(request.request_id)
                 if ready_at is not None:
@@ -293,31 +319,12 @@ class Scheduler:
                         self.transferring.discard(request.request_id)
                         if request.kv.fail and self._kv_load_failed(request, now, batches, new_batch, done):
                             continue
-            if request.client_index != client:
-                client = request.client_index
-                batch = batches.get(client)
-                if batch is None:
-                    batch = new_batch(client)
-                append = batch.outputs.append
+            batch = batches.get(request.client_index)
+            if batch is None:
+                batch = new_batch(request.client_index)
             remaining = request.max_tokens - request.num_output_tokens
-            if request.steady is sampler and remaining > chunk:
-                # the steady state (see above): the same as the full branch's
-                # running output, without the checks it cannot need
-                tokens, request.rng_state = draw(request.rng_state, chunk)
-                stop_ids = request.stop_ids
-                if stop_ids is not None and not stop_ids.isdisjoint(tokens):
-                    tokens = sampler.tokens.avoid(tokens, stop_ids)
-                request.num_output_tokens += chunk
-                emitted += chunk
-                if on_output is not None:
-                    on_output(request, tokens)
-                append([request.request_id, tokens])
-                continue
             n = chunk if chunk < remaining else remaining
-            if request.sampler is sampler:
-                tokens, request.rng_state = draw(request.rng_state, n)
-            else:  # a request from before a reload draws from the source of its ADD
-                tokens, request.rng_state = request.sampler.tokens.draw(request.rng_state, n)
+            tokens, request.rng_state = request.sampler.tokens.draw(request.rng_state, n)
             new_logprobs = None
             if request.shaped:  # sampling controls or logprobs: off the common path
                 tokens, new_logprobs = self._shape(request, tokens, n == remaining)
@@ -360,18 +367,112 @@ class Scheduler:
                 output = [request.request_id, tokens]
             else:
                 output = make_output(request.request_id, tokens, finish, new_logprobs=new_logprobs)
-            append(output)
+            batch.outputs.append(output)
             if finish is not None:
                 batch.finished.append(request.request_id)
                 done.append(request)
-            elif not request.shaped:
-                # from its next output on, the short branch does what this one
-                # would (until an admission or a reload changes that)
-                request.steady = request.sampler
+            elif not request.shaped and request.sampler is sampler and remaining - n > chunk:
+                # from its next output on, a lane does what this path would
+                # (until its last output, a preemption or a reload)
+                joining.append(request)
+        if joining:  # after the lanes' outputs of this step
+            self._join_lanes(joining, step)
         self.counters["steps"] += 1
         self.counters["tokens"] += emitted
         self.kv.tokens += emitted
         return done
+
+    def _emit_lanes(self, batches: Dict[int, Any], new_batch: Callable[[int], Any], on_output: Optional[Callable[[Request, List[int]], None]]) -> int:
+        """The steady state's outputs: per lane one loop, the next ids of
+        each request (tokens.TokenPool.draw, inline: the request's position
+        in the pool is its rng_state), nothing else checked. Returns the
+        tokens emitted."""
+        chunk = self.chunk
+        source = self.sampler.tokens
+        pooled = isinstance(source, TokenPool) and chunk <= POOL_PAD
+        pool = source.ids if pooled else None
+        size = source.size if pooled else 0
+        emitted = 0
+        for (client, stops), lane in self.lanes.items():
+            batch = batches.get(client)
+            if batch is None:
+                batch = new_batch(client)
+            append = batch.outputs.append
+            if pooled and chunk == 1 and not stops and on_output is None:
+                # the common case (chunk 1, no stop ids, no prefix caching):
+                # one index, not a slice; the floor's loop (reference_emitter.py)
+                for request in lane.values():
+                    position = request.rng_state
+                    tokens = [pool[position]]
+                    position += 1
+                    request.rng_state = position if position < size else 0
+                    request.num_output_tokens += 1
+                    append([request.request_id, tokens])
+            else:
+                avoid = source.avoid
+                for request in lane.values():
+                    if pooled:
+                        position = request.rng_state
+                        end = position + chunk
+                        tokens = pool[position:end]
+                        request.rng_state = end if end < size else end % size
+                    else:
+                        tokens, request.rng_state = source.draw(request.rng_state, chunk)
+                    if stops and not request.stop_ids.isdisjoint(tokens):
+                        tokens = avoid(tokens, request.stop_ids)
+                    request.num_output_tokens += chunk
+                    if on_output is not None:
+                        on_output(request, tokens)
+                    append([request.request_id, tokens])
+            emitted += chunk * len(lane)
+        return emitted
+
+    def _join_lanes(self, requests: List[Request], step: int) -> None:
+        """Requests that took the full path in this step and need nothing of
+        it until their last output: into the lane of their client, leaving
+        it before the step that makes their last output."""
+        chunk, full, lanes, exits = self.chunk, self._full, self.lanes, self._lane_exits
+        for request in requests:
+            remaining = request.max_tokens - request.num_output_tokens
+            key = (request.client_index, request.stop_ids is not None)
+            lane = lanes.get(key)
+            if lane is None:
+                lane = lanes[key] = {}
+            del full[request.request_id]
+            lane[request.request_id] = request
+            request.lane = key
+            # the outputs the lane makes: every one before the last
+            leave = request.lane_exit = step + 1 + (remaining - 1) // chunk
+            exit_list = exits.get(leave)
+            if exit_list is None:
+                exits[leave] = [request]
+            else:
+                exit_list.append(request)
+
+    def _leave_lanes(self, requests: List[Request]) -> None:
+        """Lane members whose last output is due: back on the full path."""
+        lanes, full = self.lanes, self._full
+        for request in requests:
+            key = request.lane
+            request.lane = None
+            lane = lanes[key]
+            del lane[request.request_id]
+            if not lane:
+                del lanes[key]
+            full[request.request_id] = request
+
+    def _out_of_lane(self, request: Request) -> None:
+        """A lane member leaves it before its exit (preempted, ended, a reload)."""
+        key = request.lane
+        request.lane = None
+        lane = self.lanes[key]
+        del lane[request.request_id]
+        if not lane:
+            del self.lanes[key]
+        exits = self._lane_exits[request.lane_exit]
+        exits.remove(request)
+        if not exits:
+            del self._lane_exits[request.lane_exit]
 
     # -- P/D disaggregation (kv_transfer.py) ------------------------------------
 
@@ -504,11 +605,11 @@ class Scheduler:
                 kv.allocate(request, need)
             waiting.pop_request()
             request.scheduled_at = now
-            request.steady = None  # its next output carries events (the full branch of _emit)
             events = request.pending_events or []
             events.append(protocol.engine_core_event(EngineCoreEventType.SCHEDULED, now))
             request.pending_events = events
             self.running[request.request_id] = request
+            self._full[request.request_id] = request  # its next output carries events
             target = request.num_tokens  # recompute after a preemption
             # cached prompt blocks are not computed again (KV is still held)
             request.cached_tokens = kv.admit(request)
@@ -631,7 +732,6 @@ class Scheduler:
         """Back to the front of the queue; its KV is freed and recomputed later."""
         del self.running[request.request_id]
         self._release(request)
-        request.steady = None
         # Events not sent yet (QUEUED, SCHEDULED of a request preempted before
         # its first token) stay: they all ride on its next output, as in vLLM.
         request.pending_events = (request.pending_events or []) + [protocol.engine_core_event(EngineCoreEventType.PREEMPTED, now)]

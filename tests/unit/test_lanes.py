@@ -1,0 +1,118 @@
+"""The scheduler's lanes (scheduler._emit): the steady state's short path.
+
+A request past its first output joins a lane and leaves it before its last
+output at a step fixed when it joined; whatever takes it out earlier
+(abort, preemption, a reload) must leave no trace in the lane books, and
+its tokens must be the ones the full path would have made."""
+
+import random
+
+import pytest
+
+from gmock_engine.engine import EngineCore, EngineSettings
+from gmock_engine.protocol import AbortRequests, EngineCoreRequest, FinishReason
+from gmock_engine.tokens import EchoTokens, FileTokens, RandomTokens
+
+from engine_steps import outputs_of, run, tokens_of
+
+
+def add(rid, max_tokens, client=0, stop=()):
+    return EngineCoreRequest(rid, 3, max_tokens, True, client_index=client, stop_token_ids=tuple(stop), prompt_token_ids=[1, 2, 3])
+
+
+def books(engine):
+    s = engine.scheduler
+    return s.lanes, s._lane_exits, s._full
+
+
+def expected(rid, n, chunk=1, rank=0):
+    source = RandomTokens(32000, 0, rank)
+    return source.draw(source.initial_state(rid), n)[0]
+
+
+def test_a_lane_makes_every_output_but_the_first_and_the_last():
+    engine = EngineCore(EngineSettings(rank=0, num_clients=1))
+    engine.apply(add("r", 6))
+    sent = engine.step()  # first output: the full path
+    lanes, exits, full = books(engine)
+    assert "r" in lanes[(0, False)] and "r" not in full
+    assert [r.request_id for step in exits.values() for r in step] == ["r"]
+    sent += run(engine)
+    outs = outputs_of(sent, "r")
+    assert [len(o) for o in outs] == [len(outs[0]), 2, 2, 2, 2, len(outs[-1])]  # lane outputs are [id, tokens]
+    assert outs[-1][5] == FinishReason.LENGTH
+    assert tokens_of(sent, "r") == expected("r", 6)
+    assert books(engine) == ({}, {}, {})
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4])
+def test_many_requests_of_mixed_lengths_clients_and_stop_ids_end_exact(chunk):
+    rng = random.Random(chunk)
+    engine = EngineCore(EngineSettings(rank=0, num_clients=2, output_token_chunk_size=chunk))
+    lengths, sent = {}, []
+    for i in range(60):
+        rid = f"r{i}"
+        lengths[rid] = rng.randint(1, 40)
+        engine.apply(add(rid, lengths[rid], client=i % 2, stop=(5,) if i % 3 == 0 else ()))
+        if i % 7 == 0:
+            sent += engine.step()  # requests join while others run
+    sent += run(engine)
+    for rid, n in lengths.items():
+        tokens = tokens_of(sent, rid)
+        assert len(tokens) == n, rid
+        if int(rid[1:]) % 3 == 0:
+            assert 5 not in tokens
+        else:
+            assert tokens == expected(rid, n), rid
+        assert [o[5] for o in outputs_of(sent, rid) if len(o) > 5 and o[5] is not None] == [FinishReason.LENGTH]
+    assert books(engine) == ({}, {}, {})
+
+
+def test_an_aborted_lane_member_leaves_no_trace_and_sends_nothing_more():
+    engine = EngineCore(EngineSettings(rank=0, num_clients=1))
+    engine.apply(add("a", 100))
+    engine.apply(add("b", 100))
+    sent = engine.step() + engine.step()
+    assert set(engine.scheduler.lanes[(0, False)]) == {"a", "b"}
+    sent += engine.apply(AbortRequests(["a"]))
+    assert set(engine.scheduler.lanes[(0, False)]) == {"b"}
+    assert [r.request_id for step in engine.scheduler._lane_exits.values() for r in step] == ["b"]
+    after = run(engine)
+    assert outputs_of(after, "a") == []
+    assert tokens_of(sent + after, "b") == expected("b", 100)
+    assert books(engine) == ({}, {}, {})
+
+
+def test_preempted_lane_members_come_back_on_the_full_path_and_end_exact():
+    # 6 blocks of 16 tokens: three requests of 3 + 40 tokens cannot all grow
+    engine = EngineCore(EngineSettings(rank=0, num_clients=1, block_size=16, kv_blocks=6))
+    for rid in ("x", "y", "z"):
+        engine.apply(add(rid, 40))
+    sent = run(engine)
+    assert engine.scheduler.counters["preemptions"] > 0
+    for rid in ("x", "y", "z"):
+        assert tokens_of(sent, rid) == expected(rid, 40), rid
+    assert books(engine) == ({}, {}, {})
+
+
+def test_a_reload_with_a_new_source_takes_running_requests_out_of_their_lanes():
+    engine = EngineCore(EngineSettings(rank=0, num_clients=1))
+    engine.apply(add("old", 30))
+    sent = engine.step() + engine.step()
+    assert "old" in engine.scheduler.lanes[(0, False)]
+    engine.reconfigure(EngineSettings(rank=0, num_clients=1, token_source=EchoTokens()))
+    assert engine.scheduler.lanes == {} and "old" in engine.scheduler._full
+    engine.apply(add("new", 6))
+    sent += run(engine)
+    assert tokens_of(sent, "old") == expected("old", 30)  # its own source throughout
+    assert tokens_of(sent, "new") == [1, 2, 3, 1, 2, 3]
+    assert books(engine) == ({}, {}, {})
+
+
+def test_a_lane_slices_a_pool_smaller_than_its_chunk_cyclically():
+    source = FileTokens([10, 11, 12], seed=0, rank=0)
+    engine = EngineCore(EngineSettings(rank=0, num_clients=1, output_token_chunk_size=4, token_source=source))
+    engine.apply(add("r", 400))  # ~100 lane outputs: a position that creeps past the pad shows
+    sent = run(engine)
+    start = source.initial_state("r")
+    assert tokens_of(sent, "r") == [[10, 11, 12][(start + i) % 3] for i in range(400)]
