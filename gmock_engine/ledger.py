@@ -74,9 +74,12 @@ class Ledger:
         outputs = message[1] if len(message) > 1 else ()
         open_ids = self.open
         if outputs:
-            # map() keeps the per-output work in C: this runs for every token
-            ids = set(map(_first, outputs))
-            if not ids <= open_ids.keys():
+            # map() and the keys view keep the per-output work in C (this runs
+            # for every token): the ids of the message that are open, counted
+            # against the outputs; only when they differ (a stray id, or one
+            # id twice) is it worth finding which
+            if len(open_ids.keys() & map(_first, outputs)) != len(outputs):
+                ids = set(map(_first, outputs))
                 found.extend(self._stray(rid) for rid in ids - open_ids.keys())
             answered_here = set()  # ids with a terminal output in this message
             # (only an output longer than 5 can carry a finish_reason; most messages have none)

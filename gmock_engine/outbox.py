@@ -117,6 +117,11 @@ class StatsCadence:
         self._kv_usage = 0.0
         self._at = float("-inf")
 
+    def too_soon(self, now: float) -> bool:
+        """True within STATS_INTERVAL_S of the last stats: then `due` is
+        False while requests run (the check before the counts are taken)."""
+        return now - self._at < STATS_INTERVAL_S
+
     def due(self, now: float, running: int, waiting: int, kv_usage: float, pending: bool) -> bool:
         if running and now - self._at < STATS_INTERVAL_S:
             return False
