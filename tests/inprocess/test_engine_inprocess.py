@@ -440,3 +440,27 @@ def test_pd_producer_params_and_consumer_wait_over_real_sockets():
         consumed = frontend.collect(["d"])
         assert time.monotonic() - t0 >= 0.3  # 3 prompt tokens at 100 ms: a lower bound only
         assert len(consumed.tokens("d")) == 3 and consumed.terminal["d"] == FinishReason.LENGTH
+
+
+def test_a_flood_of_adds_is_admitted_in_slices_between_steps():
+    """2000 ADDs at once: each step admits at most runtime.INPUT_SLICE of
+    them (issue 17), so the first ones get their first token while the rest
+    are still being taken in, and none is lost."""
+    from gmock_engine.runtime import INPUT_SLICE
+
+    frontend = FakeFrontend(num_clients=1, dp=1)
+    app, waiter = start_app(frontend)
+    try:
+        frontend.accept_engines()
+        rids = [f"flood-{i}" for i in range(2000)]
+        for rid in rids:
+            frontend.add(0, rid, max_tokens=3)
+        collected = frontend.collect(rids)
+        firsts = [sum(1 for o in m[1] if len(o) > 2 and o[5] is None) for m in collected.messages]
+        assert sum(firsts) == len(rids)
+        assert max(firsts) <= INPUT_SLICE, max(firsts)
+        assert all(len(collected.tokens(rid)) == 3 for rid in rids)
+    finally:
+        app.stop()
+        assert waiter.get(timeout=5) == 0
+        frontend.close()
