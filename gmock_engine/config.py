@@ -350,7 +350,8 @@ def build_parser() -> configargparse.ArgumentParser:
         "--token-source",
         type=_token_source,
         default="random",
-        help="random (uniform ids), echo (the prompt's ids, repeated) or file:PATH (whitespace-separated ids, cycled)",
+        help="random (uniform ids from a pool of 65536 drawn per seed, each request from its seeded offset), "
+        "echo (the prompt's ids, repeated) or file:PATH (whitespace-separated ids, cycled)",
     )
     gen.add_argument(
         "--token-id-range",
