@@ -66,6 +66,9 @@ from .steptimer import StepTimer
 
 #: Bounds of the queues between the stages (messages, not tokens).
 INPUT_QUEUE_SIZE = 4096
+#: Back-to-back (unpaced) steps give the hub a round (socket poll, the
+#: readers, the sender, the other engines) at least this often.
+YIELD_INTERVAL_S = 0.0001
 #: Input messages the stepper applies between two steps, at most (then it
 #: steps and takes the rest): a cohort of hundreds of ADDs (~25 µs each)
 #: would otherwise hold up the step that serves the first of them, and
@@ -369,6 +372,8 @@ class EngineRunner:
         publish = self.kv_events.put if self.kv_events is not None else None
         next_step_at: Optional[float] = None
         started = 0.0  # when the last step started
+        yielded = 0.0  # when the stepper last gave the hub a round
+        out_queue = self.out_queue
         try:
             while True:
                 if not flowing.is_set():
@@ -429,7 +434,13 @@ class EngineRunner:
                 # loop iteration with its socket poll; the readers yield when
                 # their socket is empty or the input queue is full, so the
                 # stepper is never starved.
-                gevent.idle()
+                # A hub round costs ~9 µs here (its poll, two switches): more
+                # than a step of a few requests. Back-to-back steps yield at
+                # most every YIELD_INTERVAL_S (new input waits that long at
+                # most), and at once when the sender has a backlog.
+                if now - yielded >= YIELD_INTERVAL_S or not out_queue.empty():
+                    gevent.idle()
+                    yielded = clock()
         finally:
             timer.close()
 
