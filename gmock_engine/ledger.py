@@ -28,6 +28,7 @@ from .logs import short as _short
 from .protocol import FinishReason
 
 _first = itemgetter(0)
+_NONE: frozenset = frozenset()
 
 #: Ended request ids kept to recognise late outputs: a small window, so a
 #: soak's RSS settles at once (~0.2 MB); an output for an id that ended more
@@ -81,9 +82,11 @@ class Ledger:
             if len(open_ids.keys() & map(_first, outputs)) != len(outputs):
                 ids = set(map(_first, outputs))
                 found.extend(self._stray(rid) for rid in ids - open_ids.keys())
-            answered_here = set()  # ids with a terminal output in this message
+            answered_here: Any = _NONE  # ids with a terminal output in this message
             # (only an output longer than 5 can carry a finish_reason; most messages have none)
             terminal = [o for o in outputs if len(o) > 5 and o[5] is not None] if max(map(len, outputs)) > 5 else ()
+            if terminal:
+                answered_here = set()
             for output in terminal:
                 rid = output[0]
                 if rid not in open_ids:
@@ -96,7 +99,7 @@ class Ledger:
                     continue
                 self._end(rid, FinishReason(output[5]).name.lower())
         else:
-            answered_here = set()
+            answered_here = _NONE
         finished = message[5] if len(message) > 5 else None
         if finished:
             for rid in finished:

@@ -111,6 +111,8 @@ class Scheduler:
         #: `_emit` call -> the lane members that go back to the full path then.
         self._lane_exits: Dict[int, List[Request]] = {}
         self._emitted_steps = 0
+        #: (pooled, pool ids, pool size) of the sampler's source, for the lanes
+        self._lane_source = self._pool_of(self.sampler)
         self.waiting = create_request_queue(policy)
         #: Running requests whose prefill is not done: id -> ready_at (inf: chunks left).
         self.prefilling: Dict[str, float] = {}
@@ -161,6 +163,7 @@ class Scheduler:
                     self._out_of_lane(request)
                     self._full[request.request_id] = request
         self.sampler = sampler
+        self._lane_source = self._pool_of(sampler)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
 
@@ -269,7 +272,7 @@ class Scheduler:
                 prefill_tokens, budget = self._continue_prefills(now, budget)
         elif self.chunking:  # a reload lifted the budget: what was chunked is prefilled now
             prefill_tokens, _ = self._continue_prefills(now, sys.maxsize)
-        if not preempted:
+        if not preempted and self.waiting:
             prefill_tokens += self._admit(now, budget, outbox)
         done = self._emit(now, outbox)
         if self.latency.paced:
@@ -389,9 +392,7 @@ class Scheduler:
         tokens emitted."""
         chunk = self.chunk
         source = self.sampler.tokens
-        pooled = isinstance(source, TokenPool) and chunk <= POOL_PAD
-        pool = source.ids if pooled else None
-        size = source.size if pooled else 0
+        pooled, pool, size = self._lane_source
         emitted = 0
         for (client, stops), lane in self.lanes.items():
             batch = batches.get(client)
@@ -426,6 +427,13 @@ class Scheduler:
                     append([request.request_id, tokens])
             emitted += chunk * len(lane)
         return emitted
+
+    def _pool_of(self, sampler: Sampler) -> "tuple[bool, Optional[List[int]], int]":
+        """What the lanes slice: a pooled source's ids when a chunk fits the pad."""
+        source = sampler.tokens
+        if isinstance(source, TokenPool) and self.chunk <= POOL_PAD:
+            return True, source.ids, source.size
+        return False, None, 0
 
     def _join_lanes(self, requests: List[Request], step: int) -> None:
         """Requests that took the full path in this step and need nothing of
