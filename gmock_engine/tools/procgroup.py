@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import random
 import shlex
 import signal
 import socket
@@ -30,13 +31,44 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
-    """`count` distinct free TCP ports on `host` (held open together while picking)."""
-    socks = []
+#: Where free_ports looks when the kernel's ephemeral range cannot be read.
+_DEFAULT_EPHEMERAL = (32768, 60999)
+_LOWEST_PORT = 10000
+
+
+def ephemeral_range() -> Tuple[int, int]:
+    """The kernel's ephemeral port range (ip_local_port_range), inclusive."""
     try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return _DEFAULT_EPHEMERAL
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
+    """`count` distinct free TCP ports on `host` (held open together while
+    picking), chosen outside the kernel's ephemeral range: a port picked
+    there and released can be handed out again to anything that binds port
+    0 before its user binds it (a frontend's own ZMQ sockets bind
+    `tcp://127.0.0.1:*`; CI once saw serve's HTTP port answer with a ZMQ
+    greeting). Falls back to the ephemeral range when the rest is taken."""
+    low, high = ephemeral_range()
+    candidates = [p for p in range(_LOWEST_PORT, 65536) if not low <= p <= high]
+    rng = random.SystemRandom()
+    rng.shuffle(candidates)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    socks: List[socket.socket] = []
+    try:
+        for port in candidates + [0] * count:
+            if len(socks) == count:
+                break
+            s = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:

@@ -36,6 +36,7 @@ Plain Python, no gevent: it only starts, watches and stops processes.
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import socket
@@ -161,7 +162,9 @@ def plan(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
             raise cfg.ConfigError(f"argument {flag}: set by serve ({instead}); remove it from {where}")
     port_source = options.sources["port"]
     try:
-        port = _port_free(options.host, options.port)
+        # --port 0: a free port outside the ephemeral range (procgroup.free_ports)
+        wanted = options.port or procgroup.free_ports(1, options.host)[0]
+        port = _port_free(options.host, wanted)
     except OSError as exc:
         reason = os.strerror(exc.errno) if exc.errno else str(exc)
         raise cfg.ConfigError(
@@ -300,8 +303,8 @@ class Serve:
         try:
             with urllib.request.urlopen(self.plan.health_url, timeout=2) as response:
                 return response.status == 200
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
+        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
+            return False  # (HTTPException: something that is not an HTTP server answered)
 
     def ready_line(self) -> str:
         o = self.plan.options

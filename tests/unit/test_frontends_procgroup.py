@@ -136,3 +136,11 @@ def test_ports_and_the_listen_check():
         assert not procgroup.is_listening(a)  # bound is not listening
         s.listen(1)
         assert procgroup.is_listening(a)
+
+
+def test_free_ports_stay_out_of_the_ephemeral_range():
+    # a port there, once released, can go to anything binding port 0 first
+    low, high = procgroup.ephemeral_range()
+    ports = procgroup.free_ports(20)
+    assert len(set(ports)) == 20
+    assert all(not low <= p <= high and p >= 10000 for p in ports), ports

@@ -188,3 +188,26 @@ def test_exit_statuses_are_documented_alike():
         assert re.search(rf"^  {status}  ", serve.__doc__, re.M)
         assert f" {status} " in " ".join(help_text.split())
         assert f"| {status} |" in readme
+
+
+def test_a_port_that_answers_but_not_in_http_is_not_healthy(env):
+    # CI once found a ZMQ socket on serve's HTTP port: its greeting made
+    # urllib raise BadStatusLine, which ended serve with a traceback
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def greet():
+        conn, _ = listener.accept()
+        conn.recv(4096)  # the request, read as ZMQ does (a close with it unread would be a reset)
+        conn.sendall(b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f\x03\x00NULL" + b"\x00" * 48)
+        conn.close()
+
+    threading.Thread(target=greet, daemon=True).start()
+    p = serve.plan(["--port", "0"], env)
+    p.port = port
+    try:
+        assert serve.Serve(p, None, None, env)._healthy() is False
+    finally:
+        listener.close()
