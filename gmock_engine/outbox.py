@@ -123,7 +123,7 @@ class StatsCadence:
         return now - self._at < STATS_INTERVAL_S
 
     def due(self, now: float, running: int, waiting: int, kv_usage: float, pending: bool) -> bool:
-        if running and now - self._at < STATS_INTERVAL_S:
+        if running and self.too_soon(now):
             return False
         counts = (running, waiting)
         if counts == self._counts and kv_usage == self._kv_usage and not pending:

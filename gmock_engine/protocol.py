@@ -919,8 +919,6 @@ def engine_core_output(
     return out
 
 
-
-
 #: msgpack ext type of a raw array buffer inline in a message (§0, serial_utils'
 #: CUSTOM_TYPE_RAW_VIEW); both frontends also accept it above the 256-byte
 #: threshold at which vLLM itself moves buffers to extra frames (Appendix E).

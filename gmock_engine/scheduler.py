@@ -459,24 +459,23 @@ class Scheduler:
 
     def _leave_lanes(self, requests: List[Request]) -> None:
         """Lane members whose last output is due: back on the full path."""
-        lanes, full = self.lanes, self._full
+        full = self._full
         for request in requests:
-            key = request.lane
-            request.lane = None
-            lane = lanes[key]
-            del lane[request.request_id]
-            if not lane:
-                del lanes[key]
+            self._remove_from_lane(request)
             full[request.request_id] = request
 
-    def _out_of_lane(self, request: Request) -> None:
-        """A lane member leaves it before its exit (preempted, ended, a reload)."""
+    def _remove_from_lane(self, request: Request) -> None:
         key = request.lane
         request.lane = None
         lane = self.lanes[key]
         del lane[request.request_id]
         if not lane:
             del self.lanes[key]
+
+    def _out_of_lane(self, request: Request) -> None:
+        """A lane member leaves it before its exit (preempted, ended, a
+        reload): out of its lane and of the exits."""
+        self._remove_from_lane(request)
         exits = self._lane_exits[request.lane_exit]
         exits.remove(request)
         if not exits:

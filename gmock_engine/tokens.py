@@ -93,7 +93,6 @@ class TokenPool:
         return tokens, state
 
 
-
 def _padded(ids: Sequence[int]) -> List[int]:
     return list(ids) + [ids[i % len(ids)] for i in range(POOL_PAD)]
 

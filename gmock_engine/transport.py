@@ -18,7 +18,7 @@ gates the fault layer closes (fault_injection.py: hang, stall).
 Every wait is a `zmq.green` one: a plain pyzmq call that waits would block
 the whole gevent hub. `RCVTIMEO` does nothing on green sockets, so waits use
 `gevent.Timeout`. What cannot wait (NOBLOCK) goes to libzmq directly
-(`recv_now`, `send_now`): a green call costs 5-9 µs more per message
+(`recv_noblock`, `send_noblock`): a green call costs 5-9 µs more per message
 (its EVENTS check and enum flag arithmetic after every call), which is most
 of what a step of a few tokens costs (issue 17). That is safe because each
 socket direction has one greenlet: nobody else waits on the socket for the
@@ -62,7 +62,7 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
 
 
-def recv_now(sock: Any) -> List[bytes]:
+def recv_noblock(sock: Any) -> List[bytes]:
     """The frames of the next message on `sock`, straight from libzmq, or
     zmq.Again when there is none (never waits)."""
     frames = [_recv(sock, _NOBLOCK)]
@@ -71,7 +71,7 @@ def recv_now(sock: Any) -> List[bytes]:
     return frames
 
 
-def send_now(sock: Any, data: bytes) -> None:
+def send_noblock(sock: Any, data: bytes) -> None:
     """Send one frame straight to libzmq; zmq.Again at the high-water mark
     (never waits)."""
     _send(sock, data, _NOBLOCK)
@@ -243,7 +243,7 @@ class Reader:
             if not gate.is_set():
                 gate.wait()
             try:
-                frames = recv_now(sock)
+                frames = recv_noblock(sock)
             except zmq.Again:
                 frames = sock.recv_multipart()  # nothing there: wait for it (green)
             try:
@@ -318,7 +318,7 @@ class Sender:
             data = self._encode(message, pack, cut)
             if data is not None:
                 try:
-                    send_now(outputs[client], data)
+                    send_noblock(outputs[client], data)
                 except zmq.Again:
                     outputs[client].send(data)  # at the high-water mark: wait (green)
 
@@ -340,7 +340,7 @@ class Sender:
         if data is None:
             return True  # nothing to send (cut requests only); as run() would
         try:
-            send_now(self.outputs[client], data)
+            send_noblock(self.outputs[client], data)
         except zmq.Again:
             return False
         return True
