@@ -8,7 +8,11 @@ reports the CPU seconds of the mock's processes as a fraction of the
 frontend's (API server + its helper processes), from /proc, over the bench.
 
     .venv/bin/python benchmarks/behind_frontend.py [--frontend python|rust] [--dp N] [--prompts 2000] [--output-len 64]
-        [--engine-arg=--output-token-chunk-size=4]
+        [--engine gmock|reference] [--log-requests] [--engine-arg=--output-token-chunk-size=4]
+
+`--engine reference` puts the floor (tools/reference_emitter.py) in the
+mock's place under the same load, so the fraction has a yardstick: what the
+least a Python engine has to do costs behind this frontend.
 """
 
 from __future__ import annotations
@@ -41,14 +45,24 @@ def main() -> int:
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--api-servers", type=int, default=1)
     parser.add_argument("--engine-arg", action="append", default=[])
+    parser.add_argument("--engine", choices=("gmock", "reference"), default="gmock",
+                        help="reference: the floor (tools/reference_emitter.py) in the mock's place")
+    parser.add_argument("--log-requests", action=argparse.BooleanOptionalAction, default=False,
+                        help="run gmock with --log-requests, as the e2e tests do (off by default, as in run.sh)")
     options = parser.parse_args()
 
     frontends = h.install_frontends()
     work = Path(tempfile.mkdtemp(prefix="gmock-p2-"))
     model_dir = h.make_model_dir(work / "model")
     stack = h.Stack(h.Topology(options.frontend, dp=options.dp, api_servers=options.api_servers), frontends, model_dir, work,
-                    engine_args=options.engine_arg)
+                    with_engine=options.engine == "gmock", engine_args=options.engine_arg, log_requests=options.log_requests)
     stack.start()
+    if options.engine == "reference":
+        floor = [sys.executable, "-m", "gmock_engine.tools.reference_emitter",
+                 "--handshake-address", f"tcp://127.0.0.1:{stack.hs_port}", "--engine-count", str(options.dp)]
+        stack.engine = h.ProcessGroup("reference-emitter", floor, work / "engine.log", env=dict(os.environ), cwd=ROOT)
+        stack.engines.append(stack.engine)
+        stack.wait_healthy()
     try:
         command = [
             str(frontends.python), str(h.VLLM_CLI), "bench", "serve",

@@ -22,7 +22,8 @@ the least a Python engine has to spend to send the messages gmock sends
 * one thread, a blocking poll, no gevent, no queues, no validation, no
   logging, no token budget, KV cache or latency model. Bad input crashes it.
 
-It answers every utility call with nil and an ABORT with an ABORT output.
+It answers get_supported_tasks with ["generate"], every other utility call
+with nil, and an ABORT with an ABORT output.
 
     python -m gmock_engine.tools.reference_emitter --handshake-address tcp://127.0.0.1:29550 \\
         [--engine-count N] [--output-token-chunk-size K] [--vocab-size V] [--seed S]
@@ -249,8 +250,10 @@ def main(argv=None) -> int:
                     for rid in body:
                         engine.abort(rid)
                 elif kind == b"\x03":
-                    client, call_id = body[0], body[1]
-                    reply = [engine.rank, [], None, time.monotonic(), [call_id, None, [None, None]]]
+                    client, call_id, method = body[0], body[1], body[2]
+                    # get_supported_tasks is the one answer a real frontend cannot do without
+                    result = ["generate"] if method == "get_supported_tasks" else None
+                    reply = [engine.rank, [], None, time.monotonic(), [call_id, None, [None, result]]]
                     engine.outputs[client].send(pack(reply))
         for engine in engines:
             if engine.busy:

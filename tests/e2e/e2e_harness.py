@@ -233,8 +233,10 @@ class Stack:
 
     def __init__(self, topology: Topology, frontends: Frontends, model_dir: Path, log_dir: Path,
                  with_engine: bool = True, engine_args: Optional[list[str]] = None,
-                 frontend_env_extra: Optional[dict] = None):
+                 frontend_env_extra: Optional[dict] = None, log_requests: bool = True):
         self.topology = topology
+        #: `--log-requests`: the log contract the e2e tests read (benchmarks may turn it off).
+        self.log_requests = log_requests
         self.frontends = frontends
         self.model_dir = model_dir
         self.log_dir = Path(log_dir)
@@ -264,7 +266,7 @@ class Stack:
         `Topology.engine_processes`) in place of `--engine-count DP`."""
         ranks = ["--engine-count", str(self.topology.dp)] if process_args is None else list(process_args)
         return [str(RUN_SH), "--handshake-address", f"tcp://127.0.0.1:{self.hs_port}",
-                *ranks, "--log-requests", *self.engine_args]
+                *ranks, *(["--log-requests"] if self.log_requests else []), *self.engine_args]
 
     def engine_log_path(self, index: int = 0) -> Path:
         """engine.log for the first engine process, engine-<i>.log for the others."""
