@@ -599,9 +599,9 @@ class EngineCore:
     def _stats_if_due(self, now: float) -> Optional[Dict[str, Any]]:
         """SchedulerStats for the outbox when something they show moved."""
         scheduler, kv, cadence = self.scheduler, self.kv, self._cadence
+        if now < cadence.quiet_until and len(scheduler.running) > len(scheduler.transferring):
+            return None  # StatsCadence.due's first rule, before the counts are taken (every step)
         running, waiting = scheduler.request_counts()  # P/D: a request waiting for its KV is waiting
-        if running and cadence.too_soon(now):
-            return None  # StatsCadence.due's first rule, before the KV figures are read (every step)
         if not cadence.due(now, running, waiting, kv.usage, kv.stats_pending):
             return None
         return scheduler.scheduler_stats(kv.take_prefix_cache_stats())

@@ -30,6 +30,8 @@ class KVCacheManager:
         self.block_size = block_size
         #: Blocks enforced (None: only reported, never a reason to wait).
         self.num_blocks = enforced_blocks
+        #: num_blocks is not None (read every step)
+        self.enforced = enforced_blocks is not None
         self.used_blocks = 0
         #: Σ (prompt + output tokens) of the running requests: the usage when
         #: blocks are not enforced.
@@ -40,10 +42,6 @@ class KVCacheManager:
         )
         #: The scheduler reports computed tokens (`computed`, `on_output`) only when True.
         self.caching = self.prefix_cache is not None
-
-    @property
-    def enforced(self) -> bool:
-        return self.num_blocks is not None
 
     def blocks_for(self, tokens: int) -> int:
         """Blocks that hold `tokens` tokens."""

@@ -21,7 +21,7 @@ figures are off by default (steps back to back, instant prefill).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 
@@ -36,11 +36,12 @@ class LatencyModel:
     jitter: float = 0.0
     time_scale: float = 1.0
     lora_load_ms: float = 0.0
+    #: False when every step and prefill is instant (the Rust mock's mode).
+    #: Derived once: the scheduler reads it every step.
+    paced: bool = field(init=False, repr=False, compare=False)
 
-    @property
-    def paced(self) -> bool:
-        """False when every step and prefill is instant (the Rust mock's mode)."""
-        return bool(self.itl_ms or self.itl_ms_per_request or self.ttft_ms or self.prefill_ms_per_token)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "paced", bool(self.itl_ms or self.itl_ms_per_request or self.ttft_ms or self.prefill_ms_per_token))
 
     def _jitter(self, rng: random.Random) -> float:
         return 1.0 + self.jitter * (2.0 * rng.random() - 1.0) if self.jitter else 1.0

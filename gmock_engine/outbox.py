@@ -21,6 +21,8 @@ COORDINATOR = -1
 #: SchedulerStats go out when something they show changed, at most this often
 #: while requests run (at once when the engine becomes idle, so gauges drop to 0).
 STATS_INTERVAL_S = 0.05
+#: While requests run and nothing the stats show moved, how soon to look again.
+STATS_RECHECK_S = 0.002
 
 
 class LedgerViolation(RuntimeError):
@@ -115,18 +117,21 @@ class StatsCadence:
     def __init__(self) -> None:
         self._counts: Tuple[int, int] = (0, 0)
         self._kv_usage = 0.0
-        self._at = float("-inf")
-
-    def too_soon(self, now: float) -> bool:
-        """True within STATS_INTERVAL_S of the last stats: then `due` is
-        False while requests run (the check before the counts are taken)."""
-        return now - self._at < STATS_INTERVAL_S
+        #: Until when `due` is False while requests run (STATS_INTERVAL_S
+        #: after the last stats): an attribute, so the engine can check it
+        #: before it takes the counts, once per step.
+        self.quiet_until = float("-inf")
 
     def due(self, now: float, running: int, waiting: int, kv_usage: float, pending: bool) -> bool:
-        if running and self.too_soon(now):
+        if running and now < self.quiet_until:
             return False
         counts = (running, waiting)
         if counts == self._counts and kv_usage == self._kv_usage and not pending:
+            if running:
+                # nothing moved: the next look is STATS_RECHECK_S away, not
+                # the next step (a step of a few requests costs less than
+                # taking the counts); a change waits at most that long
+                self.quiet_until = now + STATS_RECHECK_S
             return False
-        self._counts, self._kv_usage, self._at = counts, kv_usage, now
+        self._counts, self._kv_usage, self.quiet_until = counts, kv_usage, now + STATS_INTERVAL_S
         return True

@@ -373,7 +373,7 @@ class EngineRunner:
         next_step_at: Optional[float] = None
         started = 0.0  # when the last step started
         yielded = 0.0  # when the stepper last gave the hub a round
-        out_queue = self.out_queue
+        in_queue, out_queue = self.in_queue, self.out_queue
         try:
             while True:
                 if not flowing.is_set():
@@ -390,7 +390,7 @@ class EngineRunner:
                 # Apply what is queued before the next step (up to
                 # INPUT_SLICE messages), so an ABORT or a new request takes
                 # effect at once.
-                more_input = self._drain_input()
+                more_input = False if in_queue.empty() else self._drain_input()
                 if publish is not None:
                     publish(engine.take_kv_events())  # e.g. reset_prefix_cache's AllBlocksCleared, at once
                 if not flowing.is_set():

@@ -300,17 +300,30 @@ class Scheduler:
         exits = self._lane_exits.pop(step, None)
         if exits:
             self._leave_lanes(exits)
-        chunk = self.chunk
-        sampler = self.sampler
         # prefix caching: the step's tokens are computed KV (kv_cache_manager.py)
         on_output = self.kv.on_output if self.kv.caching else None
+        done: List[Request] = []
+        emitted = self._emit_lanes(outbox, on_output) if self.lanes else 0
+        if self._full:
+            emitted += self._emit_full(now, outbox, on_output, done, step)
+        self.counters["steps"] += 1
+        self.counters["tokens"] += emitted
+        self.kv.tokens += emitted
+        return done
+
+    def _emit_full(self, now: float, outbox: Outbox, on_output: Optional[Callable[[Request, List[int]], None]], done: List[Request], step: int) -> int:
+        """The full path's outputs (see `_emit`): first and last outputs,
+        shaped requests, prefills coming to an end; those that end go to
+        `done`, those that may join a lane do so after this step's lane
+        outputs. Returns the tokens emitted."""
+        chunk = self.chunk
+        sampler = self.sampler
         make_output = protocol.engine_core_output
         prefilling = self.prefilling
         batches = outbox.batches
         new_batch = outbox.batch
-        done: List[Request] = []
         joining: List[Request] = []
-        emitted = self._emit_lanes(batches, new_batch, on_output) if self.lanes else 0
+        emitted = 0
         for request in self._full.values():
             if prefilling:
                 ready_at = prefilling.get(request.request_id)
@@ -380,16 +393,14 @@ class Scheduler:
                 joining.append(request)
         if joining:  # after the lanes' outputs of this step
             self._join_lanes(joining, step)
-        self.counters["steps"] += 1
-        self.counters["tokens"] += emitted
-        self.kv.tokens += emitted
-        return done
+        return emitted
 
-    def _emit_lanes(self, batches: Dict[int, Any], new_batch: Callable[[int], Any], on_output: Optional[Callable[[Request, List[int]], None]]) -> int:
+    def _emit_lanes(self, outbox: Outbox, on_output: Optional[Callable[[Request, List[int]], None]]) -> int:
         """The steady state's outputs: per lane one loop, the next ids of
         each request (tokens.TokenPool.draw, inline: the request's position
         in the pool is its rng_state), nothing else checked. Returns the
         tokens emitted."""
+        batches, new_batch = outbox.batches, outbox.batch
         chunk = self.chunk
         source = self.sampler.tokens
         pooled, pool, size = self._lane_source

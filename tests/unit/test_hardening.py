@@ -322,3 +322,19 @@ def test_the_throttle_writes_a_few_lines_per_kind_and_counts_the_rest():
     clock.now = 11.0
     assert throttle.warning("dup", "dup {}", 10)
     assert lines == ["dup 0", "dup 1", "dup 2", "x", "7 more 'dup' warnings left out in the last 11 s", "dup 10"]
+
+
+def test_unchanged_stats_are_looked_at_again_after_the_recheck_interval_only():
+    from gmock_engine.outbox import STATS_INTERVAL_S, STATS_RECHECK_S, StatsCadence
+
+    cadence = StatsCadence()
+    assert cadence.due(0.0, 1, 0, 0.5, False)  # the first figures go out
+    assert not cadence.due(STATS_INTERVAL_S / 2, 2, 0, 0.5, False)  # too soon after them
+    assert cadence.due(STATS_INTERVAL_S, 2, 0, 0.5, False)  # the change, once the interval is over
+    later = 2 * STATS_INTERVAL_S
+    assert not cadence.due(later, 2, 0, 0.5, False)  # nothing moved
+    # a change right after an unchanged look waits for the recheck, not a whole interval
+    assert not cadence.due(later + STATS_RECHECK_S / 2, 3, 0, 0.5, False)
+    assert cadence.due(later + STATS_RECHECK_S, 3, 0, 0.5, False)
+    # the engine going idle is said at once, whatever the window
+    assert cadence.due(later + STATS_RECHECK_S + 1e-6, 0, 0, 0.0, False)
