@@ -415,7 +415,8 @@ class EngineCore:
             self.throttle.warning("invalid request", "ADD {}: bad vllm_xargs ({}); answered with ERROR", short(rid), reason)
             return self._answer_now(client, rid, FinishReason.ERROR, protocol.request_error("validation_error", f"bad vllm_xargs: {reason}"))
         try:
-            entry.kv = self._plan_kv_transfer(entry, request)
+            # (P/D params ride in extra_args: most requests carry none)
+            entry.kv = self._plan_kv_transfer(entry, request) if request.extra_args else None
         except BadValue as exc:
             reason = f"{str(exc):.200}"
             self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)

@@ -184,40 +184,43 @@ def plan(
     naming the key and the value: nothing is coerced.
     """
     xargs = core_request.extra_args
-    for key in xargs:
-        if isinstance(key, str) and key.startswith("mock_") and key not in MOCK_XARGS:
-            raise BadValue(f"unknown key {short(key, 40)} (known: {', '.join(MOCK_XARGS)})")
-    fail_after = _xarg_int(xargs, "mock_fail_after", 0, _INT64_MAX)
-    natural = _xarg_int(xargs, "mock_output_len", 1, _INT64_MAX)
-    stop_token = _xarg_int(xargs, "mock_stop_token_id", 0, TOKEN_ID_LIMIT - 1)
-    mode = xargs.get("mock_finish")
-    if mode is not None and (not isinstance(mode, str) or mode not in _MOCK_FINISH):
-        raise BadValue(f"mock_finish must be stop, length or error, not {cut(mode)}")
-    ttft = xargs.get("mock_ttft_ms")
-    if ttft is not None:
-        if isinstance(ttft, bool) or not isinstance(ttft, (int, float)) or not 0 <= ttft <= MAX_XARGS_TTFT_MS:
-            raise BadValue(f"mock_ttft_ms must be a number in 0..{MAX_XARGS_TTFT_MS}, not {cut(ttft)}")  # also nan, inf
-        request.ttft_ms = float(ttft)
+    fail_after = natural = stop_token = mode = None
+    if xargs:  # (most requests carry none: the checks below cost ~1 µs)
+        for key in xargs:
+            if isinstance(key, str) and key.startswith("mock_") and key not in MOCK_XARGS:
+                raise BadValue(f"unknown key {short(key, 40)} (known: {', '.join(MOCK_XARGS)})")
+        fail_after = _xarg_int(xargs, "mock_fail_after", 0, _INT64_MAX)
+        natural = _xarg_int(xargs, "mock_output_len", 1, _INT64_MAX)
+        stop_token = _xarg_int(xargs, "mock_stop_token_id", 0, TOKEN_ID_LIMIT - 1)
+        mode = xargs.get("mock_finish")
+        if mode is not None and (not isinstance(mode, str) or mode not in _MOCK_FINISH):
+            raise BadValue(f"mock_finish must be stop, length or error, not {cut(mode)}")
+        ttft = xargs.get("mock_ttft_ms")
+        if ttft is not None:
+            if isinstance(ttft, bool) or not isinstance(ttft, (int, float)) or not 0 <= ttft <= MAX_XARGS_TTFT_MS:
+                raise BadValue(f"mock_ttft_ms must be a number in 0..{MAX_XARGS_TTFT_MS}, not {cut(ttft)}")  # also nan, inf
+            request.ttft_ms = float(ttft)
     limit = min(request.max_tokens, max(0, max_model_len - core_request.prompt_len))
     finish = FinishReason.LENGTH
     # EOS ends a request only if the frontend named an EOS id: vllm-rs
     # implements ignore_eos by sending none (Python sends ignore_eos).
     eos = core_request.eos_token_id
     eos_possible = eos is not None and not core_request.ignore_eos
-    stop_ids = set(core_request.all_stop_token_ids) | set(core_request.stop_token_ids)
+    stop_ids = set(core_request.all_stop_token_ids)
+    stop_ids.update(core_request.stop_token_ids)
     if eos is not None:
         stop_ids.add(eos)
-    stoppers = set(core_request.stop_token_ids)
-    if eos_possible:
-        stoppers.update(core_request.all_stop_token_ids)
-        stoppers.add(eos)
+    stoppers = stop_ids if eos_possible else set(core_request.stop_token_ids)
     # Sampling controls: logit_bias -100 and the last id of each bad word
     # are never drawn (stricter than vLLM for multi-token bad words, which it
     # bans only after their prefix); +100 forces its ids; allowed_token_ids
     # is the pool everything else is drawn from.
     bias = core_request.logit_bias
-    banned = {word[-1] for word in core_request.bad_words_token_ids} | {t for t, b in bias.items() if b <= -100}
-    forced = sorted(t for t, b in bias.items() if b >= 100 and 0 <= t < TOKEN_ID_LIMIT and t not in banned)
+    banned = {word[-1] for word in core_request.bad_words_token_ids}
+    forced: List[int] = []
+    if bias:
+        banned.update(t for t, b in bias.items() if b <= -100)
+        forced = sorted(t for t, b in bias.items() if b >= 100 and 0 <= t < TOKEN_ID_LIMIT and t not in banned)
     pool: Optional[List[int]] = None
     if forced:
         pool = forced
