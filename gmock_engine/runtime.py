@@ -378,6 +378,10 @@ class EngineRunner:
             while True:
                 if not flowing.is_set():
                     flowing.wait()
+                    # The hang is over: the readers (waiting on the same
+                    # gate) take in what came during it before the next
+                    # step, as vLLM's input thread would have queued it.
+                    gevent.idle()
                 if self._pending is not None:
                     # A reload, between two steps (a hung engine takes it
                     # when the hang is over): the next step is timed by the

@@ -18,12 +18,12 @@ gates the fault layer closes (fault_injection.py: hang, stall).
 Every wait is a `zmq.green` one: a plain pyzmq call that waits would block
 the whole gevent hub. `RCVTIMEO` does nothing on green sockets, so waits use
 `gevent.Timeout`. What cannot wait (NOBLOCK) goes to libzmq directly
-(`recv_noblock`, `send_noblock`): a green call costs 5-9 µs more per message
-(its EVENTS check and enum flag arithmetic after every call), which is most
-of what a step of a few tokens costs (issue 17). That is safe because each
-socket direction has one greenlet: nobody else waits on the socket for the
-state check a direct call skips, and the owner falls back to the green call
-(which waits) on EAGAIN.
+(`recv_noblock`, `send_noblock`, `readable`): a green call costs 5-9 µs
+more per message (its EVENTS check and enum flag arithmetic after every
+call), which is most of what a step of a few tokens costs (issue 17). That
+is safe because each socket direction has one greenlet: nobody else waits on
+the socket for the state check a direct call skips, and the owner waits
+with zmq.green's own wait (`wait_readable`, or the green send on EAGAIN).
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ _send = _BackendSocket.send
 _get = _BackendSocket.get
 _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 
 def recv_noblock(sock: Any) -> List[bytes]:
@@ -69,6 +71,20 @@ def recv_noblock(sock: Any) -> List[bytes]:
     while _get(sock, _RCVMORE):
         frames.append(_recv(sock, _NOBLOCK))
     return frames
+
+
+def readable(sock: Any) -> bool:
+    """A message waits on `sock`: libzmq's ZMQ_EVENTS read straight (no
+    EAGAIN exception to build, no green state check)."""
+    return bool(_get(sock, _EVENTS) & _POLLIN)
+
+
+def wait_readable(sock: Any) -> None:
+    """Park this greenlet until `sock`'s state changes: zmq.green's own wait
+    (the hub watches the socket's FD, edge-triggered; reading ZMQ_EVENTS
+    before, as `readable` does, re-arms it, so nothing that arrives after
+    that check is missed). It may return with nothing there: look again."""
+    sock._wait_read()
 
 
 def send_noblock(sock: Any, data: bytes) -> None:
@@ -242,10 +258,13 @@ class Reader:
         while True:
             if not gate.is_set():
                 gate.wait()
-            try:
-                frames = recv_noblock(sock)
-            except zmq.Again:
-                frames = sock.recv_multipart()  # nothing there: wait for it (green)
+            if not readable(sock):
+                # Nothing there: wait for it, then look again. Not a green
+                # recv_multipart, which costs ~9 µs more per message than
+                # this (its per-frame state checks, an EAGAIN exception).
+                wait_readable(sock)
+                continue
+            frames = recv_noblock(sock)
             try:
                 message = decode(frames, wire)
             except Exception as exc:  # noqa: BLE001 - one frame's content, whatever it broke
