@@ -278,6 +278,11 @@ class EngineCore:
         return self.scheduler.has_work
 
     @property
+    def num_running(self) -> int:
+        """Requests in the running batch (those a step advances)."""
+        return len(self.scheduler.running)
+
+    @property
     def num_active(self) -> int:
         """Requests not finished yet: running and waiting."""
         return len(self.scheduler.running) + len(self.scheduler.waiting)

@@ -442,6 +442,43 @@ def test_pd_producer_params_and_consumer_wait_over_real_sockets():
         assert len(consumed.tokens("d")) == 3 and consumed.terminal["d"] == FinishReason.LENGTH
 
 
+def test_the_input_slice_grows_with_the_running_batch():
+    """3000 long ADDs at once: between two steps the stepper takes in at
+    most max(INPUT_SLICE, running // INPUT_SLICE_DIVISOR) of them, so the
+    intake grows as the batch does and all are running well before
+    3000 / INPUT_SLICE steps (issue 17: at its CPU limit an unpaced engine
+    must not leave ADDs queued in front of the scheduler)."""
+    from gmock_engine.runtime import INPUT_SLICE, INPUT_SLICE_DIVISOR
+
+    frontend = FakeFrontend(num_clients=1, dp=1)
+    app, waiter = start_app(frontend)
+    try:
+        frontend.accept_engines()
+        rids = [f"long-{i}" for i in range(3000)]
+        for rid in rids:
+            frontend.add(0, rid, max_tokens=100_000)
+        firsts: list = []
+        seen = 0
+        with gevent.Timeout(30):
+            while seen < len(rids):
+                message = frontend.recv(0)
+                if message[1]:
+                    n = sum(1 for o in message[1] if len(o) > 2)  # first outputs carry events
+                    firsts.append(n)
+                    seen += n
+        running = 0
+        for n in firsts:
+            if n:
+                assert n <= max(INPUT_SLICE, running // INPUT_SLICE_DIVISOR), (n, running)
+            running += n
+        assert max(firsts) > INPUT_SLICE  # it grew
+        assert len(firsts) < len(rids) // INPUT_SLICE  # sooner than fixed slices would
+    finally:
+        app.stop()
+        assert waiter.get(timeout=10) == 0
+        frontend.close()
+
+
 def test_a_flood_of_adds_is_admitted_in_slices_between_steps():
     """2000 ADDs at once: each step admits at most runtime.INPUT_SLICE of
     them (issue 17), so the first ones get their first token while the rest
