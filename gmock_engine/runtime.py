@@ -78,7 +78,7 @@ YIELD_INTERVAL_S = 0.0001
 #: up to this many is scheduled together, as vLLM schedules its whole
 #: input queue.
 INPUT_SLICE = 32
-#: ... or 1/INPUT_SLICE_DIVISOR of the running requests, if more: the
+#: Unpaced, 1/INPUT_SLICE_DIVISOR of the running requests, if more: the
 #: intake grows with the step it alternates with (an ADD costs about what
 #: 20 tokens do), so an unpaced engine at its CPU limit still takes in
 #: what arrives (vLLM takes its whole input queue before every step)
@@ -398,10 +398,16 @@ class EngineRunner:
                     paced = engine.latency.paced
                     if next_step_at is not None:
                         next_step_at = stretched(started, engine.next_step_time(started))
-                # Apply what is queued before the next step (up to
-                # INPUT_SLICE messages), so an ABORT or a new request takes
-                # effect at once.
-                more_input = False if in_queue.empty() else self._drain_input()
+                # Apply what is queued before the next step (a slice of
+                # it), so an ABORT or a new request takes effect at once.
+                # Paced, the drain goes on between steps until one is due:
+                # slices larger than INPUT_SLICE would only make steps late.
+                if in_queue.empty():
+                    more_input = False
+                elif paced:
+                    more_input = self._drain_input(INPUT_SLICE)
+                else:
+                    more_input = self._drain_input(max(INPUT_SLICE, engine.num_running // INPUT_SLICE_DIVISOR))
                 if publish is not None:
                     publish(engine.take_kv_events())  # e.g. reset_prefix_cache's AllBlocksCleared, at once
                 if not flowing.is_set():
@@ -507,13 +513,11 @@ class EngineRunner:
         self.generation = change.generation
         self.log.debug("engine {} runs configuration generation {}", self.rank, change.generation)
 
-    def _drain_input(self) -> bool:
-        """Apply up to INPUT_SLICE queued messages (or a share of the
-        running requests, INPUT_SLICE_DIVISOR), in order; True when some are
-        left for the next round."""
+    def _drain_input(self, budget: int) -> bool:
+        """Apply up to `budget` queued messages, in order; True when some
+        are left for the next round."""
         in_queue, apply, emit = self.in_queue, self.engine.apply, self._emit
         on_input, flowing = self.injector.on_input, self.injector.flowing
-        budget = max(INPUT_SLICE, self.engine.num_running // INPUT_SLICE_DIVISOR)
         while not in_queue.empty() and flowing.is_set():
             if not budget:
                 return True
