@@ -451,9 +451,7 @@ def test_the_input_slice_grows_with_the_running_batch():
     from gmock_engine.runtime import INPUT_SLICE, INPUT_SLICE_DIVISOR
 
     frontend = FakeFrontend(num_clients=1, dp=1)
-    app, waiter = start_app(frontend)
-    try:
-        frontend.accept_engines()
+    with serving(frontend):
         rids = [f"long-{i}" for i in range(3000)]
         for rid in rids:
             frontend.add(0, rid, max_tokens=100_000)
@@ -466,17 +464,13 @@ def test_the_input_slice_grows_with_the_running_batch():
                     n = sum(1 for o in message[1] if len(o) > 2)  # first outputs carry events
                     firsts.append(n)
                     seen += n
-        running = 0
-        for n in firsts:
-            if n:
-                assert n <= max(INPUT_SLICE, running // INPUT_SLICE_DIVISOR), (n, running)
-            running += n
-        assert max(firsts) > INPUT_SLICE  # it grew
-        assert len(firsts) < len(rids) // INPUT_SLICE  # sooner than fixed slices would
-    finally:
-        app.stop()
-        assert waiter.get(timeout=10) == 0
-        frontend.close()
+    running = 0
+    for n in firsts:
+        if n:
+            assert n <= max(INPUT_SLICE, running // INPUT_SLICE_DIVISOR), (n, running)
+        running += n
+    assert max(firsts) > INPUT_SLICE  # it grew
+    assert len(firsts) < len(rids) // INPUT_SLICE  # sooner than fixed slices would
 
 
 def test_a_flood_of_adds_is_admitted_in_slices_between_steps():
@@ -486,18 +480,12 @@ def test_a_flood_of_adds_is_admitted_in_slices_between_steps():
     from gmock_engine.runtime import INPUT_SLICE
 
     frontend = FakeFrontend(num_clients=1, dp=1)
-    app, waiter = start_app(frontend)
-    try:
-        frontend.accept_engines()
+    with serving(frontend):
         rids = [f"flood-{i}" for i in range(2000)]
         for rid in rids:
             frontend.add(0, rid, max_tokens=3)
         collected = frontend.collect(rids)
-        firsts = [sum(1 for o in m[1] if len(o) > 2 and o[5] is None) for m in collected.messages]
-        assert sum(firsts) == len(rids)
-        assert max(firsts) <= INPUT_SLICE, max(firsts)
-        assert all(len(collected.tokens(rid)) == 3 for rid in rids)
-    finally:
-        app.stop()
-        assert waiter.get(timeout=5) == 0
-        frontend.close()
+    firsts = [sum(1 for o in m[1] if len(o) > 2 and o[5] is None) for m in collected.messages]
+    assert sum(firsts) == len(rids)
+    assert max(firsts) <= INPUT_SLICE, max(firsts)
+    assert all(len(collected.tokens(rid)) == 3 for rid in rids)
