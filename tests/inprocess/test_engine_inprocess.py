@@ -360,6 +360,13 @@ def test_on_stop_drains_every_stream_then_exits(mode):
         for i in range(50):
             frontend.add(0, f"d{i}", max_tokens=long, client=i % 2)
         first = frontend.recv(0)
+        # Stop only once all 50 are admitted. An ADD still in the socket when
+        # the stop is queued is applied after it and refused with ABORT (as
+        # "too-late" below is); the first output alone does not mean the
+        # reader has taken the rest (a clean-clone CI run saw d4.. refused).
+        with gevent.Timeout(10):
+            while app.counters()[0]["active"] < 50:
+                gevent.sleep(0.005)
         app.stop()
         late = mode == "finish"  # finishing takes 40 steps of 5 ms: time for a newcomer
         if late:
