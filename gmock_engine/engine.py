@@ -140,6 +140,11 @@ class EngineSettings:
     wire: protocol.Wire = field(default_factory=protocol.Wire)
     #: P/D disaggregation (--kv-role / --kv-transfer-config, kv_transfer.py); None: off.
     kv_transfer: Optional[kv_transfer.KVTransferSettings] = None
+    #: The steady state's outputs are lists reused from step to step
+    #: (Scheduler.reuse_outputs): a message `step` returns is only valid
+    #: until the next step. The runtime encodes each message as it is made;
+    #: off for callers that keep what `step` returned.
+    reuse_outputs: bool = False
 
 
 #: The EngineSettings a reload (SIGHUP, reload.py) may change while requests
@@ -214,6 +219,7 @@ class EngineCore:
             lora=self.lora,
             kv_transfer=self.kv_transfer,
         )
+        self.scheduler.reuse_outputs = settings.reuse_outputs
         self._cadence = StatsCadence()
         self.outbox = Outbox(self.rank, clock, self.ledger, self._stats_if_due, settings.has_coordinator, settings.strict_ledger, self.log)
         self.utilities = Utilities(

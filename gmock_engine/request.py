@@ -71,6 +71,7 @@ class Request:
         "shaped",
         "lane",
         "lane_exit",
+        "lane_output",
         "sampler",
         "lora_request",
         # P/D disaggregation (kv_transfer.py)
@@ -137,6 +138,9 @@ class Request:
         self.lane: Any = None
         #: The step (scheduler._emit call) it leaves its lane in.
         self.lane_exit = 0
+        #: Its `[request_id, tokens]` output, reused for every output it
+        #: makes in a lane (Scheduler.reuse_outputs), None: a new one each time.
+        self.lane_output: Optional[List[Any]] = None
         #: The scheduler's Sampler at its ADD (its token source and logprob
         #: model): a reload changes those for new requests only.
         self.sampler: Any = None

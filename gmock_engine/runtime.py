@@ -172,6 +172,8 @@ class EngineRunner:
         self.sender: Optional[gevent.Greenlet] = None
         #: transport.Sender.send_now once joined: the stepper's direct send
         self.send_now: Callable[[Outbound], bool] = lambda item: False
+        #: transport.Sender.encode once joined (before: the sender encodes what is queued)
+        self.encode: Callable[[Any], Any] = lambda message: message
         self.joined = gevent.event.Event()
         #: Rate-limited warnings for what the frontend (or anyone) sends.
         self.throttle = Throttle(self.log, BAD_FRAME_LOGS, BAD_FRAME_WINDOW_S)
@@ -299,6 +301,7 @@ class EngineRunner:
             scheduling_policy=c.scheduling_policy,
             prefix_caching=c.prefix_caching,
             kv_events=self.kv_events is not None,
+            reuse_outputs=True,  # _emit encodes each message as it is made
             kv_transfer=kv_transfer.settings_from(
                 c.kv_role, c.kv_transfer_config, c.kv_transfer_ms_per_token, c.kv_transfer_ms_per_block, c.data_parallel_size
             ),
@@ -348,6 +351,7 @@ class EngineRunner:
         sender = transport.Sender(self.sockets, self.wire, self.out_queue.get, injector.outputs_flowing, self.incidents, self.throttle)
         self.sender = spawn(f"engine-{self.rank}-sender", sender.run)
         self.send_now = sender.send_now
+        self.encode = sender.encode
         fire_timed = injector.joined(self.engine, time.monotonic())
         if fire_timed is not None:
             self.fault_timer = spawn(f"engine-{self.rank}-fault-timer", fire_timed)
@@ -583,8 +587,14 @@ class EngineRunner:
         """Queue a batch for the sender, as the fault layer lets it go (once
         per batch, never per output: this is the per-token path)."""
         out_queue = self.out_queue
-        send_now = self.send_now
-        for item in self.injector.on_outputs(messages):
+        send_now, encode = self.send_now, self.encode
+        for client, message in self.injector.on_outputs(messages):
+            # Encoded here, as it is made: the engine reuses its steady
+            # outputs' lists in the next step (EngineSettings.reuse_outputs).
+            data = encode(message)
+            if data is None:
+                continue  # it carried only requests the sender cut (protocol.salvage)
+            item = (client, data)
             # the sender idle and nothing queued: sent from here, at once
             # (transport.Sender.send_now); else queued, in order
             if not (out_queue.empty() and send_now(item)):

@@ -111,6 +111,11 @@ class Scheduler:
         #: `_emit` call -> the lane members that go back to the full path then.
         self._lane_exits: Dict[int, List[Request]] = {}
         self._emitted_steps = 0
+        #: Lane members' outputs reuse one `[id, tokens]` list each (issue 17:
+        #: at 8 192 running, making and freeing two lists per token cost more
+        #: than the rest of the step's work). Only for a caller that encodes
+        #: every message before the next step (EngineSettings.reuse_outputs).
+        self.reuse_outputs = False
         #: (pooled, pool ids, pool size) of the sampler's source, for the lanes
         self._lane_source = self._pool_of(self.sampler)
         self.waiting = create_request_queue(policy)
@@ -232,7 +237,7 @@ class Scheduler:
         out = [*self.running.values(), *self.waiting.requests()]
         self.kv.free_all(list(self.running.values()))
         for request in self.running.values():
-            request.lane = None
+            request.lane = request.lane_output = None
         self.running.clear()
         self._full.clear()
         self.lanes.clear()
@@ -404,15 +409,27 @@ class Scheduler:
         chunk = self.chunk
         source = self.sampler.tokens
         pooled, pool, size = self._lane_source
+        reuse = self.reuse_outputs
         emitted = 0
         for (client, stops), lane in self.lanes.items():
             batch = batches.get(client)
             if batch is None:
                 batch = new_batch(client)
             append = batch.outputs.append
-            if pooled and chunk == 1 and not stops and on_output is None:
-                # the common case (chunk 1, no stop ids, no prefix caching):
-                # one index, not a slice; the floor's loop (reference_emitter.py)
+            if pooled and chunk == 1 and not stops and on_output is None and reuse:
+                # the common case (chunk 1, no stop ids, no prefix caching),
+                # encoded before the next step: the request's one output list
+                # and its one-id token list, the id written in place
+                for request in lane.values():
+                    position = request.rng_state
+                    out = request.lane_output
+                    out[1][0] = pool[position]
+                    position += 1
+                    request.rng_state = position if position < size else 0
+                    request.num_output_tokens += 1
+                    append(out)
+            elif pooled and chunk == 1 and not stops and on_output is None:
+                # as above, new lists: one index, not a slice; the floor's loop (reference_emitter.py)
                 for request in lane.values():
                     position = request.rng_state
                     tokens = [pool[position]]
@@ -435,7 +452,14 @@ class Scheduler:
                     request.num_output_tokens += chunk
                     if on_output is not None:
                         on_output(request, tokens)
-                    append([request.request_id, tokens])
+                    if reuse:
+                        # the token list is new (on_output may keep it); the
+                        # output list is the request's own
+                        out = request.lane_output
+                        out[1] = tokens
+                        append(out)
+                    else:
+                        append([request.request_id, tokens])
             emitted += chunk * len(lane)
         return emitted
 
@@ -460,6 +484,8 @@ class Scheduler:
             del full[request.request_id]
             lane[request.request_id] = request
             request.lane = key
+            if self.reuse_outputs:
+                request.lane_output = [request.request_id, [0]]
             # the outputs the lane makes: every one before the last
             leave = request.lane_exit = step + 1 + (remaining - 1) // chunk
             exit_list = exits.get(leave)
@@ -478,6 +504,7 @@ class Scheduler:
     def _remove_from_lane(self, request: Request) -> None:
         key = request.lane
         request.lane = None
+        request.lane_output = None
         lane = self.lanes[key]
         del lane[request.request_id]
         if not lane:

@@ -334,15 +334,25 @@ class Sender:
             if item is STOP:
                 return
             client, message = item
-            data = self._encode(message, pack, cut)
+            # bytes: encoded by the stepper (EngineRunner._emit); a message:
+            # queued unencoded (a late finish's timer), encoded now
+            data = message if message.__class__ is bytes else self._encode(message, pack, cut)
             if data is not None:
                 try:
                     send_noblock(outputs[client], data)
                 except zmq.Again:
                     outputs[client].send(data)  # at the high-water mark: wait (green)
 
+    def encode(self, message: List[Any]) -> Optional[bytes]:
+        """The bytes of one message as `run` would send them (None: nothing
+        to send: it carried only cut requests). The stepper encodes every
+        message it makes at once, in order, so what the engine reuses from
+        step to step (EngineSettings.reuse_outputs) is read before the next
+        step changes it, and a queued message is its bytes."""
+        return self._encode(message, self._pack, self.cut)
+
     def send_now(self, item: Any) -> bool:
-        """Send one (client_index, message) from the caller's greenlet, if
+        """Send one (client_index, encoded message) from the caller's greenlet, if
         that keeps every rule of `run`: only while `run` waits on an empty
         queue (so the order of messages holds and nobody else is sending),
         outputs flowing (no stall or hang), and without waiting (NOBLOCK:
@@ -354,10 +364,7 @@ class Sender:
         message leaves in the step that made it."""
         if not (self.idle and self.gate.is_set()):
             return False
-        client, message = item
-        data = self._encode(message, self._pack, self.cut)
-        if data is None:
-            return True  # nothing to send (cut requests only); as run() would
+        client, data = item
         try:
             send_noblock(self.outputs[client], data)
         except zmq.Again:

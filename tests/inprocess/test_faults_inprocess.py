@@ -5,13 +5,17 @@ are only checked as lower bounds (a stall lasts at least its duration), so a
 slow machine cannot make these fail.
 """
 
+import dataclasses
 import time
 
 import gevent
 import pytest
 
-from fake_frontend import FakeFrontend
-from gmock_engine.engine import MOCK_FAILURE_MESSAGE
+from engine_steps import run, tokens_of
+from fake_frontend import Collected, FakeFrontend, engine_core_request
+from gmock_engine import protocol
+from gmock_engine.engine import MOCK_FAILURE_MESSAGE, EngineCore
+from gmock_engine.tools.frontend import add_frames
 from gmock_engine.faults import UTILITY_FAILURE_MESSAGE
 from gmock_engine.protocol import WIRE_LAYOUTS, FinishReason
 
@@ -136,6 +140,35 @@ def test_stall_outputs_then_go_on(stack):
     assert len(collected.tokens("trigger")) == 2
     assert time.monotonic() - gap_start >= 0.6
     assert app.counters()[0]["fault_stall_outputs"] == 1
+
+
+def test_outputs_queued_behind_a_stall_carry_the_tokens_of_their_own_step():
+    """The runtime's engines reuse each steady request's output list from
+    step to step (EngineSettings.reuse_outputs), so the stepper encodes every
+    message as it makes it. Behind a stall the messages wait in the output
+    queue while the steps go on: each must still carry the tokens of its own
+    step, the same tokens as an engine that makes new lists. (Encoded only
+    when the sender takes them, every queued message would carry the last
+    step's token.)"""
+    frontend = FakeFrontend(dp=1)
+    sampling = {"temperature": 1.0, "max_tokens": 120}
+    with serving(frontend, "--fault-stall-outputs", "every=1 limit=1 duration=400ms", "--itl-ms", "1") as app:
+        added = time.monotonic()
+        frontend.add(0, "long", sampling_params=dict(sampling))
+        first = frontend.recv(0, timeout=10)
+        # the stall began at the ADD: what the steps made meanwhile was queued
+        assert time.monotonic() - added >= 0.35
+        collected = Collected()
+        collected.add(first)
+        collected = frontend.collect(["long"], timeout=10, into=collected)
+        settings = app.runners[0].engine.settings
+        assert settings.reuse_outputs and app.counters()[0]["fault_stall_outputs"] == 1
+    assert len(collected.messages) == 120
+    reference = EngineCore(dataclasses.replace(settings, reuse_outputs=False))
+    reference.apply(protocol.decode_input(add_frames(engine_core_request("long", sampling_params=dict(sampling))), reference.wire))
+    expected = tokens_of(run(reference), "long")
+    assert len(expected) == 120 and len(set(expected)) > 100
+    assert collected.tokens("long") == expected
 
 
 @pytest.mark.parametrize("stack", [["--fault-hang", "every=2 duration=800ms ranks=0"]], indirect=True)
