@@ -41,7 +41,7 @@ from . import protocol
 from . import kv_transfer
 from .kv_cache_manager import KVCacheManager
 from .latency import LatencyModel
-from .ledger import Ledger
+from .ledger import CHECKED_MEMORY, Ledger
 from .lengths import OutputLengths
 from .logprobs import LogprobModel
 from .lora import AdapterRegistry, decode_lora_request
@@ -187,7 +187,8 @@ class EngineCore:
         #: utilities) are rate-limited per kind.
         self.throttle = Throttle(self.log)
         #: The books on every request, checked against every message sent (ledger.py).
-        self.ledger = Ledger()
+        # remembering checked messages pays only when the same output lists come back
+        self.ledger = Ledger(checked_memory=CHECKED_MEMORY if settings.reuse_outputs else 0)
         sampler = self._sampler(settings)
         self.kv = KVCacheManager(
             settings.num_gpu_blocks, settings.block_size, settings.kv_blocks, settings.prefix_caching, settings.kv_events

@@ -30,6 +30,10 @@ from .protocol import FinishReason
 _first = itemgetter(0)
 _NONE: frozenset = frozenset()
 
+#: Messages remembered as checked (`Ledger._checked`): one per client is
+#: what a steady engine needs; beyond this many, the memory starts afresh.
+CHECKED_MEMORY = 16
+
 #: Ended request ids kept to recognise late outputs: a small window, so a
 #: soak's RSS settles at once (~0.2 MB); an output for an id that ended more
 #: than this many requests ago is still a violation, reported as "unknown id".
@@ -39,7 +43,7 @@ DEFAULT_MEMORY = 1024
 class Ledger:
     """Invariant checks and counters for one engine."""
 
-    def __init__(self, memory: int = DEFAULT_MEMORY) -> None:
+    def __init__(self, memory: int = DEFAULT_MEMORY, checked_memory: int = CHECKED_MEMORY) -> None:
         self.open: Dict[str, None] = {}
         #: hash(id) of recently ended requests, oldest first (bounded in bytes
         #: whatever the ids' size; a collision only hides a violation).
@@ -50,6 +54,17 @@ class Ledger:
         self._duplicates: Counter = Counter()
         self.violations: List[str] = []
         self._violation_log_limit = 100
+        #: The outputs of recent messages of running outputs only (`[id,
+        #: tokens]`), all open, by the identity of their first output. A message
+        #: with equal outputs (the same ids, in the same order, of the same
+        #: lengths) is found open by the same check as long as nothing has
+        #: ended since, so it is not checked id by id again: a steady
+        #: engine's outputs are the same reused lists step after step
+        #: (Scheduler.reuse_outputs). Forgotten whenever a request ends.
+        self._checked: Dict[int, List[Any]] = {}
+        #: 0: nothing remembered (an engine that makes new lists every step
+        #: would only keep its last messages alive for nothing).
+        self._checked_memory = checked_memory
 
     # -- what the engine received ------------------------------------------------
 
@@ -69,12 +84,17 @@ class Ledger:
         """Check one EngineCoreOutputs; return the new violations, if any.
 
         Per token this is one set insertion (running outputs are the 2-element
-        `[id, tokens]`); per request end, a little more.
+        `[id, tokens]`), or nothing for a message equal to one checked since
+        the last end (`_checked`); per request end, a little more.
         """
         found: List[str] = []
         outputs = message[1] if len(message) > 1 else ()
         open_ids = self.open
-        if outputs:
+        checked = self._checked
+        answered_here: Any = _NONE  # ids with a terminal output in this message
+        if outputs and checked.get(id(outputs[0])) == outputs:
+            pass  # as a message checked since the last end: only open ids, none terminal
+        elif outputs:
             # map() and the keys view keep the per-output work in C (this runs
             # for every token): the ids of the message that are open, counted
             # against the outputs; only when they differ (a stray id, or one
@@ -82,9 +102,9 @@ class Ledger:
             if len(open_ids.keys() & map(_first, outputs)) != len(outputs):
                 ids = set(map(_first, outputs))
                 found.extend(self._stray(rid) for rid in ids - open_ids.keys())
-            answered_here: Any = _NONE  # ids with a terminal output in this message
             # (only an output longer than 5 can carry a finish_reason; most messages have none)
-            terminal = [o for o in outputs if len(o) > 5 and o[5] is not None] if max(map(len, outputs)) > 5 else ()
+            longest = max(map(len, outputs))
+            terminal = [o for o in outputs if len(o) > 5 and o[5] is not None] if longest > 5 else ()
             if terminal:
                 answered_here = set()
             for output in terminal:
@@ -98,8 +118,12 @@ class Ledger:
                         del self._duplicates[rid]
                     continue
                 self._end(rid, FinishReason(output[5]).name.lower())
-        else:
-            answered_here = _NONE
+            if longest == 2 and not found and self._checked_memory:
+                # only running outputs ([id, tokens]): remembered (a first
+                # output's events are not kept alive for this)
+                if len(checked) >= self._checked_memory:
+                    checked.clear()
+                checked[id(outputs[0])] = outputs
         finished = message[5] if len(message) > 5 else None
         if finished:
             for rid in finished:
@@ -123,6 +147,7 @@ class Ledger:
 
     def _end(self, rid: str, reason: str) -> None:
         del self.open[rid]
+        self._checked.clear()  # a remembered message may name it
         self.counts["finished_" + reason] += 1
         ended = self._ended
         key = hash(rid)

@@ -112,3 +112,48 @@ def test_a_reused_id_is_remembered_as_newly_ended():
     ledger.started("c")
     ledger.sent(msg([["c", [], None, None, None, 1]], ["c"]))
     assert ledger.sent(msg([], ["a"])) is None  # still remembered: a repeat listing is harmless
+
+
+@pytest.mark.parametrize("how", ["terminal output", "finished_requests only", "another client's message"])
+def test_a_remembered_message_is_checked_again_once_a_request_ended(how):
+    """A steady engine sends the same output lists step after step
+    (reuse_outputs); the ledger remembers a message it found all open and
+    does not check it id by id again, but only until a request ends: then
+    the same outputs name an ended request, and that must be found."""
+    ledger = Ledger()
+    for rid in ("a", "b", "c"):
+        ledger.started(rid)
+    a, b = ["a", [1]], ["b", [2]]
+    assert ledger.sent(msg([a, b])) is None
+    a[1][0], b[1][0] = 3, 4  # the next step's tokens, in the same lists
+    assert ledger.sent(msg([a, b])) is None
+    if how == "terminal output":
+        assert ledger.sent(msg([["a", [5], None, None, None, 1]], ["a"])) is None
+    elif how == "finished_requests only":
+        assert ledger.sent(msg([], ["a"])) is None  # abort_immediately
+    else:
+        assert ledger.sent(msg([["c", [6]], ["a", [5], None, None, None, 1]], ["a"])) is None
+    found = ledger.sent(msg([a, b]))
+    assert found and "after its terminal output" in found[0] and len(found) == 1
+
+
+def test_only_messages_of_running_outputs_are_remembered_and_a_repeat_is_not_checked_again():
+    ledger = Ledger()
+    for rid in ("a", "b"):
+        ledger.started(rid)
+    first = [["a", [1], None, None, None, None, [{"type": 1, "timestamp": 0.0}]], ["b", [2]]]
+    assert ledger.sent(msg(first)) is None
+    assert ledger._checked == {}  # a first output's events are not kept alive
+    running = [["a", [1]], ["b", [2]]]
+    assert ledger.sent(msg(running)) is None
+    # White box: the repeat is taken as checked. Had it been checked id by
+    # id, "b" (taken out of the books behind the ledger's back) would be found.
+    del ledger.open["b"]
+    assert ledger.sent(msg(list(running))) is None
+    assert ledger.sent(msg([["b", [9]], ["a", [1]]])) is not None  # other outputs: checked
+    forgetful = Ledger(checked_memory=0)  # nothing remembered: every message checked
+    for rid in ("a", "b"):
+        forgetful.started(rid)
+    assert forgetful.sent(msg(running)) is None
+    del forgetful.open["b"]
+    assert forgetful.sent(msg(running)) is not None
