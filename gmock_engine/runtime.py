@@ -7,13 +7,15 @@ Per engine (design card):
   puts the message on the engine's input queue. A bad frame is logged and
   dropped; the engine keeps serving. (The loop: `transport.Reader`.)
 * one **stepper** greenlet that owns the `EngineCore`: applies queued input,
-  advances every running request once per round, and puts the outputs on the
-  output queue. It blocks on the input queue when there is nothing to do
+  advances every running request once per round, packs each message as it
+  makes it (the engine reuses its steady outputs' lists in the next step) and
+  sends it itself when the sender is idle, else puts the bytes on the output
+  queue. It blocks on the input queue when there is nothing to do
   (idle CPU is zero) and yields to the hub after every round, so input is
   never starved.
-* one **sender** greenlet, the only place a message leaves: packs each
-  output and PUSHes it to `outputs[client_index]`. (The loop:
-  `transport.Sender`.)
+* one **sender** greenlet, the only place a message leaves: PUSHes each
+  queued message to `outputs[client_index]` (packing only what a fault's
+  timer queued unpacked). (The loop and the packing: `transport.Sender`.)
 
 Both queues are bounded, so a slow frontend throttles the stepper instead of
 growing memory (the PUSH blocks at its high-water mark, the sender waits,
@@ -584,8 +586,9 @@ class EngineRunner:
         }
 
     def _emit(self, messages: List[Outbound]) -> None:
-        """Queue a batch for the sender, as the fault layer lets it go (once
-        per batch, never per output: this is the per-token path)."""
+        """Pack a batch and send it, or queue it for the sender, as the fault
+        layer lets it go (once per batch, never per output: this is the
+        per-token path)."""
         out_queue = self.out_queue
         send_now, encode = self.send_now, self.encode
         for client, message in self.injector.on_outputs(messages):

@@ -294,7 +294,8 @@ class Scheduler:
         pending, no sampling controls or logprobs, drawing from the current
         sampler) sits in a lane (`lanes`, per client) until its last output:
         a lane is one tight loop per step (its next ids out of the token
-        pool, one `[id, tokens]` output each), and when a request joins
+        pool, one `[id, tokens]` output each: the request's own list, reused
+        from step to step with `reuse_outputs`), and when a request joins
         one, the step it leaves it in is fixed (`_lane_exits`), so the loop
         checks nothing per request (issue 17: the steady state pays for
         nothing but its tokens). Everything else (the first output with its
