@@ -438,6 +438,17 @@ class Scheduler:
                     request.rng_state = position if position < size else 0
                     request.num_output_tokens += 1
                     append([request.request_id, tokens])
+            elif pooled and not stops and on_output is None and reuse:
+                # chunk > 1, nothing else: the next slice of the pool swapped
+                # into the request's own output (the floor's chunked loop)
+                for request in lane.values():
+                    position = request.rng_state
+                    end = position + chunk
+                    out = request.lane_output
+                    out[1] = pool[position:end]
+                    request.rng_state = end if end < size else end % size
+                    request.num_output_tokens += chunk
+                    append(out)
             else:
                 avoid = source.avoid
                 for request in lane.values():

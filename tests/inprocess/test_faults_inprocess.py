@@ -142,7 +142,8 @@ def test_stall_outputs_then_go_on(stack):
     assert app.counters()[0]["fault_stall_outputs"] == 1
 
 
-def test_outputs_queued_behind_a_stall_carry_the_tokens_of_their_own_step():
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_outputs_queued_behind_a_stall_carry_the_tokens_of_their_own_step(chunk):
     """The runtime's engines reuse each steady request's output list from
     step to step (EngineSettings.reuse_outputs), so the stepper encodes every
     message as it makes it. Behind a stall the messages wait in the output
@@ -152,7 +153,8 @@ def test_outputs_queued_behind_a_stall_carry_the_tokens_of_their_own_step():
     step's token.)"""
     frontend = FakeFrontend(dp=1)
     sampling = {"temperature": 1.0, "max_tokens": 120}
-    with serving(frontend, "--fault-stall-outputs", "every=1 limit=1 duration=400ms", "--itl-ms", "1") as app:
+    flags = ["--fault-stall-outputs", "every=1 limit=1 duration=400ms", "--itl-ms", "1", "--output-token-chunk-size", str(chunk)]
+    with serving(frontend, *flags) as app:
         added = time.monotonic()
         frontend.add(0, "long", sampling_params=dict(sampling))
         first = frontend.recv(0, timeout=10)
@@ -163,7 +165,7 @@ def test_outputs_queued_behind_a_stall_carry_the_tokens_of_their_own_step():
         collected = frontend.collect(["long"], timeout=10, into=collected)
         settings = app.runners[0].engine.settings
         assert settings.reuse_outputs and app.counters()[0]["fault_stall_outputs"] == 1
-    assert len(collected.messages) == 120
+    assert len(collected.messages) == 120 // chunk
     reference = EngineCore(dataclasses.replace(settings, reuse_outputs=False))
     reference.apply(protocol.decode_input(add_frames(engine_core_request("long", sampling_params=dict(sampling))), reference.wire))
     expected = tokens_of(run(reference), "long")
