@@ -15,9 +15,9 @@ from engine_steps import run, tokens_of
 from fake_frontend import Collected, FakeFrontend, engine_core_request
 from gmock_engine import protocol
 from gmock_engine.engine import MOCK_FAILURE_MESSAGE, EngineCore
-from gmock_engine.tools.frontend import add_frames
 from gmock_engine.faults import UTILITY_FAILURE_MESSAGE
 from gmock_engine.protocol import WIRE_LAYOUTS, FinishReason
+from gmock_engine.tools.frontend import add_frames
 
 from test_engine_inprocess import serving, start_app
 
