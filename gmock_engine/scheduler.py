@@ -420,7 +420,10 @@ class Scheduler:
             if pooled and chunk == 1 and not stops and on_output is None and reuse:
                 # the common case (chunk 1, no stop ids, no prefix caching),
                 # encoded before the next step: the request's one output list
-                # and its one-id token list, the id written in place
+                # and its one-id token list, the id written in place; the
+                # floor's loop (reference_emitter.py). New lists every step
+                # (reuse off: callers that keep what step() returned) take
+                # the general loop below.
                 for request in lane.values():
                     position = request.rng_state
                     out = request.lane_output
@@ -429,15 +432,6 @@ class Scheduler:
                     request.rng_state = position if position < size else 0
                     request.num_output_tokens += 1
                     append(out)
-            elif pooled and chunk == 1 and not stops and on_output is None:
-                # as above, new lists: one index, not a slice; the floor's loop (reference_emitter.py)
-                for request in lane.values():
-                    position = request.rng_state
-                    tokens = [pool[position]]
-                    position += 1
-                    request.rng_state = position if position < size else 0
-                    request.num_output_tokens += 1
-                    append([request.request_id, tokens])
             elif pooled and not stops and on_output is None and reuse:
                 # chunk > 1, nothing else: the next slice of the pool swapped
                 # into the request's own output (the floor's chunked loop)
