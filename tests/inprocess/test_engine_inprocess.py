@@ -331,17 +331,21 @@ def test_itl_paces_steps_on_the_engine_clock():
         frontend.add(0, "paced-b", max_tokens=6)
         collected = frontend.collect(["paced-a", "paced-b"])
         stamps = [m[3] for m in collected.messages]
-        # both requests advance on the same steps: 6 messages, not 12
-        assert len(stamps) == 6 and all(len(m[1]) == 2 for m in collected.messages)
+        sizes = [len(m[1]) for m in collected.messages]
+        # Both requests advance on the same steps: 6 messages of two outputs,
+        # not 12. The reader may step paced-a once before it has read
+        # paced-b's ADD (a clean-clone CI run saw that); then paced-a's
+        # first and paced-b's last output are alone: 7 messages.
+        assert sizes in ([2] * 6, [1] + [2] * 5 + [1]), sizes
         gaps = [b - a for a, b in zip(stamps, stamps[1:])]
         # Timestamps are taken after each step's work, so one gap can be
         # short by the difference of two steps' compute times (µs here).
         assert min(gaps) >= 0.018, gaps
-        assert stamps[-1] - stamps[0] >= 5 * 0.020 - 0.001, stamps
+        assert stamps[-1] - stamps[0] >= (len(stamps) - 1) * 0.020 - 0.001, stamps
         call_id = frontend.utility(0, "gmock_stats")
         stats = frontend.utility_result(call_id)[2][1]
         # the first step starts when the work arrives (no slot to be late for)
-        assert stats["step_lateness_us"]["total"] == 5
+        assert stats["step_lateness_us"]["total"] == len(stamps) - 1
         assert stats["ledger"]["finished_length"] == 2 and stats["active"] == 0
     finally:
         app.stop()
