@@ -83,6 +83,9 @@ __all__ = [
     "RELOADABLE_SETTINGS",
 ]
 
+#: read once per ADD: a module constant, not an enum member lookup (~0.1 µs on CPython 3.11)
+_QUEUED = EngineCoreEventType.QUEUED
+
 
 @dataclass
 class EngineSettings:
@@ -418,7 +421,7 @@ class EngineCore:
         entry = Request(rid, client, max_tokens, sampler.tokens.initial_state(rid, request.prompt_token_ids), request.prompt_len, self.clock())
         entry.sampler = sampler
         entry.lora_request = lora_request
-        entry.pending_events = [protocol.engine_core_event(EngineCoreEventType.QUEUED, entry.queued_at)]
+        entry.pending_events = [protocol.engine_core_event(_QUEUED, entry.queued_at)]
         settings = self.settings
         try:
             plan(entry, request, sampler.tokens, settings.max_model_len, settings.output_lengths, settings.seed, self.rank)
@@ -547,7 +550,7 @@ class EngineCore:
         """End every running and waiting request with ERROR (a step failed:
         no request is left waiting for tokens that will not come)."""
         error = protocol.request_error("internal_error", reason)
-        self.outbox.batches = {}  # whatever the failed step had gathered
+        self.outbox.discard()  # whatever the failed step had gathered
         for entry in self.scheduler.remove_all():
             output = protocol.engine_core_output(entry.request_id, [], FinishReason.ERROR, error, self.layout)
             self.outbox.end(entry.client_index, entry.request_id, output)

@@ -29,6 +29,10 @@ from .protocol import FinishReason
 
 _first = itemgetter(0)
 _NONE: frozenset = frozenset()
+#: wire finish_reason -> the name its counter is kept under (a dict lookup,
+#: not `FinishReason(value).name` per end: enum calls are slow, issue 17)
+_REASON_NAMES: Dict[int, str] = {int(reason): reason.name.lower() for reason in FinishReason}
+_ERROR = int(FinishReason.ERROR)
 
 #: Messages remembered as checked (`Ledger._checked`): one per client is
 #: what a steady engine needs; beyond this many, the memory starts afresh.
@@ -112,12 +116,12 @@ class Ledger:
                 if rid not in open_ids:
                     continue  # reported above
                 answered_here.add(rid)
-                if output[5] == FinishReason.ERROR and self._duplicates[rid]:
+                if output[5] == _ERROR and self._duplicates[rid]:
                     self._duplicates[rid] -= 1  # the duplicate's answer, not the original's end
                     if not self._duplicates[rid]:
                         del self._duplicates[rid]
                     continue
-                self._end(rid, FinishReason(output[5]).name.lower())
+                self._end(rid, _REASON_NAMES.get(output[5]) or FinishReason(output[5]).name.lower())
             if longest == 2 and not found and self._checked_memory:
                 # only running outputs ([id, tokens]): remembered (a first
                 # output's events are not kept alive for this)

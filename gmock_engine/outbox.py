@@ -29,16 +29,6 @@ class LedgerViolation(RuntimeError):
     """An engine sent something a frontend must never see (--strict-ledger)."""
 
 
-class Batch:
-    """Outputs for one client, gathered during one call."""
-
-    __slots__ = ("outputs", "finished")
-
-    def __init__(self) -> None:
-        self.outputs: List[List[Any]] = []
-        self.finished: List[str] = []
-
-
 class Outbox:
     """Per-client batches of one call, the stats cadence and the ledger check."""
 
@@ -60,45 +50,71 @@ class Outbox:
         self.has_coordinator = has_coordinator
         self.strict_ledger = strict_ledger
         self.log = log
-        #: client index -> its batch in the call being built
-        self.batches: Dict[int, Batch] = {}
+        #: client index -> its outputs in the call being built (a plain
+        #: dict of lists: the per-token path appends to them inline)
+        self.outputs: Dict[int, List[List[Any]]] = {}
+        #: client index -> the ids for its finished_requests in this call
+        self.finished: Dict[int, List[str]] = {}
 
-    def batch(self, client: int) -> Batch:
-        batch = self.batches.get(client)
-        if batch is None:
-            batch = self.batches[client] = Batch()
-        return batch
+    def outputs_for(self, client: int) -> List[List[Any]]:
+        """The outputs list of `client` in the call being built."""
+        outputs = self.outputs.get(client)
+        if outputs is None:
+            outputs = self.outputs[client] = []
+        return outputs
+
+    def finish(self, client: int, request_id: str) -> None:
+        """`request_id` goes into `client`'s finished_requests of this call."""
+        finished = self.finished.get(client)
+        if finished is None:
+            self.finished[client] = [request_id]
+        else:
+            finished.append(request_id)
 
     def end(self, client: int, request_id: str, output: List[Any]) -> None:
         """A request's terminal output, and its id in finished_requests."""
-        batch = self.batch(client)
-        batch.outputs.append(output)
-        batch.finished.append(request_id)
+        self.outputs_for(client).append(output)
+        self.finish(client, request_id)
 
     def finished_only(self, client: int, request_id: str) -> None:
         """An id in finished_requests with no output (abort_immediately, §3.2)."""
-        self.batch(client).finished.append(request_id)
+        self.finish(client, request_id)
+
+    def discard(self) -> None:
+        """Drop what the call has gathered (a step that failed)."""
+        self.outputs = {}
+        self.finished = {}
 
     def flush(self) -> List[Outbound]:
         """One EngineCoreOutputs per client; SchedulerStats on the first one
         when due (§4.1, §7.3), and then also to the coordinator (§6.2).
         Every message passes the ledger on its way out."""
-        batches = self.batches
-        if not batches:
+        outputs, finished = self.outputs, self.finished
+        if not outputs and not finished:
             return []
-        self.batches = {}
+        self.outputs = {}
+        if finished:
+            self.finished = {}
         now = self.clock()
         stats = self._stats_if_due(now)
         out: List[Outbound] = []
-        for client, batch in batches.items():
-            message = protocol.engine_core_outputs(self.rank, batch.outputs, now, batch.finished or None, stats)
-            violations = self.ledger.sent(message)
+        rank, sent, make = self.rank, self.ledger.sent, protocol.engine_core_outputs
+        for client, batch in outputs.items():
+            message = make(rank, batch, now, finished.pop(client, None) if finished else None, stats)
+            violations = sent(message)
+            if violations:
+                self._report(violations)
+            out.append((client, message))
+            stats = None
+        for client, ids in finished.items():  # ids with no output in this call (abort_immediately)
+            message = make(rank, [], now, ids, stats)
+            violations = sent(message)
             if violations:
                 self._report(violations)
             out.append((client, message))
             stats = None
         if out and out[0][1][2] is not None and self.has_coordinator:
-            out.append((COORDINATOR, protocol.engine_core_outputs(self.rank, [], now, None, out[0][1][2])))
+            out.append((COORDINATOR, make(rank, [], now, None, out[0][1][2])))
         return out
 
     def _report(self, violations: List[str]) -> None:

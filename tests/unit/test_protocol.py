@@ -173,6 +173,8 @@ BAD_VALUES = [
     (_add(prompt=(1, -1)), r"prompt_token_ids\[1\] = -1 is not a token id"),
     (_add(prompt=(2**32,)), r"prompt_token_ids\[0\] = 4294967296"),
     (_add(prompt=(1, "x")), r"prompt_token_ids\[1\] = 'x'"),
+    (_add(prompt=(7, True)), r"prompt_token_ids\[1\] = True is not a token id"),
+    (_add(prompt=(7, 2.0)), r"prompt_token_ids\[1\] = 2.0 is not a token id"),
     (_add(sampling=[1]), "sampling_params is list"),
     (_add({"max_tokens": "9"}), "max_tokens '9'"),
     (_add({"max_tokens": -1}), "max_tokens -1"),

@@ -154,6 +154,20 @@ def out_names(layout, out):
     return [layout.output_fields[i] for i, value in enumerate(out) if value is not None]
 
 
+@pytest.mark.parametrize("era", sorted(WIRE_LAYOUTS))
+def test_a_plain_length_end_is_the_eras_defaults_up_to_finish_reason(era):
+    """engine_core_output's fast path for the common end (layout.length_tail)
+    is the output its general path builds: the era's defaults before
+    finish_reason (nil or, for int fields, 0), then LENGTH as the era knows it."""
+    layout = WIRE_LAYOUTS[era]
+    out = protocol.engine_core_output("r", [7, 8], FinishReason.LENGTH, layout=layout)
+    assert out == ["r", [7, 8], *layout.output_defaults[2:5], layout.wire_finish_reason(FinishReason.LENGTH)]
+    assert out[5] == 1 and len(out) == 6
+    # anything more than a plain end takes the general path and keeps its fields
+    stats = protocol.engine_core_output("r", [7], FinishReason.LENGTH, layout=layout, prefill_stats=protocol.prefill_stats(4))
+    assert stats[:6] == ["r", [7], *layout.output_defaults[2:5], 1] and len(stats) > 6
+
+
 def test_repetition_is_stop_before_0_17():
     assert protocol.engine_core_output("r", [], FinishReason.REPETITION, layout=WIRE_LAYOUTS["0.16"])[5] == 0
     assert protocol.engine_core_output("r", [], FinishReason.REPETITION, layout=WIRE_LAYOUTS["0.17"])[5] == 4
