@@ -140,6 +140,11 @@ class WireLayout:
     #: What follows `[id, tokens]` in a plain LENGTH end (engine_core_output's
     #: fast path: most requests end so, once each).
     length_tail: Tuple[Any, ...] = ()
+    #: Before 0.20 the prefill accounting is the int num_cached_tokens (§8.1).
+    prefill_stats_as_int: bool = False
+    #: engine_core_output's memo: which optional fields are given -> where
+    #: they go (protocol._placement), filled as combinations occur.
+    placements: Dict[Tuple[bool, ...], Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         index = {name: i for i, name in enumerate(self.request_fields)}
@@ -148,6 +153,8 @@ class WireLayout:
         defaults = tuple(0 if i >= 6 and name in _INT_OUTPUT_FIELDS else None for i, name in enumerate(self.output_fields))
         object.__setattr__(self, "output_defaults", defaults)
         object.__setattr__(self, "length_tail", (*defaults[2:5], self.wire_finish_reason(FinishReason.LENGTH)))
+        object.__setattr__(self, "prefill_stats_as_int", "prefill_stats" not in self.output_index)
+        object.__setattr__(self, "placements", {})
         if not self.ready_response_keys:
             object.__setattr__(self, "ready_response_keys", _READY_RESPONSE_KEYS)
 
@@ -932,22 +939,37 @@ def engine_core_output(
             return [request_id, new_token_ids] if new_logprobs is None else [request_id, new_token_ids, new_logprobs]
         if finish_reason is _LENGTH and new_logprobs is None and prefill_stats is None and stop_reason is None:
             return [request_id, new_token_ids, *layout.length_tail]  # the common end, once per request
-    index = layout.output_index
     cached = None
-    if prefill_stats is not None and "prefill_stats" not in index:
+    if prefill_stats is not None and layout.prefill_stats_as_int:
         cached, prefill_stats = prefill_stats["num_cached_tokens"], None
-    optional = (("stop_reason", stop_reason), ("events", events), ("kv_transfer_params", kv_transfer_params),
-                ("prefill_stats", prefill_stats), ("num_cached_tokens", cached), ("error", error))  # fmt: skip
-    placed = [(index[name], value) for name, value in optional if value is not None and name in index]
-    last = max(5, max(position for position, _ in placed)) if placed else 5
+    values = (stop_reason, events, kv_transfer_params, prefill_stats, cached, error)
+    given = (stop_reason is not None, events is not None, kv_transfer_params is not None,
+             prefill_stats is not None, cached is not None, error is not None)  # fmt: skip
+    placement = layout.placements.get(given)
+    if placement is None:
+        placement = layout.placements[given] = _placement(layout, given)
+    last, slots = placement
     # the era's defaults up to the last field given (the slots before it
     # must hold their defaults: 0, never nil, for the int fields)
     out = list(layout.output_defaults[: last + 1])
     out[0], out[1], out[2], out[3] = request_id, new_token_ids, new_logprobs, new_prompt_logprobs_tensors
     out[5] = None if finish_reason is None else layout.wire_finish_reason(finish_reason)
-    for position, value in placed:
-        out[position] = value
+    for position, value in slots:
+        out[position] = values[value]
     return out
+
+
+#: engine_core_output's optional fields, in the order of its `values` tuple.
+_OPTIONAL_OUTPUT_FIELDS = ("stop_reason", "events", "kv_transfer_params", "prefill_stats", "num_cached_tokens", "error")
+
+
+def _placement(layout: WireLayout, given: Tuple[bool, ...]) -> Tuple[int, Tuple[Tuple[int, int], ...]]:
+    """Where the optional fields that are `given` go in `layout`'s output
+    (position, index into `values`), and the last position: worked out once
+    per layout and combination (layout.placements), not per output."""
+    index = layout.output_index
+    slots = tuple((index[name], i) for i, name in enumerate(_OPTIONAL_OUTPUT_FIELDS) if given[i] and name in index)
+    return max([5, *(position for position, _ in slots)]), slots
 
 
 #: msgpack ext type of a raw array buffer inline in a message (§0, serial_utils'
