@@ -98,24 +98,23 @@ class Outbox:
         now = self.clock()
         stats = self._stats_if_due(now)
         out: List[Outbound] = []
-        rank, sent, make = self.rank, self.ledger.sent, protocol.engine_core_outputs
+        rank, checked, make = self.rank, self._checked, protocol.engine_core_outputs
         for client, batch in outputs.items():
-            message = make(rank, batch, now, finished.pop(client, None) if finished else None, stats)
-            violations = sent(message)
-            if violations:
-                self._report(violations)
-            out.append((client, message))
+            out.append((client, checked(make(rank, batch, now, finished.pop(client, None) if finished else None, stats))))
             stats = None
         for client, ids in finished.items():  # ids with no output in this call (abort_immediately)
-            message = make(rank, [], now, ids, stats)
-            violations = sent(message)
-            if violations:
-                self._report(violations)
-            out.append((client, message))
+            out.append((client, checked(make(rank, [], now, ids, stats))))
             stats = None
         if out and out[0][1][2] is not None and self.has_coordinator:
             out.append((COORDINATOR, make(rank, [], now, None, out[0][1][2])))
         return out
+
+    def _checked(self, message: List[Any]) -> List[Any]:
+        """`message`, once the ledger has seen it (violations reported)."""
+        violations = self.ledger.sent(message)
+        if violations:
+            self._report(violations)
+        return message
 
     def _report(self, violations: List[str]) -> None:
         for violation in violations[:5]:
