@@ -386,7 +386,7 @@ class EngineCore:
             return self._answer_now(client, rid, FinishReason.ERROR, error)
         if request.abort_immediately:
             # §3.2 idx 19: no output, only the id in finished_requests.
-            self.outbox.finished_only(client, rid)
+            self.outbox.finish(client, rid)
             return self._flush()
         if self.shutting_down:
             # vLLM's _reject_add_in_shutdown: an ABORT output for the newcomer

@@ -64,7 +64,8 @@ class Outbox:
         return outputs
 
     def finish(self, client: int, request_id: str) -> None:
-        """`request_id` goes into `client`'s finished_requests of this call."""
+        """`request_id` goes into `client`'s finished_requests of this call
+        (alone: abort_immediately, §3.2; with its terminal output: `end`)."""
         finished = self.finished.get(client)
         if finished is None:
             self.finished[client] = [request_id]
@@ -74,10 +75,6 @@ class Outbox:
     def end(self, client: int, request_id: str, output: List[Any]) -> None:
         """A request's terminal output, and its id in finished_requests."""
         self.outputs_for(client).append(output)
-        self.finish(client, request_id)
-
-    def finished_only(self, client: int, request_id: str) -> None:
-        """An id in finished_requests with no output (abort_immediately, §3.2)."""
         self.finish(client, request_id)
 
     def discard(self) -> None:

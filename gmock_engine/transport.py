@@ -349,12 +349,7 @@ class Sender:
         message it makes at once, in order, so what the engine reuses from
         step to step (EngineSettings.reuse_outputs) is read before the next
         step changes it, and a queued message is its bytes."""
-        if self.cut:
-            return self._encode(message, self._pack, self.cut)
-        try:  # _encode's common case, inline: this runs once per message
-            return self._pack(message)
-        except Exception as exc:  # noqa: BLE001 - msgpack raises OverflowError, TypeError, ValueError
-            return self._salvage(message, exc, self._pack)
+        return self._encode(message, self._pack, self.cut)
 
     def send_now(self, item: Any) -> bool:
         """Send one (client_index, encoded message) from the caller's greenlet, if
@@ -371,7 +366,7 @@ class Sender:
             return False
         client, data = item
         try:
-            _send(self.outputs[client], data, _NOBLOCK)  # send_noblock, inline (once per message)
+            send_noblock(self.outputs[client], data)
         except zmq.Again:
             return False
         return True

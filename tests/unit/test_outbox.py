@@ -24,7 +24,7 @@ def _outbox(stats=None, coordinator=False):
 
 def test_every_client_of_a_call_gets_one_message_with_its_own_ids():
     outbox, ledger, log = _outbox(stats={"running": 1})
-    outbox.finished_only(2, "c")  # abort_immediately: an id, no output
+    outbox.finish(2, "c")  # abort_immediately: an id, no output
     outbox.outputs_for(0).append(["a", [7]])
     outbox.end(0, "b", engine_core_output("b", [8], FinishReason.LENGTH))
     outbox.end(1, "d", engine_core_output("d", [], FinishReason.ABORT))
@@ -42,7 +42,7 @@ def test_every_client_of_a_call_gets_one_message_with_its_own_ids():
 
 def test_stats_go_to_the_coordinator_too_and_a_discarded_call_sends_nothing():
     outbox, _, _ = _outbox(stats={"running": 1}, coordinator=True)
-    outbox.finished_only(1, "c")
+    outbox.finish(1, "c")
     out = outbox.flush()
     assert [client for client, _ in out] == [1, COORDINATOR]
     assert out[0][1][5] == ["c"] and out[1][1][1] == [] and out[1][1][2] == {"running": 1}
