@@ -571,9 +571,10 @@ class EngineRunner:
             self.kv_events.close_sockets()
         raise gevent.GreenletExit
 
-    def runtime_stats(self) -> Dict[str, Any]:
-        """Figures only the runtime knows, for the gmock_stats utility."""
-        return {
+    def runtime_stats(self, restart_window: bool = False) -> Dict[str, Any]:
+        """Figures only the runtime knows, for the gmock_stats utility;
+        `restart_window`: the step lateness starts a new window after this."""
+        figures = {
             "pid": os.getpid(),
             "bad_frames": self.bad_frames,
             "step_lateness_us": self.step_lateness.summary(scale=1e6),
@@ -584,6 +585,9 @@ class EngineRunner:
             "config_generation": self.generation,
             **(self.kv_events.summary() if self.kv_events is not None else {}),
         }
+        if restart_window:
+            self.step_lateness.restart()
+        return figures
 
     def _emit(self, messages: List[Outbound]) -> None:
         """Pack a batch and send it, or queue it for the sender, as the fault

@@ -30,18 +30,26 @@ class Samples:
     C doubles: constant memory from the start. Kept small on purpose: a
     summary sorts a copy as Python floats, and that transient list sets the
     process's memory high-water mark (65 536 samples cost 2 MB per summary,
-    which a soak saw as RSS growth until the ring was full)."""
+    which a soak saw as RSS growth until the ring was full).
+
+    `restart()` starts a new window: the summary covers only what was added
+    since (`total` still counts every sample)."""
 
     def __init__(self, size: int = 4096) -> None:
         self._ring = array("d", bytes(8 * size))
         self._size = size
+        self._count = 0  # samples in this window
         self.total = 0
 
     def add(self, value: float) -> None:
-        self._ring[self.total % self._size] = value
+        self._ring[self._count % self._size] = value
+        self._count += 1
         self.total += 1
 
+    def restart(self) -> None:
+        self._count = 0
+
     def summary(self, scale: float = 1.0) -> Dict[str, float]:
-        result = summarize(self._ring[: min(self.total, self._size)], scale)
+        result = summarize(self._ring[: min(self._count, self._size)], scale)
         result["total"] = self.total
         return result

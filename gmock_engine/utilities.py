@@ -57,8 +57,9 @@ class Utilities:
         #: the engine's: every in-flight request ends with an ABORT output
         self.abort_all = abort_all
         #: Extra figures for the `gmock_stats` utility: the engine's counters
-        #: and the runtime's own (set by the engine).
-        self.stats_provider: Callable[[], Dict[str, Any]] = dict
+        #: and the runtime's own (set by the engine); called with
+        #: restart_window=True it also starts their windowed figures again.
+        self.stats_provider: Callable[..., Dict[str, Any]] = _no_figures
         #: pause_generation in modes abort/wait rejects new ADDs (0.33, §5).
         self.reject_new_requests = False
         self.sleep_level = 0
@@ -127,6 +128,10 @@ class Utilities:
 # -- the table -------------------------------------------------------------------------
 
 Handler = Callable[[Utilities, UtilityCall], List[Outbound]]
+
+
+def _no_figures(restart_window: bool = False) -> Dict[str, Any]:
+    return {}
 
 
 def _arg(call: UtilityCall, index: int, default: Any) -> Any:
@@ -203,7 +208,15 @@ def _u_set_weight_version(u: Utilities, call: UtilityCall) -> List[Outbound]:
 
 def _u_gmock_stats(u: Utilities, call: UtilityCall) -> List[Outbound]:
     """gmock_engine's own method (not vLLM's): the books and the engine's
-    counters, with runtime figures, for the bench driver and test harnesses."""
+    counters, with runtime figures, for the bench driver and test harnesses.
+
+    `gmock_stats(True)` also starts a new window for the windowed figures
+    (step lateness) after taking them: the bench driver calls it as its
+    measured window begins, so the ramp-up's steps (thousands of first
+    outputs at once) do not count in the window's percentiles."""
+    restart = _arg(call, 0, False)
+    if not isinstance(restart, bool):
+        raise UtilityFailure(f"gmock_stats: the argument (start a new window) must be a bool, got {cut(restart)}")
     stats: Dict[str, Any] = {
         "rank": u.rank,
         "active": len(u.scheduler.running),
@@ -213,7 +226,7 @@ def _u_gmock_stats(u: Utilities, call: UtilityCall) -> List[Outbound]:
     }
     if u.lora is not None:
         stats["lora"] = u.lora.snapshot()
-    stats.update(u.stats_provider())
+    stats.update(u.stats_provider(restart_window=restart))
     return [u.reply(call, stats)]
 
 

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import msgpack
 import zmq
@@ -258,11 +258,11 @@ class Driver:
         if self.inflight:
             raise RuntimeError(f"{len(self.inflight)} requests still in flight {timeout} s after aborting them")
 
-    def utility(self, rank: int, method: str, timeout: float = 30.0) -> Any:
+    def utility(self, rank: int, method: str, args: Sequence[Any] = (), timeout: float = 30.0) -> Any:
         """Call a utility method on one engine; the outputs that arrive
         meanwhile are accounted as usual (not dropped), without new load."""
         call_id = next(self.ids) + 1
-        self.fe.inputs[0].send_multipart([self.identities[rank], *utility_frames(0, call_id, method, (), self.fe.pack)])
+        self.fe.inputs[0].send_multipart([self.identities[rank], *utility_frames(0, call_id, method, args, self.fe.pack)])
         deadline = time.monotonic() + timeout
         while call_id not in self.replies and time.monotonic() < deadline:
             self.run(0.05, measure=False, keep_loading=False)
@@ -309,6 +309,11 @@ def run_target(target: str, args: argparse.Namespace) -> Dict[str, Any]:
         driver = Driver(fe, args, pids)
         if args.warmup:
             driver.run(args.warmup, measure=False)
+        if target == "gmock" and args.itl_ms:
+            # step lateness over the measured window only: the warm-up's
+            # steps (every first output at once) would set its p99
+            for rank in range(args.engines):
+                driver.utility(rank, "gmock_stats", (True,))
         rss_before = tree_rss_bytes(pids)
         load = driver.run(args.duration, measure=True)
         if target == "gmock":

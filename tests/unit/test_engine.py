@@ -170,6 +170,34 @@ def test_utility_answers(method, args, value):
     assert sent[0][1][1] == []  # utility family: no request outputs
 
 
+def test_gmock_stats_restarts_the_window_only_when_asked():
+    """gmock_stats(True) hands the window's figures to the runtime's provider
+    with restart_window=True (the bench driver's measured window); any other
+    argument fails that call only and restarts nothing."""
+    engine = make()
+    asked = []
+    engine.stats_provider = lambda restart_window=False: asked.append(restart_window) or {"x": 1}
+    assert reply(call(engine, "gmock_stats"))[2][1]["x"] == 1
+    assert reply(call(engine, "gmock_stats", True))[2][1]["x"] == 1
+    answer = reply(call(engine, "gmock_stats", "yes"))
+    assert answer[2] is None and "must be a bool" in answer[1]
+    assert asked == [False, True]
+
+
+def test_samples_restart_summarises_the_new_window_only():
+    from gmock_engine.stats import Samples
+
+    samples = Samples(size=4)
+    for value in (100.0, 200.0, 300.0):
+        samples.add(value)
+    samples.restart()
+    assert samples.summary()["count"] == 0 and samples.summary()["total"] == 3
+    for value in (1.0, 2.0, 3.0, 4.0, 5.0):  # past the ring's size: the most recent 4
+        samples.add(value)
+    summary = samples.summary()
+    assert (summary["count"], summary["max"], summary["p50"], summary["total"]) == (4, 5.0, 3.0, 8)
+
+
 def test_unknown_utility_fails_with_its_name():
     sent = call(make(), "frobnicate")
     answer = reply(sent)
