@@ -9,7 +9,9 @@ within tens of microseconds. Where timerfd is missing (not Linux) a gevent
 timer is used.
 
 `StepTimer(callback).arm(deadline)` calls `callback()` once at the deadline,
-in the hub; arming again replaces the previous deadline.
+in the hub; arming again replaces the previous deadline. `TimerFD` is the
+timerfd itself, for a poll loop without gevent (the bench driver's send
+schedule).
 """
 
 from __future__ import annotations
@@ -45,6 +47,51 @@ def _libc() -> Optional[Any]:
         return None
 
 
+class TimerFD:
+    """A Linux timerfd armed at absolute time.monotonic() deadlines: its FD
+    turns readable when the deadline passes, so any poll that watches it
+    (the hub's, zmq.Poller's) wakes within microseconds of the deadline, not
+    at its whole-millisecond timeout. `create()` is None where timerfd is
+    missing."""
+
+    def __init__(self, libc: Any, fd: int) -> None:
+        self._libc, self._fd = libc, fd
+        self._spec = _Itimerspec()
+
+    @classmethod
+    def create(cls) -> Optional["TimerFD"]:
+        libc = _libc()
+        if libc is None:
+            return None
+        fd = libc.timerfd_create(_CLOCK_MONOTONIC, _TFD_NONBLOCK | _TFD_CLOEXEC)
+        return cls(libc, fd) if fd >= 0 else None
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def arm(self, deadline: float) -> bool:
+        """Fire at `deadline` (replaces the previous one); False if the
+        kernel refused it."""
+        seconds = int(deadline)
+        self._spec.it_value.tv_sec = seconds
+        self._spec.it_value.tv_nsec = max(1, int((deadline - seconds) * 1e9))
+        return self._libc.timerfd_settime(self._fd, _TFD_TIMER_ABSTIME, ctypes.byref(self._spec), None) == 0
+
+    def consume(self) -> bool:
+        """Read the expiration: True if the deadline passed, False if the
+        timer was re-armed before this read (not due yet)."""
+        try:
+            os.read(self._fd, 8)
+        except BlockingIOError:
+            return False
+        return True
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 class StepTimer:
     """One-shot wake-up at an absolute monotonic deadline (see module doc)."""
 
@@ -53,35 +100,23 @@ class StepTimer:
         self._hub = gevent.get_hub()
         self._fallback: Optional[Any] = None
         self._watcher: Optional[Any] = None
-        self._fd = -1
-        libc = _libc()
-        if libc is not None:
-            fd = libc.timerfd_create(_CLOCK_MONOTONIC, _TFD_NONBLOCK | _TFD_CLOEXEC)
-            if fd >= 0:
-                self._libc, self._fd = libc, fd
-                self._spec = _Itimerspec()
-                self._watcher = self._hub.loop.io(fd, 1)  # 1 = readable
-                self._watcher.start(self._fired)
+        self._timer = TimerFD.create()
+        if self._timer is not None:
+            self._watcher = self._hub.loop.io(self._timer.fileno(), 1)  # 1 = readable
+            self._watcher.start(self._fired)
 
     @property
     def precise(self) -> bool:
-        return self._fd >= 0
+        return self._timer is not None
 
     def _fired(self) -> None:
-        try:
-            os.read(self._fd, 8)  # consume the expiration count
-        except BlockingIOError:
-            return  # re-armed before we got here: not due yet
-        self._callback()
+        if self._timer.consume():  # False: re-armed before we got here, not due yet
+            self._callback()
 
     def arm(self, deadline: float) -> None:
         """Call the callback at `deadline` (time.monotonic() seconds)."""
-        if self._fd >= 0:
-            seconds = int(deadline)
-            self._spec.it_value.tv_sec = seconds
-            self._spec.it_value.tv_nsec = max(1, int((deadline - seconds) * 1e9))
-            if self._libc.timerfd_settime(self._fd, _TFD_TIMER_ABSTIME, ctypes.byref(self._spec), None) == 0:
-                return
+        if self._timer is not None and self._timer.arm(deadline):
+            return
         if self._fallback is not None:
             self._fallback.close()
         self._fallback = self._hub.loop.timer(max(0.0, deadline - time.monotonic()))
@@ -92,9 +127,9 @@ class StepTimer:
             self._watcher.stop()
             self._watcher.close()
             self._watcher = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        if self._timer is not None:
+            self._timer.close()
+            self._timer = None
         if self._fallback is not None:
             self._fallback.close()
             self._fallback = None

@@ -1,6 +1,7 @@
 """The real program through run.sh, in its own process, against the fake frontend."""
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -376,6 +377,23 @@ def test_run_sh_bench_loads_both_targets():
     assert set(rows) == {"gmock", "reference"}, result.stdout
     assert all(float(row[1].replace(",", "")) > 0 for row in rows.values()), result.stdout  # tokens/s
     assert "ratio gmock/reference CPU per token:" in result.stdout
+
+
+def test_run_sh_bench_open_loop_and_paced(tmp_path):
+    # `--rate`: ADDs at a fixed rate, sent at times a timerfd wakes the
+    # driver's poll for (steptimer.TimerFD); `--itl-ms`: gmock's step
+    # lateness over the measured window only (gmock_stats(True) at its start)
+    path = tmp_path / "bench.json"
+    result = subprocess.run(
+        [RUN_SH, "bench", "--rate", "400", "--max-tokens", "8", "--itl-ms", "2", "--duration", "1", "--warmup", "0.3",
+         "--idle", "0.1", "--target", "gmock", "--json", str(path)],
+        cwd=REPO_DIR, env=clean_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (row,) = [json.loads(line) for line in path.read_text().splitlines()]
+    (gmock,) = [r for r in row["results"] if r["target"] == "gmock"]
+    assert 300 <= gmock["requests_per_s"] <= 450, gmock  # the rate, give or take the window's edges
+    assert gmock["ttft_count"] > 0 and gmock["lateness_p99_us"] >= gmock["lateness_p50_us"] > 0, gmock
 
 
 def test_run_sh_bench_writes_a_report(tmp_path):

@@ -33,3 +33,30 @@ def test_fires_once_not_before_the_deadline_and_rearm_replaces():
         assert done.wait(5)
     finally:
         timer.close()
+
+
+def test_timerfd_turns_readable_at_its_deadline_and_rearming_resets_it():
+    """The bench driver's send timer (no gevent): a poll that watches the
+    FD wakes at the deadline, not at its own whole-millisecond timeout."""
+    import select
+
+    from gmock_engine.steptimer import TimerFD
+
+    timer = TimerFD.create()
+    assert timer is not None  # Linux
+    try:
+        poll = select.poll()
+        poll.register(timer.fileno(), select.POLLIN)
+        deadline = time.monotonic() + 0.02
+        assert timer.arm(deadline)
+        assert poll.poll(5000)  # woken by the timer, long before the timeout
+        assert time.monotonic() >= deadline
+        assert timer.consume()
+        assert not poll.poll(0) and not timer.consume()  # read: not readable again
+        # fired but not read, then re-armed into the future: not due any more
+        assert timer.arm(time.monotonic() - 1)
+        assert poll.poll(1000)
+        assert timer.arm(time.monotonic() + 10)
+        assert not poll.poll(0) and not timer.consume()
+    finally:
+        timer.close()
