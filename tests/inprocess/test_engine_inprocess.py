@@ -16,6 +16,7 @@ from gmock_engine.config import parse_config
 from gmock_engine import protocol
 from gmock_engine.protocol import FinishReason
 from gmock_engine.runtime import App
+from gmock_engine.tools import frontend as frontend_tools
 
 
 def start_app(frontend, *extra):
@@ -130,6 +131,19 @@ def test_bad_frames_are_dropped_and_the_engine_keeps_serving(dp4):
     error = collected.outputs["r"][-1][protocol.WIRE_LAYOUTS["0.33"].output_position("error")]
     assert error["code"] == "validation_error" and "prompt_token_ids is str" in error["message"]
     assert app.counters()[1]["bad_frames"] == len(bad)
+
+
+def test_a_message_with_aux_frames_is_read_to_its_last_frame(dp4):
+    """[type, payload, aux...] (§3.1): the reader takes every frame of a
+    message (each frame's own more flag), so the frames after an ADD's aux
+    frames start the next message, not the tail of this one."""
+    frontend, app = dp4
+    request = frontend_tools.engine_core_request("with-aux", [1, 2, 3], {"max_tokens": 2}, client_index=0)
+    frontend.send_raw(2, 0, [*frontend_tools.add_frames(request), b"aux-0" * 100, b"aux-1"])
+    frontend.add(2, "next", max_tokens=2)
+    collected = frontend.collect(["with-aux", "next"])
+    assert len(collected.tokens("with-aux")) == 2 and len(collected.tokens("next")) == 2
+    assert app.counters()[2]["bad_frames"] == 0
 
 
 def test_abort_and_pause_end_streams(dp4):
