@@ -340,7 +340,9 @@ class EngineRunner:
         self.engine.stats_provider = self.runtime_stats
         spawn = self.supervisor.spawn
         injector = self.injector  # its gates: closed during a hang or a stall
-        reader = transport.Reader(self.wire, self.in_queue.put, self.wake, injector.flowing, self.incidents, self.throttle)
+        # `paced` as the engine is now (a reload may change its latency model)
+        reader = transport.Reader(self.wire, self.in_queue.put, self.wake, injector.flowing, self.incidents, self.throttle,
+                                  lambda: self.engine.latency.paced)  # fmt: skip
         for index, sock in enumerate(self.sockets.inputs):
             name = f"engine-{self.rank}-reader-{index}"
             self.readers.append(spawn(name, reader.run, sock, f"input[{index}]", protocol.decode_input))

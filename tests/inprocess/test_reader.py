@@ -1,0 +1,59 @@
+"""transport.Reader: one input socket's loop, on a real zmq.green socket pair."""
+
+import gevent
+import gevent.event
+import zmq.green as zmq
+from loguru import logger
+
+from gmock_engine import protocol, transport
+from gmock_engine.logs import Throttle
+from gmock_engine.tools import frontend as frontend_tools
+
+
+def _burst_then_peek(paced: bool, count: int = 3 * transport.READ_SLICE + 5):
+    """`count` ADDs waiting on the reader's socket at once; returns how many
+    the reader had queued when another greenlet, ready from the start, first
+    got to run, and how many it queued in all."""
+    ctx = zmq.Context()
+    sender, receiver = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        receiver.bind("inproc://reader-burst")
+        sender.connect("inproc://reader-burst")
+        for i in range(count):
+            request = frontend_tools.engine_core_request(f"burst-{i}", [1, 2, 3], {"max_tokens": 2})
+            sender.send_multipart(frontend_tools.add_frames(request))
+        queued = []
+        gate = gevent.event.Event()
+        gate.set()
+        reader = transport.Reader(
+            protocol.Wire(protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION]), queued.append, gevent.event.Event(),
+            gate, transport.Incidents(), Throttle(logger), paced=lambda: paced,
+        )  # fmt: skip
+        gevent.sleep(0.05)  # every frame is in the receiver's pipe
+        seen = []
+        loop = gevent.spawn(reader.run, receiver, "test", protocol.decode_input)
+        # another greenlet, run as soon as the reader yields (as a stepper
+        # whose timer has fired would be)
+        peek = gevent.spawn(lambda: seen.append(len(queued)))
+        peek.join(5)
+        with gevent.Timeout(5):
+            while len(queued) < count:
+                gevent.sleep(0.01)
+        loop.kill()
+        return seen[0], len(queued)
+    finally:
+        sender.close(0)
+        receiver.close(0)
+        ctx.term()
+
+
+def test_paced_a_burst_of_input_gives_the_hub_a_round_every_slice():
+    """Paced, the reader lets other greenlets run every READ_SLICE messages
+    (a due step is not held up behind a wave of ADDs); unpaced it takes the
+    whole burst in at once (the stepper's growing input slice wants it)."""
+    count = 3 * transport.READ_SLICE + 5
+    first_peek, total = _burst_then_peek(paced=True, count=count)
+    assert total == count
+    assert first_peek == transport.READ_SLICE, first_peek
+    first_peek, total = _burst_then_peek(paced=False, count=count)
+    assert total == count and first_peek == count, first_peek
