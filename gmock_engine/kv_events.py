@@ -53,6 +53,7 @@ import msgpack
 import zmq.green as zmq
 
 from .prefix_cache import CLEARED, REMOVED, STORED
+from .transport import patient
 
 #: The replay end marker's seq: -1 as 8 signed big-endian bytes (vLLM's END_SEQ).
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -324,7 +325,7 @@ class KVEventPublisher:
         endpoint = self._attach(pub, c.endpoint, _binds(c.endpoint))
         replay_endpoint = None
         if c.replay_endpoint is not None:
-            router = self.ctx.socket(zmq.ROUTER)
+            router = patient(self.ctx.socket(zmq.ROUTER))  # idle for ever between replays
             router.setsockopt(zmq.LINGER, 0)
             self.replay = router
             replay_endpoint = self._attach(router, c.replay_endpoint, True)

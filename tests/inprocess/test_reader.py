@@ -57,3 +57,31 @@ def test_paced_a_burst_of_input_gives_the_hub_a_round_every_slice():
     assert first_peek == transport.READ_SLICE, first_peek
     first_peek, total = _burst_then_peek(paced=False, count=count)
     assert total == count and first_peek == count, first_peek
+
+
+def test_an_idle_reader_looks_again_only_at_the_safety_net(monkeypatch):
+    """Parked on a socket that never signals, a reader wakes only every
+    WAIT_SAFETY_NET_S (zmq.green's own guard would wake it every 11.6 s;
+    256 idle engines woke the process every ~45 ms for it). Shortened here
+    to see it happen: it does wake (the net is there) and it does not spin."""
+    monkeypatch.setattr(transport, "WAIT_SAFETY_NET_S", 0.1)
+    looks = []
+    real = transport.readable
+    monkeypatch.setattr(transport, "readable", lambda sock: looks.append(1) or real(sock))
+    ctx = zmq.Context()
+    receiver = ctx.socket(zmq.PAIR)
+    try:
+        receiver.bind("inproc://reader-idle")
+        gate = gevent.event.Event()
+        gate.set()
+        reader = transport.Reader(
+            protocol.Wire(protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION]), [].append, gevent.event.Event(),
+            gate, transport.Incidents(), Throttle(logger),
+        )  # fmt: skip
+        loop = gevent.spawn(reader.run, receiver, "test", protocol.decode_input)
+        gevent.sleep(0.75)
+        loop.kill()
+        assert 3 <= len(looks) <= 12, len(looks)  # ~8: one at the start, then one per 0.1 s
+    finally:
+        receiver.close(0)
+        ctx.term()
