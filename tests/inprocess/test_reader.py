@@ -1,5 +1,7 @@
 """transport.Reader: one input socket's loop, on a real zmq.green socket pair."""
 
+import time
+
 import gevent
 import gevent.event
 import zmq.green as zmq
@@ -78,10 +80,14 @@ def test_an_idle_reader_looks_again_only_at_the_safety_net(monkeypatch):
             protocol.Wire(protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION]), [].append, gevent.event.Event(),
             gate, transport.Incidents(), Throttle(logger),
         )  # fmt: skip
+        started = time.monotonic()
         loop = gevent.spawn(reader.run, receiver, "test", protocol.decode_input)
         gevent.sleep(0.75)
         loop.kill()
-        assert 3 <= len(looks) <= 12, len(looks)  # ~8: one at the start, then one per 0.1 s
+        elapsed = time.monotonic() - started
+        # one look at the start, then one per 0.1 s (a busy machine may
+        # hold the hub up: bounded by the time that really passed)
+        assert 3 <= len(looks) <= elapsed / 0.1 + 2, (len(looks), elapsed)
     finally:
         receiver.close(0)
         ctx.term()
