@@ -101,9 +101,8 @@ def wait_readable(sock: Any) -> None:
     zmq.green also wakes a waiter every 11.6 s whatever happens, against
     a lost edge; with the check above there is none to lose, and 256 idle
     engines in one process woke every ~45 ms for it (0.37 % of a core, P4).
-    The safety net stays, at WAIT_SAFETY_NET_S (`patient`)."""
-    if sock._gevent_bug_timeout != WAIT_SAFETY_NET_S:
-        patient(sock)
+    The safety net stays, at WAIT_SAFETY_NET_S: the readers make their
+    socket `patient` once, as they start."""
     sock._wait_read()
 
 
@@ -288,6 +287,7 @@ class Reader:
         A frame that cannot be decoded is dropped; only the socket failing
         ends this loop."""
         wire, put, wake, gate = self.wire, self.put, self.wake, self.gate
+        patient(sock)  # idle, this loop waits on the socket for ever (see wait_readable)
         burst = 0  # messages read since this loop last gave the hub a round
         while True:
             if not gate.is_set():

@@ -12,6 +12,16 @@ from gmock_engine.logs import Throttle
 from gmock_engine.tools import frontend as frontend_tools
 
 
+def _reader(put, paced: bool) -> transport.Reader:
+    """A Reader as the runtime makes one, its gate open."""
+    gate = gevent.event.Event()
+    gate.set()
+    layout = protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION]
+    return transport.Reader(
+        protocol.Wire(layout), put, gevent.event.Event(), gate, transport.Incidents(), Throttle(logger), paced=lambda: paced
+    )
+
+
 def _burst_then_peek(paced: bool, count: int = 3 * transport.READ_SLICE + 5):
     """`count` ADDs waiting on the reader's socket at once; returns how many
     the reader had queued when another greenlet, ready from the start, first
@@ -25,12 +35,7 @@ def _burst_then_peek(paced: bool, count: int = 3 * transport.READ_SLICE + 5):
             request = frontend_tools.engine_core_request(f"burst-{i}", [1, 2, 3], {"max_tokens": 2})
             sender.send_multipart(frontend_tools.add_frames(request))
         queued = []
-        gate = gevent.event.Event()
-        gate.set()
-        reader = transport.Reader(
-            protocol.Wire(protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION]), queued.append, gevent.event.Event(),
-            gate, transport.Incidents(), Throttle(logger), paced=lambda: paced,
-        )  # fmt: skip
+        reader = _reader(queued.append, paced)
         gevent.sleep(0.05)  # every frame is in the receiver's pipe
         seen = []
         loop = gevent.spawn(reader.run, receiver, "test", protocol.decode_input)
@@ -74,12 +79,7 @@ def test_an_idle_reader_looks_again_only_at_the_safety_net(monkeypatch):
     receiver = ctx.socket(zmq.PAIR)
     try:
         receiver.bind("inproc://reader-idle")
-        gate = gevent.event.Event()
-        gate.set()
-        reader = transport.Reader(
-            protocol.Wire(protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION]), [].append, gevent.event.Event(),
-            gate, transport.Incidents(), Throttle(logger),
-        )  # fmt: skip
+        reader = _reader([].append, False)
         started = time.monotonic()
         loop = gevent.spawn(reader.run, receiver, "test", protocol.decode_input)
         gevent.sleep(0.75)
