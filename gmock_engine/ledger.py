@@ -91,10 +91,12 @@ class Ledger:
         `[id, tokens]`), or nothing for a message equal to one checked since
         the last end (`_checked`); per request end, a little more.
         """
-        found: List[str] = []
         outputs = message[1] if len(message) > 1 else ()
-        open_ids = self.open
         checked = self._checked
+        if len(message) < 6 and outputs and checked.get(id(outputs[0])) == outputs:
+            return None  # a steady step: as a message checked since the last end, no finished_requests
+        found: List[str] = []
+        open_ids = self.open
         answered_here: Any = _NONE  # ids with a terminal output in this message
         if outputs and checked.get(id(outputs[0])) == outputs:
             pass  # as a message checked since the last end: only open ids, none terminal

@@ -398,7 +398,12 @@ class Sender:
         message it makes at once, in order, so what the engine reuses from
         step to step (EngineSettings.reuse_outputs) is read before the next
         step changes it, and a queued message is its bytes."""
-        return self._encode(message, self._pack, self.cut)
+        if self.cut:
+            return self._encode(message, self._pack, self.cut)
+        try:  # `_encode` with nothing cut, inline: this is every step's
+            return self._pack(message)
+        except Exception as exc:  # noqa: BLE001 - as in _encode
+            return self._salvage(message, exc, self._pack)
 
     def send_now(self, item: Any) -> bool:
         """Send one (client_index, encoded message) from the caller's greenlet, if

@@ -50,3 +50,27 @@ def test_stats_go_to_the_coordinator_too_and_a_discarded_call_sends_nothing():
     outbox.finish(0, "b")
     outbox.discard()
     assert outbox.flush() == []
+
+
+def test_a_step_of_one_client_with_nothing_ended_is_the_general_message():
+    # the common step's message, built inline by flush, is engine_core_outputs' (§4.2)
+    from gmock_engine.protocol import engine_core_outputs
+
+    for stats, coordinator in ((None, False), ({"running": 2}, False), ({"running": 2}, True)):
+        outbox, ledger, log = _outbox(stats=stats, coordinator=coordinator)
+        outbox.outputs_for(3).extend([["a", [1]], ["b", [2]]])
+        out = outbox.flush()
+        assert out[0] == (3, engine_core_outputs(0, [["a", [1]], ["b", [2]]], 5.0, None, stats))
+        assert type(out[0][1][3]) is float
+        if coordinator:
+            assert out[1] == (COORDINATOR, engine_core_outputs(0, [], 5.0, None, stats))
+        else:
+            assert len(out) == 1
+        assert not log.errors
+
+
+def test_a_step_of_one_client_is_checked_by_the_ledger_too():
+    outbox, ledger, log = _outbox()
+    outbox.outputs_for(0).append(["never-started", [1]])
+    outbox.flush()
+    assert ledger.summary()["violations"] == 1 and log.errors
