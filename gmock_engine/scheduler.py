@@ -37,6 +37,15 @@ from .request import Request
 from .request_queue import create_request_queue
 from .tokens import POOL_PAD, TokenPool, TokenSource
 
+#: Stop sets whose lanes draw from a stop-free copy of the pool
+#: (tokens.TokenPool.ids_avoiding), per scheduler; requests with any other
+#: stop set take a lane whose loop checks every token.
+LANE_POOLS = 4
+#: A stop set gets its copy when the second request with it joins a lane
+#: (a set seen once, such as a client's one-off stop_token_ids, is not worth
+#: ~1 ms); this many sets are counted at most.
+STOP_SETS_COUNTED = 1024
+
 #: The error of a request ended by mock_fail_after (vllm_xargs, or --fault-error-mid-stream).
 MOCK_FAILURE_MESSAGE = "mock failure on request (vllm_xargs mock_fail_after or --fault-error-mid-stream)"
 
@@ -114,8 +123,13 @@ class Scheduler:
         self.running: Dict[str, Request] = {}
         #: Running requests on the full path of `_emit` (the others are in a lane).
         self._full: Dict[str, Request] = {}
-        #: (client, carries stop ids) -> the steady requests of that lane (`_emit`).
+        #: (client, stops) -> the steady requests of that lane (`_emit`);
+        #: stops: False (no stop ids), a stop set (its lane slices the stop-free
+        #: pool `_lane_pools` holds for it) or True (the loop checks each token).
         self.lanes: Dict[Any, Dict[str, Request]] = {}
+        #: stop set -> the stop-free copy of the pool its lanes slice (`_stop_lane`)
+        self._lane_pools: Dict[frozenset, List[int]] = {}
+        self._stop_sets_seen: Dict[frozenset, int] = {}
         #: `_emit` call -> the lane members that go back to the full path then.
         self._lane_exits: Dict[int, List[Request]] = {}
         self._emitted_steps = 0
@@ -175,6 +189,8 @@ class Scheduler:
                 for request in list(lane.values()):
                     self._out_of_lane(request)
                     self._full[request.request_id] = request
+        if sampler is not self.sampler:
+            self._lane_pools, self._stop_sets_seen = {}, {}  # copies of the old source's pool
         self.sampler = sampler
         self._lane_source = self._pool_of(sampler)
         self.max_num_seqs = max_num_seqs
@@ -416,7 +432,7 @@ class Scheduler:
         batches = outbox.outputs
         chunk = self.chunk
         source = self.sampler.tokens
-        pooled, pool, size = self._lane_source
+        pooled, base_pool, size = self._lane_source
         reuse = self.reuse_outputs
         emitted = 0
         for (client, stops), lane in self.lanes.items():
@@ -424,10 +440,13 @@ class Scheduler:
             if outputs is None:
                 outputs = batches[client] = []
             append = outputs.append
-            if pooled and chunk == 1 and not stops and on_output is None and reuse:
-                # the common case (chunk 1, no stop ids, no prefix caching),
-                # encoded before the next step: the request's one output list
-                # and its one-id token list, the id written in place; the
+            # no stop ids, or a stop set with its stop-free pool: a slice
+            # of the pool is what the checked draw would make
+            pool = base_pool if stops is False else self._lane_pools.get(stops) if stops is not True else None
+            if pool is not None and chunk == 1 and on_output is None and reuse:
+                # the common case (chunk 1, no prefix caching), encoded
+                # before the next step: the request's one output list and
+                # its one-id token list, the id written in place; the
                 # floor's loop (reference_emitter.py). New lists every step
                 # (reuse off: callers that keep what step() returned) take
                 # the general loop below.
@@ -439,7 +458,7 @@ class Scheduler:
                     request.rng_state = position if position < size else 0
                     request.num_output_tokens += 1
                     append(out)
-            elif pooled and not stops and on_output is None and reuse:
+            elif pool is not None and on_output is None and reuse:
                 # chunk > 1, nothing else: the next slice of the pool swapped
                 # into the request's own output (the floor's chunked loop)
                 for request in lane.values():
@@ -452,6 +471,9 @@ class Scheduler:
                     append(out)
             else:
                 avoid = source.avoid
+                checked = stops is True
+                if pool is None:
+                    pool = base_pool
                 for request in lane.values():
                     if pooled:
                         position = request.rng_state
@@ -460,7 +482,7 @@ class Scheduler:
                         request.rng_state = end if end < size else end % size
                     else:
                         tokens, request.rng_state = source.draw(request.rng_state, chunk)
-                    if stops and not request.stop_ids.isdisjoint(tokens):
+                    if checked and not request.stop_ids.isdisjoint(tokens):
                         tokens = avoid(tokens, request.stop_ids)
                     request.num_output_tokens += chunk
                     if on_output is not None:
@@ -490,7 +512,7 @@ class Scheduler:
         chunk, full, lanes, exits = self.chunk, self._full, self.lanes, self._lane_exits
         for request in requests:
             remaining = request.max_tokens - request.num_output_tokens
-            key = (request.client_index, request.stop_ids is not None)
+            key = (request.client_index, False if request.stop_ids is None else self._stop_lane(request.stop_ids))
             lane = lanes.get(key)
             if lane is None:
                 lane = lanes[key] = {}
@@ -506,6 +528,28 @@ class Scheduler:
                 exits[leave] = [request]
             else:
                 exit_list.append(request)
+
+    def _stop_lane(self, stops: frozenset) -> Any:
+        """The lane kind of a request with stop ids: its stop set, when its
+        lanes slice a stop-free copy of the pool (built when the second
+        request with that set joins a lane, at most LANE_POOLS sets), else
+        True: a loop that checks every token against the request's ids."""
+        if stops in self._lane_pools:
+            return stops
+        if not self._lane_source[0] or len(self._lane_pools) >= LANE_POOLS:
+            return True
+        seen = self._stop_sets_seen
+        if seen.get(stops) is None:
+            if len(seen) >= STOP_SETS_COUNTED:
+                seen.clear()
+            seen[stops] = 1
+            return True
+        pool = self.sampler.tokens.ids_avoiding(stops)
+        if pool is None:
+            return True
+        del seen[stops]
+        self._lane_pools[stops] = pool
+        return stops
 
     def _leave_lanes(self, requests: List[Request]) -> None:
         """Lane members whose last output is due: back on the full path."""

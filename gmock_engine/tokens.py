@@ -49,6 +49,17 @@ POOL_PAD = 64
 
 _random_pools: "dict[Tuple[int, int, int], List[int]]" = {}
 
+#: Stop-free copies of pools (`TokenPool.ids_avoiding`), shared by every
+#: engine of the process that draws from the same pool (the random pool is
+#: one per seed and range): (id of the pool, stop ids) -> (the pool, its
+#: copy). At most this many; the oldest goes first.
+AVOIDING_POOLS = 16
+#: A pool longer than this (a large token file) gets no stop-free copies:
+#: each would cost the pool's size again.
+AVOIDING_POOL_LIMIT = 1 << 18
+
+_avoiding_pools: "dict[Tuple[int, frozenset], Tuple[List[int], List[int]]]" = {}
+
 
 class TokenPool:
     """Ids drawn by slicing a fixed pool; the state is a position in [0, size).
@@ -73,6 +84,33 @@ class TokenPool:
     def initial_state(self, request_id: str, prompt_token_ids: Optional[Sequence[int]] = None) -> int:
         """A new request's position: seeded by (seed, rank, request id)."""
         return request_seed(self.seed, self.rank, request_id) % self.size
+
+    def avoid(self, tokens: List[int], ids: AbstractSet[int]) -> List[int]:
+        raise NotImplementedError  # each pooled source moves ids its own way
+
+    def ids_avoiding(self, stop_ids: frozenset) -> Optional[List[int]]:
+        """`ids` with every id in `stop_ids` moved as `avoid` moves it, so
+        that `ids_avoiding(S)[p:p + n] == avoid(ids[p:p + n], S)` at every
+        position `p` (n <= POOL_PAD): a request with stop ids draws by a
+        slice, as one without does, and makes the same ids as the checked
+        draw would (issue 17: every request of a real frontend names its EOS
+        in `_all_stop_token_ids`, so behind one every token took the checked
+        path). Built once per pool and stop set (the random pool: ~1.2 ms)
+        and shared (AVOIDING_POOLS); None for a pool over
+        AVOIDING_POOL_LIMIT."""
+        pool = self.ids
+        if len(pool) > AVOIDING_POOL_LIMIT:
+            return None
+        key = (id(pool), stop_ids)
+        known = _avoiding_pools.get(key)
+        if known is not None and known[0] is pool:
+            return known[1]
+        avoid = self.avoid
+        copy = [token if token not in stop_ids else avoid([token], stop_ids)[0] for token in pool]
+        if len(_avoiding_pools) >= AVOIDING_POOLS:
+            del _avoiding_pools[next(iter(_avoiding_pools))]
+        _avoiding_pools[key] = (pool, copy)
+        return copy
 
     def draw(self, state: int, n: int) -> Tuple[List[int], int]:
         """The next `n` ids after position `state`, and the position after them."""

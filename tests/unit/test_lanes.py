@@ -116,3 +116,96 @@ def test_a_lane_slices_a_pool_smaller_than_its_chunk_cyclically():
     sent = run(engine)
     start = source.initial_state("r")
     assert tokens_of(sent, "r") == [[10, 11, 12][(start + i) % 3] for i in range(400)]
+
+
+# -- stop ids: every request of a real frontend names its EOS (_all_stop_token_ids)
+
+
+def _stops_in(rid, n, picks):
+    """Ids that the request's unchecked draw really makes (so avoiding them shows)."""
+    drawn = expected(rid, n)
+    return frozenset(drawn[i] for i in picks)
+
+
+def test_the_second_request_with_a_stop_set_slices_a_stop_free_pool_and_makes_the_checked_ids():
+    stops = _stops_in("b", 300, (7, 100)) | _stops_in("a", 300, (20,))
+    engine = EngineCore(EngineSettings(rank=0, num_clients=1))
+    engine.apply(add("a", 300, stop=sorted(stops)))
+    sent = engine.step()
+    engine.apply(add("b", 300, stop=sorted(stops)))
+    sent += engine.step() + engine.step()
+    lanes = engine.scheduler.lanes
+    assert set(lanes[(0, True)]) == {"a"}  # the set's first request: the checked loop
+    assert set(lanes[(0, stops)]) == {"b"}  # its second: the set's own pool
+    sent += run(engine)
+    source = RandomTokens(32000, 0, 0)
+    for rid in ("a", "b"):
+        tokens = tokens_of(sent, rid)
+        assert tokens == source.avoid(expected(rid, 300), stops), rid
+        assert stops.isdisjoint(tokens)
+    assert books(engine) == ({}, {}, {})
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_a_stop_set_pool_gives_the_checked_ids_at_any_chunk_and_position(chunk):
+    engine = EngineCore(EngineSettings(rank=0, num_clients=2, output_token_chunk_size=chunk))
+    source = RandomTokens(32000, 0, 0)
+    # ids the lane outputs of three of the measured requests would make
+    stops = _stops_in("s0", 200, (50,)) | _stops_in("s5", 200, (120,)) | _stops_in("s11", 200, (10,))
+    for i in range(12):  # across both clients, joining at different steps
+        engine.apply(add(f"r{i}", 200, client=i % 2, stop=sorted(stops)))
+        engine.step()
+    run(engine)  # (the steps above sent the first outputs; start again, now with the pool built)
+    sent = []
+    for i in range(12):
+        engine.apply(add(f"s{i}", 200, client=i % 2, stop=sorted(stops)))
+        sent += engine.step()
+    assert any(key[1] == stops for key in engine.scheduler.lanes)
+    sent += run(engine)
+    for i in range(12):
+        assert tokens_of(sent, f"s{i}") == source.avoid(expected(f"s{i}", 200), stops)
+
+
+def test_ids_avoiding_is_the_avoided_slice_at_every_position_and_is_shared():
+    for source in (RandomTokens(32000, 5, 0, low=100, high=140), FileTokens([7, 8, 9, 7, 10, 11], seed=0, rank=0)):
+        stops = frozenset({7, 120, 139})
+        pool = source.ids_avoiding(stops)
+        assert source.ids_avoiding(stops) is pool  # built once
+        for position in range(source.size):
+            for n in (1, 3, 64):
+                assert pool[position : position + n] == source.avoid(source.ids[position : position + n], stops)
+        assert stops.isdisjoint(pool)
+
+
+def test_no_stop_free_pool_beyond_the_limits_and_the_checked_loop_is_right(monkeypatch):
+    import gmock_engine.scheduler as scheduler_module
+    import gmock_engine.tokens as tokens_module
+
+    monkeypatch.setattr(tokens_module, "AVOIDING_POOL_LIMIT", 10)
+    assert RandomTokens(32000, 0, 0).ids_avoiding(frozenset({1})) is None  # a pool too long to copy
+    monkeypatch.undo()
+    monkeypatch.setattr(scheduler_module, "LANE_POOLS", 1)
+    engine = EngineCore(EngineSettings(rank=0, num_clients=1))
+    first, second = _stops_in("x", 100, (5,)), _stops_in("y2", 100, (9,))
+    sent = []
+    for rid, stops in (("x", first), ("x2", first), ("y", second), ("y2", second)):
+        engine.apply(add(rid, 100, stop=sorted(stops)))
+        sent += engine.step()
+    assert set(engine.scheduler._lane_pools) == {first}  # one set at most
+    assert "y2" in engine.scheduler.lanes[(0, True)]
+    sent += run(engine)
+    source = RandomTokens(32000, 0, 0)
+    for rid, stops in (("x", first), ("x2", first), ("y", second), ("y2", second)):
+        assert tokens_of(sent, rid) == source.avoid(expected(rid, 100), stops), rid
+
+
+def test_a_reload_with_a_new_source_drops_the_stop_free_pools():
+    engine = EngineCore(EngineSettings(rank=0, num_clients=1))
+    for rid in ("a", "b"):
+        engine.apply(add(rid, 50, stop=(5,)))
+        engine.step()
+    assert engine.scheduler._lane_pools
+    engine.reconfigure(EngineSettings(rank=0, num_clients=1, token_source=FileTokens([1, 2, 5, 3], seed=0, rank=0)))
+    assert engine.scheduler._lane_pools == {} and engine.scheduler.lanes == {}
+    engine.apply(add("c", 20, stop=(5,)))
+    assert 5 not in tokens_of(run(engine), "c")
