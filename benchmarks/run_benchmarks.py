@@ -67,6 +67,7 @@ def main() -> int:
                     ["--engines", str(engines), "--chunk", str(chunk), "--concurrency", str(concurrency), "--max-tokens", "1024", *window])  # fmt: skip
     print("== features (engines 1, chunk 1, C 256): what each costs; the floor does none of it ==")
     base = ["--concurrency", "256", "--max-tokens", "1024", *window]
+    row("an EOS id in every ADD (as the frontends')", ["--eos-token-id", "31999", *base])
     row("logprobs 5 for half the requests", ["--logprobs-share", "0.5", *base])
     row("prefix caching", ["--engine-arg=--prefix-caching", *base])
     kv_events = '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}'

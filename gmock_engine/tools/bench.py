@@ -145,7 +145,11 @@ class Driver:
         self.clients = len(frontend.inputs)
         self.identities = [identity(rank) for rank in range(frontend.engines)]
         # One full EngineCoreRequest per client, copied per ADD (tools/frontend.py).
-        sampling = {"temperature": 1.0, "max_tokens": args.max_tokens}
+        sampling: Dict[str, Any] = {"temperature": 1.0, "max_tokens": args.max_tokens}
+        if args.eos_token_id is not None:
+            # as every request of vllm serve and vllm-rs names its model's EOS
+            # (tests/data/frames.json): the engine must avoid it (and any stop id)
+            sampling.update({"stop_token_ids": [], "_eos_token_id": args.eos_token_id, "_all_stop_token_ids": [args.eos_token_id]})
         prompt = list(range(args.prompt_len))
         self.templates = [RequestTemplate(prompt, sampling, client) for client in range(self.clients)]
         # --logprobs-share: that share of the requests asks for --logprobs alternatives per token
@@ -414,6 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=16, help="prompt length in tokens")
     parser.add_argument("--logprobs", type=int, default=5, help="logprobs asked by the --logprobs-share of the requests")
     parser.add_argument("--logprobs-share", type=float, default=0.0, help="share of the requests that ask for logprobs (0..1)")
+    parser.add_argument(
+        "--eos-token-id", type=int, default=None,
+        help="every ADD names this EOS id (_eos_token_id, _all_stop_token_ids), as the real frontends' do; default: none",
+    )  # fmt: skip
     parser.add_argument("--itl-ms", type=float, default=0.0, help="gmock --itl-ms (fixed step interval)")
     parser.add_argument("--duration", type=float, default=5.0, help="measured window, seconds")
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured load before the window, seconds")

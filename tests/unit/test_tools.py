@@ -129,3 +129,27 @@ def test_the_scan_sees_relative_and_absolute_imports(tmp_path):
     path = tmp_path / "m.py"
     path.write_text("from .tools import bench\nfrom . import tools\nimport gmock_engine.tools.procfs\nfrom .stats import summarize\n")
     assert set(_imports(str(path))) >= {"gmock_engine.tools", "gmock_engine.tools.bench", "gmock_engine.tools.procfs", "gmock_engine.stats"}
+
+
+def test_bench_eos_token_id_makes_the_adds_name_it_as_the_real_frontends_do():
+    # `./run.sh bench --eos-token-id N`: the ADDs carry what every traced ADD of
+    # vllm serve and vllm-rs carries (tests/data/frames.json), so the engine
+    # takes the path of requests with stop ids
+    from gmock_engine.tools import bench
+
+    class Frontend:
+        engines, inputs = 1, [None]
+
+    def sampling(argv):
+        args = bench.build_parser().parse_args(argv)
+        request = bench.Driver(Frontend(), args, []).templates[0].request("r")
+        return request, request[frontend.REQUEST_INDEX["sampling_params"]]
+
+    request, params = sampling(["--eos-token-id", "31999"])
+    traced = [p[3] for _, _, p in _traced(protocol.EngineCoreRequestType.ADD.value) if isinstance(p[3], dict)]
+    assert traced and all(t["_all_stop_token_ids"] == [t["_eos_token_id"]] for t in traced)  # what it mimics
+    assert params["_eos_token_id"] == 31999 and params["_all_stop_token_ids"] == [31999] and params["stop_token_ids"] == []
+    decoded = protocol.decode_add(request, LAYOUT)
+    assert decoded.eos_token_id == 31999 and decoded.all_stop_token_ids == (31999,)
+    _, params = sampling([])
+    assert "_eos_token_id" not in params and "_all_stop_token_ids" not in params
