@@ -153,3 +153,42 @@ def test_bench_eos_token_id_makes_the_adds_name_it_as_the_real_frontends_do():
     assert decoded.eos_token_id == 31999 and decoded.all_stop_token_ids == (31999,)
     _, params = sampling([])
     assert "_eos_token_id" not in params and "_all_stop_token_ids" not in params
+
+
+def test_bench_driver_window_ends_on_time_while_outputs_never_stop():
+    # engines that make messages faster than the driver reads them (4 at
+    # C 2 048 on a fast machine) once kept it reading past the window's end,
+    # for good: the read loop takes a slice (RECV_SLICE) per socket and round
+    import subprocess
+    import sys
+    import time
+
+    import zmq
+
+    from gmock_engine.tools import bench
+
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    flood = (  # another process (no GIL shared with the driver), for 10 s at most
+        "import sys, time, zmq, msgpack\n"
+        "push = zmq.Context().socket(zmq.PUSH); push.connect(sys.argv[1])\n"
+        "message = msgpack.packb([0, [['r', [1]]] * 2048, None, 1.0]); deadline = time.monotonic() + 10\n"
+        "while time.monotonic() < deadline:\n"
+        "    for _ in range(100): push.send(message)\n"
+    )
+    sender = subprocess.Popen([sys.executable, "-c", flood, f"tcp://127.0.0.1:{port}"])
+
+    class Frontend:
+        engines, inputs, outputs = 1, [None], [pull]
+
+    try:
+        time.sleep(0.5)  # a backlog first
+        started = time.monotonic()
+        load = bench.Driver(Frontend(), bench.build_parser().parse_args([]), []).run(0.2, measure=True, keep_loading=False)
+        took = time.monotonic() - started
+    finally:
+        sender.kill()
+        sender.wait()
+        pull.close(0)
+    assert load.tokens > 0
+    assert took < 3, took  # the window is 0.2 s; the flood goes on for 10
