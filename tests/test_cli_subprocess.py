@@ -261,11 +261,10 @@ def test_sigterm_with_thousands_in_flight_exits_promptly(tmp_path):
 
 
 def free_port():
-    import socket as _socket
+    """A free port outside the kernel's ephemeral range (procgroup.free_ports says why)."""
+    from gmock_engine.tools.procgroup import free_ports
 
-    with _socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def test_metrics_endpoint_shows_the_books(tmp_path):

@@ -5,7 +5,6 @@ frontend, a ZMQ SUB and a replay DEALER as a router would hold them
 
 import contextlib
 import json
-import socket
 
 import gevent
 import msgpack
@@ -19,6 +18,7 @@ from gmock_engine.config import parse_config
 from gmock_engine.kv_events import END_SEQ
 from gmock_engine.prefix_cache import block_hashes
 from gmock_engine.runtime import App
+from gmock_engine.tools.procgroup import free_ports
 
 EVENTS = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0", "topic": "kv@mock"}'
 BS = 4
@@ -43,9 +43,11 @@ def scrape(app):
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port outside the kernel's ephemeral range. A port picked inside
+    it and released can be handed out again to any socket that binds port 0
+    or connects (the fake frontend's, the engine's own) before the engine
+    binds it: CI saw the engine's PUB bind fail with EADDRINUSE."""
+    return free_ports(1)[0]
 
 
 @contextlib.contextmanager
