@@ -4,7 +4,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 
@@ -93,9 +92,7 @@ def test_run_sh_with_dp4_config_serves_and_exits_0_on_sigterm(frontend, tmp_path
 
 def test_with_no_frontend_the_engine_says_once_what_it_waits_for(tmp_path):
     # Nothing listens there: after 5 s one hint for all three engines, not one each.
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     with engine_process(tmp_path, ["--handshake-address", address, "--engine-count", "3"]) as (proc, log):
         deadline = time.monotonic() + 30
