@@ -101,16 +101,15 @@ class Ledger:
         if outputs and checked.get(id(outputs[0])) == outputs:
             pass  # as a message checked since the last end: only open ids, none terminal
         elif outputs:
-            # map() and the keys view keep the per-output work in C (this runs
-            # for every token): the ids of the message that are open, counted
-            # against the outputs; only when they differ (a stray id, or one
-            # id twice) is it worth finding which
-            if len(open_ids.keys() & map(_first, outputs)) != len(outputs):
+            # map() keeps the per-output work in C (this runs for every
+            # token): one lookup per output, no set built; only when an id
+            # is not open is it worth finding which
+            if not all(map(open_ids.__contains__, map(_first, outputs))):
                 ids = set(map(_first, outputs))
                 found.extend(self._stray(rid) for rid in ids - open_ids.keys())
-            # (only an output longer than 5 can carry a finish_reason; most messages have none)
-            longest = max(map(len, outputs))
-            terminal = [o for o in outputs if len(o) > 5 and o[5] is not None] if longest > 5 else ()
+            # (only an output longer than 5 can carry a finish_reason; a
+            # running output is 2 long and skipped at the first compare)
+            terminal = [o for o in outputs if len(o) > 5 and o[5] is not None]
             if terminal:
                 answered_here = set()
             for output in terminal:
@@ -124,9 +123,10 @@ class Ledger:
                         del self._duplicates[rid]
                     continue
                 self._end(rid, _REASON_NAMES.get(output[5]) or FinishReason(output[5]).name.lower())
-            if longest == 2 and not found and self._checked_memory:
+            if not terminal and not found and self._checked_memory and max(map(len, outputs)) == 2:
                 # only running outputs ([id, tokens]): remembered (a first
-                # output's events are not kept alive for this)
+                # output's events are not kept alive for this). A message
+                # that ended a request is not: the end forgets every message.
                 if len(checked) >= self._checked_memory:
                     checked.clear()
                 checked[id(outputs[0])] = outputs

@@ -157,3 +157,23 @@ def test_only_messages_of_running_outputs_are_remembered_and_a_repeat_is_not_che
     assert forgetful.sent(msg(running)) is None
     del forgetful.open["b"]
     assert forgetful.sent(msg(running)) is not None
+
+
+def test_a_busy_message_that_ends_requests_is_checked_output_by_output_and_not_remembered():
+    # Many running outputs and a few ends in one message: the shape of every
+    # step at high request rates, which takes the per-output path each time.
+    ledger = Ledger()
+    ids = [f"r{i}" for i in range(200)]
+    for rid in ids:
+        ledger.started(rid)
+    running = [[rid, [i]] for i, rid in enumerate(ids[2:])]
+    ends = [[ids[0], [7], None, None, None, 1], [ids[1], [], None, None, None, 0]]
+    assert ledger.sent(msg(running[:100] + ends + running[100:], [ids[0], ids[1]])) is None
+    assert ledger.summary()["finished_length"] == 1 and ledger.summary()["finished_stop"] == 1
+    assert ledger._checked == {}  # it ended requests: remembered it is not
+    # a stray among them (after its end) and one never started, next to a third end
+    later = running[:50] + [[ids[0], [8]], ["ghost", [9]]] + running[50:] + [[ids[2], [1], None, None, None, 1]]
+    found = ledger.sent(msg(later, [ids[2]]))
+    assert found is not None and len(found) == 2
+    assert any("r0 after its terminal output" in v for v in found) and any("ghost" in v and "never started" in v for v in found)
+    assert ledger.summary()["finished_length"] == 2  # the third end is booked despite the strays
