@@ -218,6 +218,8 @@ class Scheduler:
         later; but if nothing could emit then (every running request still
         prefilling, nothing to admit), it comes when the first prefill is done.
         """
+        if self.running and not self.prefilling and self.pause_state is not _PAUSED_ALL:
+            return step_started + self.step_delay  # decodes to run: the common case, after every step
         if not self.has_work:
             return None
         due = step_started + self.step_delay
@@ -431,9 +433,13 @@ class Scheduler:
         tokens emitted."""
         batches = outbox.outputs
         chunk = self.chunk
-        source = self.sampler.tokens
         pooled, base_pool, size = self._lane_source
         reuse = self.reuse_outputs
+        # the loops below that slice the pool and nothing else: decided
+        # once per step, not per lane (a step of one request is what a mock
+        # behind a real frontend mostly makes, issue 17)
+        sliced = reuse and on_output is None
+        one_id = sliced and chunk == 1
         emitted = 0
         for (client, stops), lane in self.lanes.items():
             outputs = batches.get(client)
@@ -443,7 +449,7 @@ class Scheduler:
             # no stop ids, or a stop set with its stop-free pool: a slice
             # of the pool is what the checked draw would make
             pool = base_pool if stops is False else self._lane_pools.get(stops) if stops is not True else None
-            if pool is not None and chunk == 1 and on_output is None and reuse:
+            if pool is not None and one_id:
                 # the common case (chunk 1, no prefix caching), encoded
                 # before the next step: the request's one output list and
                 # its one-id token list, the id written in place; the
@@ -458,7 +464,7 @@ class Scheduler:
                     request.rng_state = position if position < size else 0
                     request.num_output_tokens += 1
                     append(out)
-            elif pool is not None and on_output is None and reuse:
+            elif pool is not None and sliced:
                 # chunk > 1, nothing else: the next slice of the pool swapped
                 # into the request's own output (the floor's chunked loop)
                 for request in lane.values():
@@ -470,6 +476,7 @@ class Scheduler:
                     request.num_output_tokens += chunk
                     append(out)
             else:
+                source = self.sampler.tokens
                 avoid = source.avoid
                 checked = stops is True
                 if pool is None:

@@ -248,8 +248,10 @@ def test_keep_mode_freezes_and_resume_continues():
     sent = call(engine, "pause_generation", "keep", False)
     assert reply(sent)[2] == [None, None]
     assert not engine.has_work and engine.step() == []
+    assert engine.next_step_time(1.0) is None  # no step due while frozen: the stepper sleeps
     assert engine.apply(add("new", 2)) == []  # keep mode holds, does not reject
     call(engine, "resume_scheduler")
+    assert engine.next_step_time(1.0) == 1.0  # unpaced: due at once
     sent = run(engine)
     assert len(tokens_of(sent, "k")) == 3 and len(tokens_of(sent, "new")) == 2
 
