@@ -50,9 +50,14 @@ def block_hashes(token_ids: Sequence[int], block_size: int, previous: int = 0) -
     keys from the token ids, Appendix D)."""
     hashes = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        previous = hash((previous, tuple(token_ids[start : start + block_size]))) & HASH_MASK
+        previous = block_hash(previous, token_ids[start : start + block_size])
         hashes.append(previous)
     return tuple(hashes)
+
+
+def block_hash(parent: int, block_token_ids: Sequence[int]) -> int:
+    """The hash of one full block chained to its parent's (0: the root)."""
+    return hash((parent, tuple(block_token_ids))) & HASH_MASK
 
 
 class Block:
@@ -176,6 +181,9 @@ class PrefixCache:
         if full <= start:
             return
         hashes = request.block_hashes
+        if full == start + 1 and len(hashes) == start:
+            self._cache_generated_block(request, start)
+            return
         if len(hashes) < full:  # the generated tokens' blocks
             first = len(hashes)
             hashes.extend(block_hashes(request.all_token_ids[first * size : full * size], size, hashes[-1] if hashes else 0))
@@ -194,6 +202,33 @@ class PrefixCache:
                 self.events.append((STORED, hashes[start:full], parent, tokens))
             else:  # BlockStored's lora_id / lora_name (Appendix D)
                 self.events.append((STORED, hashes[start:full], parent, tokens, lora.lora_int_id, lora.lora_name))
+
+    def _cache_generated_block(self, request: Any, index: int) -> None:
+        """`cache` for the case of every decode step that fills a block: one
+        block of generated tokens, not hashed yet. The same result (the
+        tests hold it to the general path's) at half the work: one slice of
+        the ids for the hash and the event (issue 17: with caching on,
+        caching the blocks was ~30 % of a step)."""
+        hashes = request.block_hashes
+        size = self.block_size
+        tokens = request.all_token_ids[index * size : (index + 1) * size]
+        parent = hashes[index - 1] if index else None
+        value = block_hash(parent or 0, tokens)
+        hashes.append(value)
+        block = request.kv_blocks[index]
+        block.hash = value
+        holders = self._cached.get(value)
+        if holders is None:
+            self._cached[value] = [block]
+        else:
+            holders.append(block)
+        request.num_cached_blocks = index + 1
+        if self.events is not None:
+            lora = getattr(request, "lora_request", None)
+            if lora is None:
+                self.events.append((STORED, [value], parent, tokens))
+            else:  # BlockStored's lora_id / lora_name (Appendix D)
+                self.events.append((STORED, [value], parent, tokens, lora.lora_int_id, lora.lora_name))
 
     def free(self, request: Any) -> None:
         """The request left the batch: its blocks are released, the tail

@@ -435,11 +435,14 @@ class Scheduler:
         chunk = self.chunk
         pooled, base_pool, size = self._lane_source
         reuse = self.reuse_outputs
-        # the loops below that slice the pool and nothing else: decided
-        # once per step, not per lane (a step of one request is what a mock
-        # behind a real frontend mostly makes, issue 17)
-        sliced = reuse and on_output is None
-        one_id = sliced and chunk == 1
+        # the loops below that slice the pool into the request's own output
+        # list: decided once per step, not per lane (a step of one request
+        # is what a mock behind a real frontend mostly makes, issue 17).
+        # With prefix caching they run too, and the KV manager takes each
+        # lane's tokens from those lists afterwards, one call per lane
+        # (KVCacheManager.on_lane_outputs) instead of one per request.
+        lane_outputs = self.kv.on_lane_outputs if on_output is not None and reuse else None
+        one_id = reuse and chunk == 1
         emitted = 0
         for (client, stops), lane in self.lanes.items():
             outputs = batches.get(client)
@@ -450,8 +453,8 @@ class Scheduler:
             # of the pool is what the checked draw would make
             pool = base_pool if stops is False else self._lane_pools.get(stops) if stops is not True else None
             if pool is not None and one_id:
-                # the common case (chunk 1, no prefix caching), encoded
-                # before the next step: the request's one output list and
+                # the common case (chunk 1), encoded before the next
+                # step: the request's one output list and
                 # its one-id token list, the id written in place; the
                 # floor's loop (reference_emitter.py). New lists every step
                 # (reuse off: callers that keep what step() returned) take
@@ -464,9 +467,11 @@ class Scheduler:
                     request.rng_state = position if position < size else 0
                     request.num_output_tokens += 1
                     append(out)
-            elif pool is not None and sliced:
-                # chunk > 1, nothing else: the next slice of the pool swapped
-                # into the request's own output (the floor's chunked loop)
+                if lane_outputs is not None:
+                    lane_outputs(lane.values())
+            elif pool is not None and reuse:
+                # chunk > 1: the next slice of the pool swapped into the
+                # request's own output (the floor's chunked loop)
                 for request in lane.values():
                     position = request.rng_state
                     end = position + chunk
@@ -475,6 +480,8 @@ class Scheduler:
                     request.rng_state = end if end < size else end % size
                     request.num_output_tokens += chunk
                     append(out)
+                if lane_outputs is not None:
+                    lane_outputs(lane.values())
             else:
                 source = self.sampler.tokens
                 avoid = source.avoid

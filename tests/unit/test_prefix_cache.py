@@ -1,6 +1,8 @@
 """Prefix caching as vLLM's block pool: hashes, hits, LRU eviction, the KV
 events it records, and hits in PrefillStats and SchedulerStats."""
 
+import pytest
+
 from gmock_engine.engine import EngineCore, EngineSettings
 from gmock_engine.kv_cache_manager import KVCacheManager
 from gmock_engine.prefix_cache import CLEARED, REMOVED, STORED, PrefixCache, block_hashes
@@ -188,3 +190,47 @@ def test_an_adapter_keeps_its_own_blocks_and_names_itself_in_the_events():
     assert stored[0][4:] == (7, "sql") and len(stored[1]) == 4
     item = encode_events(stored[:1], 4, EventFormat())[0]
     assert (item["lora_id"], item["lora_name"], item["token_ids"]) == (7, "sql", prompt)
+
+
+def _generate(chunk, reuse, plan):
+    """Run `plan` ([(prompt, max_tokens, step it arrives at)]) with prefix
+    caching and KV events; the events and each request's tokens."""
+    settings = EngineSettings(rank=0, num_clients=1, prefix_caching=True, block_size=4, kv_events=True,
+                              output_token_chunk_size=chunk, reuse_outputs=reuse)  # fmt: skip
+    engine = EngineCore(settings, clock=lambda: 1.0)
+    events, tokens, step = [], {}, 0
+    while step == 0 or engine.has_work or any(at >= step for _, _, at in plan):
+        for index, (prompt, n, at) in enumerate(plan):
+            if at == step:
+                engine.apply(EngineCoreRequest(f"r{index}", len(prompt), n, True, prompt_token_ids=prompt))
+        for _, message in engine.step():
+            for output in message[1]:
+                tokens.setdefault(output[0], []).extend(output[1])  # copied now: reused lists change
+        events += engine.take_kv_events()
+        step += 1
+    return events, tokens
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4])
+def test_lanes_cache_generated_blocks_as_the_full_path_does(chunk):
+    # With reused outputs the lanes hand their tokens to the KV manager once
+    # per lane (on_lane_outputs); without, each request's on_output: the
+    # same blocks, in the same order, chained the same way.
+    prompt = list(range(10))
+    plan = [(prompt, 37, 0), (prompt[:6] + [99, 98], 29, 2), (prompt, 23, 5)]
+    per_request, per_lane = _generate(chunk, False, plan), _generate(chunk, True, plan)
+    assert per_lane == per_request
+    events, tokens = per_lane
+    generated = [e for e in events if e[0] == STORED and e[2] is not None and len(e[1]) == 1]
+    assert len(generated) >= 12  # blocks of generated tokens were cached, one event each
+
+
+def test_a_generated_block_chains_to_the_one_before_it():
+    prompt = list(range(10))
+    events, tokens = _generate(1, True, [(prompt, 30, 0)])
+    stored = [(h, parent, ids) for e in events if e[0] == STORED for h, parent, ids in [(e[1], e[2], e[3])]]
+    # what is computed: the prompt and every output but the last (sampled, not computed yet)
+    expected = block_hashes(prompt + tokens["r0"][:-1], 4)
+    assert [h for hashes, _, _ in stored for h in hashes] == list(expected)
+    assert [parent for _, parent, _ in stored] == [None] + [hashes[-1] for hashes, _, _ in stored[:-1]]
+    assert [t for _, _, ids in stored for t in ids] == (prompt + tokens["r0"][:-1])[: len(expected) * 4]
