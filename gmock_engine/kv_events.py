@@ -53,7 +53,7 @@ import msgpack
 import zmq.green as zmq
 
 from .prefix_cache import CLEARED, REMOVED, STORED
-from .transport import patient
+from .transport import patient, publish_noblock
 
 #: The replay end marker's seq: -1 as 8 signed big-endian bytes (vLLM's END_SEQ).
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -434,7 +434,7 @@ class KVEventPublisher:
 
     def _send(self, seq: int, payload: bytes) -> None:
         # A PUB never blocks: at its HWM (or with no subscriber) ZMQ drops, as vLLM's.
-        self.pub.send_multipart((self.topic, seq_bytes(seq), payload), flags=zmq.NOBLOCK)  # type: ignore[union-attr]
+        publish_noblock(self.pub, (self.topic, seq_bytes(seq), payload))
 
     # -- the replay greenlet -------------------------------------------------------
 

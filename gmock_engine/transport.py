@@ -29,7 +29,7 @@ with zmq.green's own wait (`wait_readable`, or the green send on EAGAIN).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import gevent
 import zmq.green as zmq
@@ -119,6 +119,20 @@ def send_noblock(sock: Any, data: bytes) -> None:
     """Send one frame straight to libzmq; zmq.Again at the high-water mark
     (never waits)."""
     _send(sock, data, _NOBLOCK)
+
+
+_NOBLOCK_SNDMORE = _NOBLOCK | int(zmq.SNDMORE)
+
+
+def publish_noblock(sock: Any, frames: Sequence[bytes]) -> None:
+    """A multipart message on a PUB, straight to libzmq: a PUB never waits
+    (at its high-water mark, or with no subscriber, libzmq drops the
+    message), and nobody waits on the socket, so zmq.green's wrapper (its
+    state check after every frame) has nothing to do (issue 17: ~5 % of an
+    engine with KV events on)."""
+    last = len(frames) - 1
+    for index, frame in enumerate(frames):
+        _send(sock, frame, _NOBLOCK if index == last else _NOBLOCK_SNDMORE)
 
 
 @dataclass
