@@ -196,12 +196,7 @@ class PrefixCache:
         request.num_cached_blocks = full
         if self.events is not None:
             parent = hashes[start - 1] if start else None
-            tokens = request.all_token_ids[start * size : full * size]
-            lora = getattr(request, "lora_request", None)
-            if lora is None:
-                self.events.append((STORED, hashes[start:full], parent, tokens))
-            else:  # BlockStored's lora_id / lora_name (Appendix D)
-                self.events.append((STORED, hashes[start:full], parent, tokens, lora.lora_int_id, lora.lora_name))
+            self._stored(request, hashes[start:full], parent, request.all_token_ids[start * size : full * size])
 
     def _cache_generated_block(self, request: Any, index: int) -> None:
         """`cache` for the case of every decode step that fills a block: one
@@ -217,18 +212,18 @@ class PrefixCache:
         hashes.append(value)
         block = request.kv_blocks[index]
         block.hash = value
-        holders = self._cached.get(value)
-        if holders is None:
-            self._cached[value] = [block]
-        else:
-            holders.append(block)
+        self._cached.setdefault(value, []).append(block)
         request.num_cached_blocks = index + 1
         if self.events is not None:
-            lora = getattr(request, "lora_request", None)
-            if lora is None:
-                self.events.append((STORED, [value], parent, tokens))
-            else:  # BlockStored's lora_id / lora_name (Appendix D)
-                self.events.append((STORED, [value], parent, tokens, lora.lora_int_id, lora.lora_name))
+            self._stored(request, [value], parent, tokens)
+
+    def _stored(self, request: Any, hashes: List[int], parent: Optional[int], tokens: List[int]) -> None:
+        """One BlockStored for blocks `cache` just hashed (events on)."""
+        lora = getattr(request, "lora_request", None)
+        if lora is None:
+            self.events.append((STORED, hashes, parent, tokens))  # type: ignore[union-attr]
+        else:  # BlockStored's lora_id / lora_name (Appendix D)
+            self.events.append((STORED, hashes, parent, tokens, lora.lora_int_id, lora.lora_name))  # type: ignore[union-attr]
 
     def free(self, request: Any) -> None:
         """The request left the batch: its blocks are released, the tail
