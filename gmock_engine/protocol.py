@@ -669,9 +669,21 @@ def _int_list(sampling: Dict[str, Any], key: str) -> Tuple[int, ...]:
     value = sampling.get(key)
     if value is None:
         return ()
-    if not isinstance(value, list) or not all(_is_int(v) for v in value):
+    # every item's type is int (a bool's is not), counted in C
+    if type(value) is not list or countOf(map(type, value), int) != len(value):
         raise BadValue(f"{key} is not an array of ints")
     return tuple(value)
+
+
+#: SamplingParams keys only `_decode_stops`' full reading looks at. A request
+#: that names none of them (every traced ADD of vllm serve and vllm-rs: both
+#: send the EOS and stop ids, vllm-rs also min_tokens 0) takes the short
+#: reading (issue 17: the ADD path); the fields it leaves out keep
+#: EngineCoreRequest's defaults, which are what the full reading gives for
+#: an absent key.
+_RARE_SAMPLING_KEYS = frozenset(
+    ("extra_args", "logprobs", "prompt_logprobs", "allowed_token_ids", "_bad_words_token_ids", "logit_bias", "ignore_eos")
+)
 
 
 def _decode_stops(sampling: Dict[str, Any], request_eos: Any = None) -> Dict[str, Any]:
@@ -692,6 +704,12 @@ def _decode_stops(sampling: Dict[str, Any], request_eos: Any = None) -> Dict[str
     min_tokens = get("min_tokens") or 0
     if type(min_tokens) is not int or min_tokens < 0:
         raise BadValue(f"min_tokens {_cut(min_tokens)} is not a non-negative int")
+    stop_token_ids = get("stop_token_ids")
+    all_stop_token_ids = get("_all_stop_token_ids")
+    stop_token_ids = () if stop_token_ids is None else _int_list(sampling, "stop_token_ids")
+    all_stop_token_ids = () if all_stop_token_ids is None else _int_list(sampling, "_all_stop_token_ids")
+    if _RARE_SAMPLING_KEYS.isdisjoint(sampling):
+        return {"stop_token_ids": stop_token_ids, "eos_token_id": eos, "all_stop_token_ids": all_stop_token_ids, "min_tokens": min_tokens}
     extra = get("extra_args") or {}
     if type(extra) is not dict:
         raise BadValue(f"extra_args is {type(extra).__name__}, not a map")
@@ -717,17 +735,15 @@ def _decode_stops(sampling: Dict[str, Any], request_eos: Any = None) -> Dict[str
         or not all(_is_int(k) and isinstance(v, (int, float)) and not isinstance(v, bool) and v == v for k, v in bias.items())
     ):
         raise BadValue(f"logit_bias {_cut(bias)} is not a map of token ids to numbers")
-    stop_token_ids = get("stop_token_ids")
-    all_stop_token_ids = get("_all_stop_token_ids")
     return {
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
         "allowed_token_ids": allowed,
         "bad_words_token_ids": bad_words,
         "logit_bias": bias if type(bias) is dict else {},
-        "stop_token_ids": () if stop_token_ids is None else _int_list(sampling, "stop_token_ids"),
+        "stop_token_ids": stop_token_ids,
         "eos_token_id": eos,
-        "all_stop_token_ids": () if all_stop_token_ids is None else _int_list(sampling, "_all_stop_token_ids"),
+        "all_stop_token_ids": all_stop_token_ids,
         "ignore_eos": get("ignore_eos") is True,
         "min_tokens": min_tokens,
         "extra_args": extra,

@@ -276,3 +276,47 @@ def test_handshake_messages():
     assert ready == {"status": "READY", "local": False, "headless": True, "num_gpu_blocks": 1024, "dp_stats_address": None}
     assert protocol.ready_message(1, parallel_config_hash="ab")["parallel_config_hash"] == "ab"
     assert [protocol.engine_identity(r) for r in (0, 1, 258)] == [b"\x00\x00", b"\x01\x00", b"\x02\x01"]
+
+
+ADDS = [r for r in INPUTS if r["decoded"][0]["request_type"] == "ADD"]
+
+
+@pytest.mark.parametrize("record", ADDS, ids=lambda r: r["trace"])
+@pytest.mark.parametrize(
+    "stops",
+    [
+        {},
+        {"min_tokens": 3, "stop_token_ids": [5, 6], "_all_stop_token_ids": [5, 6, 9], "_eos_token_id": 9},
+        {"stop_token_ids": None, "_all_stop_token_ids": None, "_eos_token_id": None, "min_tokens": None},
+    ],
+    ids=["as-sent", "stops", "nil-stops"],
+)
+def test_the_short_reading_of_sampling_params_is_the_full_one(record, stops):
+    """An ADD whose SamplingParams name none of the rare keys (every traced
+    one) takes _decode_stops' short reading: the request is the one the full
+    reading makes of the same ADD, which a rare key with its absent value
+    forces (issue 17: the ADD path)."""
+    payload = protocol.unpack(_frames(record)[1])
+    payload[3].update(stops)
+    assert protocol._RARE_SAMPLING_KEYS.isdisjoint(payload[3])
+    short = protocol.decode_add(payload, LAYOUT)
+    for key, absent in (("logit_bias", None), ("extra_args", {}), ("ignore_eos", False), ("logprobs", None)):
+        forced = [*payload[:3], {**payload[3], key: absent}, *payload[4:]]
+        assert protocol.decode_add(forced, LAYOUT) == short, key
+    assert short.stop_token_ids == tuple(payload[3].get("stop_token_ids") or ())
+    assert short.all_stop_token_ids == tuple(payload[3].get("_all_stop_token_ids") or ())
+    assert short.eos_token_id == payload[3].get("_eos_token_id")
+    assert short.min_tokens == (payload[3].get("min_tokens") or 0)
+
+
+@pytest.mark.parametrize("key", ["stop_token_ids", "_all_stop_token_ids"])
+@pytest.mark.parametrize("value", [[1, True], [1, "2"], [1.5], "12", {"a": 1}])
+def test_stop_id_lists_of_non_ints_are_refused_on_the_short_reading(key, value):
+    """The short reading checks the stop id lists as the full one does: a
+    bool, a string or a float in them, or no list at all, is a BadValue
+    naming the key."""
+    payload = protocol.unpack(_frames(ADDS[0])[1])
+    payload[3][key] = value
+    result = protocol.decode_add(payload, LAYOUT)
+    assert isinstance(result, protocol.InvalidRequest)
+    assert key in result.reason
