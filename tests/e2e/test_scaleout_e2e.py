@@ -307,9 +307,19 @@ def test_one_process_stopping_with_dead_sentinel_is_reported(stack):
     print(f"{stack.topology.id}: reported {time.monotonic() - t_dead:.1f}s after the stop; "
           f"health {seen['health'][-3:]}, requests {seen['requests'][-1]}")
     last = seen["requests"][-1]
-    assert all(status == 500 and took < 10 for status, took, _ in last), last
+    # The requests of the round that saw /health 503 (each on its own connection).
+    # The Python frontend may finish shutting itself down within that round: the
+    # requests after it find no listener (ConnectionError). Seen in CI with 2 API
+    # servers: 500 in 0.06 s, then three ConnectionErrors. Those are its shutdown,
+    # checked below; the ones it answered must each be a 500 at once.
+    answered = [s for s in last if isinstance(s[0], int)]
     if stack.topology.frontend == "python":
-        assert all("EngineCore encountered an issue" in text for *_, text in last), last
+        assert answered and all(s[0] == "ConnectionError" for s in last if s not in answered), last
+    else:
+        assert answered == last, last
+    assert all(status == 500 and took < 10 for status, took, _ in answered), last
+    if stack.topology.frontend == "python":
+        assert all("EngineCore encountered an issue" in text for *_, text in answered), last
         h.wait_until(lambda: _python_frontend_shut_down(stack), 30, "the Python frontend to shut itself down")
         how = stack.frontend.describe_exit() if not stack.frontend.alive() else "API servers exited"
         print(f"python frontend {how} {time.monotonic() - t_dead:.1f}s after the engines' stop")
