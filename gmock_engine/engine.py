@@ -562,6 +562,11 @@ class EngineCore:
     def step(self) -> List[Outbound]:
         """One step (scheduler.py): admissions, preemptions, the tokens of
         every running request; one EngineCoreOutputs per client."""
+        steady = self.scheduler.steady_step()
+        if steady is not None:
+            # lanes only: nothing ended (nothing to log), requests still
+            # running (no drained reply due: utilities.check_drained)
+            return self.outbox.flush_step(*steady)
         if not self.scheduler.has_work:
             return []
         done = self.scheduler.step(self.clock(), self.outbox)

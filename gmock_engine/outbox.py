@@ -90,23 +90,12 @@ class Outbox:
         if not outputs and not finished:
             return []
         self.outputs = {}
-        now = self.clock()
-        stats = self._stats_if_due(now)
         if not finished and len(outputs) == 1:
-            # The common step (one client, nothing ended): the message built
-            # and checked inline, a layer of calls less for every step of a
-            # few requests, where the per-step cost is what a mock behind a
-            # real frontend spends (issue 17, P2). The layout is
-            # protocol.engine_core_outputs' (§4.2), which a test holds it to.
             for client, batch in outputs.items():
                 if batch:
-                    message = [self.rank, batch, stats, now if type(now) is float else float(now)]
-                    violations = self.ledger.sent(message)
-                    if violations:
-                        self._report(violations)
-                    if stats is not None and self.has_coordinator:
-                        return [(client, message), (COORDINATOR, protocol.engine_core_outputs(self.rank, [], now, None, stats))]
-                    return [(client, message)]
+                    return self._single(client, batch)
+        now = self.clock()
+        stats = self._stats_if_due(now)
         if finished:
             self.finished = {}
         out: List[Outbound] = []
@@ -120,6 +109,30 @@ class Outbox:
         if out and out[0][1][2] is not None and self.has_coordinator:
             out.append((COORDINATOR, make(rank, [], now, None, out[0][1][2])))
         return out
+
+    def flush_step(self, client: int, batch: List[List[Any]]) -> List[Outbound]:
+        """`flush` of a call whose outputs are `batch`, all for `client`,
+        and which ends nothing (Scheduler.steady_step's)."""
+        if self.outputs or self.finished:  # something gathered before it: in order, one message
+            self.outputs_for(client).extend(batch)
+            return self.flush()
+        return self._single(client, batch)
+
+    def _single(self, client: int, batch: List[List[Any]]) -> List[Outbound]:
+        """The common message (one client, nothing ended), built and checked
+        inline: a layer of calls less for every step of a few requests,
+        where the per-step cost is what a mock behind a real frontend
+        spends (issue 17, P2). The layout is protocol.engine_core_outputs'
+        (§4.2), which a test holds it to."""
+        now = self.clock()
+        stats = self._stats_if_due(now)
+        message = [self.rank, batch, stats, now if type(now) is float else float(now)]
+        violations = self.ledger.sent(message)
+        if violations:
+            self._report(violations)
+        if stats is not None and self.has_coordinator:
+            return [(client, message), (COORDINATOR, protocol.engine_core_outputs(self.rank, [], now, None, stats))]
+        return [(client, message)]
 
     def _checked(self, message: List[Any]) -> List[Any]:
         """`message`, once the ledger has seen it (violations reported)."""

@@ -67,6 +67,37 @@ _LENGTH, _STOP, _ERROR = FinishReason.LENGTH, FinishReason.STOP, FinishReason.ER
 _SCHEDULED = EngineCoreEventType.SCHEDULED
 
 
+def _next_pooled(requests: Any, pool: List[int], size: int, chunk: int, append: Callable[[Any], None]) -> None:
+    """Each lane member's next `chunk` ids out of the pool (tokens.TokenPool.draw,
+    inline: the member's position in the pool is its rng_state), swapped into
+    its own reused `[id, tokens]` output, which goes to `append`: the per-token
+    work of a steady request and nothing else, the floor's loop
+    (reference_emitter.py). Shared by `Scheduler._emit_lanes` and
+    `Scheduler.steady_step`."""
+    if chunk == 1:
+        # the one-id token list written in place (the output list is made
+        # when the request joins its lane)
+        for request in requests:
+            position = request.rng_state
+            out = request.lane_output
+            out[1][0] = pool[position]
+            position += 1
+            request.rng_state = position if position < size else 0
+            request.num_output_tokens += 1
+            append(out)
+    else:
+        # the next slice of the pool (padded by POOL_PAD: a chunk that fits
+        # never wraps inside the slice)
+        for request in requests:
+            position = request.rng_state
+            end = position + chunk
+            out = request.lane_output
+            out[1] = pool[position:end]
+            request.rng_state = end if end < size else end % size
+            request.num_output_tokens += chunk
+            append(out)
+
+
 class Sampler:
     """Where a request's tokens and logprobs come from: the token source
     (tokens.py) and the logprob model (logprobs.py) of its ADD. A request
@@ -133,6 +164,9 @@ class Scheduler:
         #: `_emit` call -> the lane members that go back to the full path then.
         self._lane_exits: Dict[int, List[Request]] = {}
         self._emitted_steps = 0
+        #: (client, lane, pool) when there is one lane and it slices a pool:
+        #: what `steady_step` steps (kept by `_lanes_changed`), else None
+        self._solo: Optional[tuple] = None
         #: Lane members' outputs reuse one `[id, tokens]` list each (issue 17:
         #: at 8 192 running, making and freeing two lists per token cost more
         #: than the rest of the step's work). Only for a caller that encodes
@@ -193,6 +227,7 @@ class Scheduler:
             self._lane_pools, self._stop_sets_seen = {}, {}  # copies of the old source's pool
         self.sampler = sampler
         self._lane_source = self._pool_of(sampler)
+        self._lanes_changed()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
 
@@ -312,6 +347,48 @@ class Scheduler:
             del self.running[request.request_id]
             self._release(request)
         return done
+
+    def steady_step(self) -> "Optional[tuple[int, List[Any]]]":
+        """The step, when it is a steady one: (client, outputs) of its one
+        message; None when it is not (the caller then takes `step`).
+
+        Steady: nothing waiting, every running request in one lane of one
+        client that slices the token pool (so none on the full path: no
+        first or last output, no prefill, no shaped request), none leaving
+        it at this step, and nothing else a step has to do per request (no
+        KV blocks enforced, no prefix caching; outputs reused). Such a step
+        is what `step` would make then, without its per-step branches for
+        admission, preemption, budgets, the full path and lane exits: behind
+        a real frontend most steps are of a few requests, and their fixed
+        cost is what the mock spends (issue 17, P2). A property test runs
+        scenarios with and without this path and compares the bytes."""
+        solo = self._solo
+        if (
+            solo is None
+            or self._full  # (prefilling and chunking requests are on the full path)
+            or self.waiting
+            or self.pause_state is _PAUSED_ALL
+            or self.kv.enforced
+            or self.kv.caching
+            or not self.reuse_outputs
+        ):
+            return None
+        step = self._emitted_steps + 1
+        if step in self._lane_exits:
+            return None
+        self._emitted_steps = step
+        client, lane, pool = solo
+        outputs: List[Any] = []
+        chunk = self.chunk
+        _next_pooled(lane.values(), pool, self._lane_source[2], chunk, outputs.append)
+        emitted = chunk * len(lane)
+        counters = self.counters
+        counters["steps"] += 1
+        counters["tokens"] += emitted
+        self.kv.tokens += emitted
+        if self.latency.paced:
+            self.step_delay = self.latency.step_seconds(len(self.running), 0, self._rng)
+        return client, outputs
 
     def _emit(self, now: float, outbox: Outbox) -> List[Request]:
         """The per-token path: each ready running request's next tokens.
@@ -442,7 +519,6 @@ class Scheduler:
         # lane's tokens from those lists afterwards, one call per lane
         # (KVCacheManager.on_lane_outputs) instead of one per request.
         lane_outputs = self.kv.on_lane_outputs if on_output is not None and reuse else None
-        one_id = reuse and chunk == 1
         emitted = 0
         for (client, stops), lane in self.lanes.items():
             outputs = batches.get(client)
@@ -452,34 +528,13 @@ class Scheduler:
             # no stop ids, or a stop set with its stop-free pool: a slice
             # of the pool is what the checked draw would make
             pool = base_pool if stops is False else self._lane_pools.get(stops) if stops is not True else None
-            if pool is not None and one_id:
-                # the common case (chunk 1), encoded before the next
-                # step: the request's one output list and
-                # its one-id token list, the id written in place; the
-                # floor's loop (reference_emitter.py). New lists every step
-                # (reuse off: callers that keep what step() returned) take
-                # the general loop below.
-                for request in lane.values():
-                    position = request.rng_state
-                    out = request.lane_output
-                    out[1][0] = pool[position]
-                    position += 1
-                    request.rng_state = position if position < size else 0
-                    request.num_output_tokens += 1
-                    append(out)
-                if lane_outputs is not None:
-                    lane_outputs(lane.values())
-            elif pool is not None and reuse:
-                # chunk > 1: the next slice of the pool swapped into the
-                # request's own output (the floor's chunked loop)
-                for request in lane.values():
-                    position = request.rng_state
-                    end = position + chunk
-                    out = request.lane_output
-                    out[1] = pool[position:end]
-                    request.rng_state = end if end < size else end % size
-                    request.num_output_tokens += chunk
-                    append(out)
+            if pool is not None and reuse:
+                # the common case: the next ids of the pool swapped into each
+                # request's own output (_next_pooled, the floor's loop,
+                # reference_emitter.py). New lists every step (reuse off:
+                # callers that keep what step() returned) take the general
+                # loop below.
+                _next_pooled(lane.values(), pool, size, chunk, append)
                 if lane_outputs is not None:
                     lane_outputs(lane.values())
             else:
@@ -530,6 +585,7 @@ class Scheduler:
             lane = lanes.get(key)
             if lane is None:
                 lane = lanes[key] = {}
+                self._lanes_changed()
             del full[request.request_id]
             lane[request.request_id] = request
             request.lane = key
@@ -580,6 +636,19 @@ class Scheduler:
         del lane[request.request_id]
         if not lane:
             del self.lanes[key]
+            self._lanes_changed()
+
+    def _lanes_changed(self) -> None:
+        """A lane was opened or closed, or the pools changed (a reload):
+        which lane `steady_step` may step alone, if any."""
+        self._solo = None
+        if len(self.lanes) == 1:
+            for (client, stops), lane in self.lanes.items():
+                _, pool, _ = self._lane_source
+                if stops is not False:
+                    pool = self._lane_pools.get(stops) if stops is not True else None
+                if pool is not None:  # not: a source that is not pooled, or a lane that checks its stop ids
+                    self._solo = (client, lane, pool)
 
     def _out_of_lane(self, request: Request) -> None:
         """A lane member leaves it before its exit (preempted, ended, a

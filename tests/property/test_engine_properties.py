@@ -27,7 +27,10 @@ another:
     nothing for it afterwards, its id in that message's finished_requests;
     every UTILITY call exactly one reply, on its caller's client;
 (f) a request whose stop ids (plus EOS) cover every id the engine may emit
-    ends with finish_reason STOP on its first token (vLLM's check_stop).
+    ends with finish_reason STOP on its first token (vLLM's check_stop);
+(g) with outputs reused (as the runtime runs the engine), the steady step
+    (Scheduler.steady_step) sends the same bytes as the general step: each
+    scenario runs once as it is and once with that path turned off.
 
 Failures raise an AssertionError subclass named after the rule, so Hypothesis
 reports distinct rules as distinct bugs, each with its own shrunk example.
@@ -907,3 +910,67 @@ def test_every_request_ends_exactly_once_and_every_call_is_answered(scenario):
 def test_stop_ids_covering_the_vocabulary_stop_on_the_first_token(scenario):
     """(a) + (f)."""
     run_scenario(scenario, [StopCoverObserver()])
+
+
+class BytesObserver(Observer):
+    """Every message packed as it is returned (a reused output list changes
+    in the next step, as the runtime's encoder sees it)."""
+
+    def __init__(self) -> None:
+        self.sent: List[Tuple[int, bytes]] = []
+
+    def output(self, run, client, message):
+        self.sent.append((client, msgpack.packb(message, use_bin_type=True)))
+
+
+def _steady_counted(run: Run, counts: Counter) -> None:
+    """Count the steps `steady_step` took in `run`."""
+    steady_step = run.engine.scheduler.steady_step
+
+    def counted():
+        result = steady_step()
+        counts["steady" if result is not None else "general"] += 1
+        return result
+
+    run.engine.scheduler.steady_step = counted
+
+
+@pytest.mark.parametrize("focus", ["scheduler", "all"])
+def test_the_steady_step_sends_what_the_general_step_sends(focus):
+    """(a) + (g); fails unless some examples took the steady path."""
+    totals: Counter = Counter()
+
+    @settings(max_examples=examples(400))
+    @given(scenario=scenarios(WIRE_FOCUS[focus]))
+    def check(scenario):
+        spec, ops = scenario
+        CASES.add(1 + len(ops))
+        spec = {**spec, "reuse_outputs": True}
+        sent = []
+        for steady in (True, False):
+            observer = BytesObserver()
+            run = Run(spec, [observer])
+            if steady:
+                _steady_counted(run, totals)
+            else:
+                run.engine.scheduler.steady_step = lambda: None
+            for op in ops:
+                run.do(op)
+            run.finish()
+            sent.append(observer.sent)
+        with_path, without = sent
+        if with_path != without:
+            at = next((i for i, (a, b) in enumerate(zip(with_path, without)) if a != b), min(len(with_path), len(without)))
+
+            def shown(messages):
+                return msgpack.unpackb(messages[at][1], raw=False, strict_map_key=False) if at < len(messages) else None
+
+            raise violation(
+                "Steady_step_differs",
+                f"message {at} of {len(with_path)} (steady path) / {len(without)} (general):\n"
+                f"  steady : {shown(with_path)!r:.600}\n"
+                f"  general: {shown(without)!r:.600}",
+            )
+
+    check()
+    assert totals["steady"] > 0, f"no example took the steady path: {dict(totals)}"
