@@ -164,8 +164,9 @@ class Scheduler:
         #: `_emit` call -> the lane members that go back to the full path then.
         self._lane_exits: Dict[int, List[Request]] = {}
         self._emitted_steps = 0
-        #: (client, lane, pool) when there is one lane and it slices a pool:
-        #: what `steady_step` steps (kept by `_lanes_changed`), else None
+        #: (client, lane, pool) when there is one lane, it slices a pool and
+        #: the engine's settings let a step skip the rest: what
+        #: `steady_step` steps (kept by `_lanes_changed`), else None
         self._solo: Optional[tuple] = None
         #: Lane members' outputs reuse one `[id, tokens]` list each (issue 17:
         #: at 8 192 running, making and freeing two lists per token cost more
@@ -368,9 +369,6 @@ class Scheduler:
             or self._full  # (prefilling and chunking requests are on the full path)
             or self.waiting
             or self.pause_state is _PAUSED_ALL
-            or self.kv.enforced
-            or self.kv.caching
-            or not self.reuse_outputs
         ):
             return None
         step = self._emitted_steps + 1
@@ -527,7 +525,7 @@ class Scheduler:
             append = outputs.append
             # no stop ids, or a stop set with its stop-free pool: a slice
             # of the pool is what the checked draw would make
-            pool = base_pool if stops is False else self._lane_pools.get(stops) if stops is not True else None
+            pool = self._lane_pool(stops)
             if pool is not None and reuse:
                 # the common case: the next ids of the pool swapped into each
                 # request's own output (_next_pooled, the floor's loop,
@@ -642,13 +640,22 @@ class Scheduler:
         """A lane was opened or closed, or the pools changed (a reload):
         which lane `steady_step` may step alone, if any."""
         self._solo = None
-        if len(self.lanes) == 1:
+        # what else a steady step must not skip is fixed when the engine is
+        # built (KV blocks enforced, prefix caching, reused outputs), so it
+        # is looked at here, not in every step
+        if len(self.lanes) == 1 and self.reuse_outputs and not self.kv.enforced and not self.kv.caching:
             for (client, stops), lane in self.lanes.items():
-                _, pool, _ = self._lane_source
-                if stops is not False:
-                    pool = self._lane_pools.get(stops) if stops is not True else None
+                pool = self._lane_pool(stops)
                 if pool is not None:  # not: a source that is not pooled, or a lane that checks its stop ids
                     self._solo = (client, lane, pool)
+
+    def _lane_pool(self, stops: Any) -> Optional[List[int]]:
+        """The pool a lane of kind `stops` slices: the source's ids (no stop
+        ids), a stop set's stop-free copy, or None (the source is not pooled,
+        or the lane checks each token against its stop ids)."""
+        if stops is False:
+            return self._lane_source[1]
+        return self._lane_pools.get(stops) if stops is not True else None
 
     def _out_of_lane(self, request: Request) -> None:
         """A lane member leaves it before its exit (preempted, ended, a
