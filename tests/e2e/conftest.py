@@ -72,9 +72,6 @@ def model_dir(frontends, tmp_path_factory) -> Path:
 
 # --------------------------------------------------------------------------- stacks
 
-#: topology id -> timings, printed at the end of the session.
-STACK_TIMINGS: dict[str, dict] = {}
-
 
 @pytest.fixture(scope="module", params=_selected_topologies(), ids=lambda t: t.id)
 def stack(request, frontends, model_dir, tmp_path_factory):
@@ -101,7 +98,8 @@ def stack(request, frontends, model_dir, tmp_path_factory):
         died_before = {g.name for g in s.engines if not g.alive()}
         problems = s.stop()
         s.timings["total_s"] = round(time.monotonic() - t0, 1)
-        STACK_TIMINGS[f"{request.module.__name__}::{topo.id}"] = dict(s.timings)
+        # printed at the end of the session by tests/conftest.py
+        request.config.gmock_stack_timings[f"{request.module.__name__}::{topo.id}"] = dict(s.timings)
         for g in s.engines:
             rc = g.popen.returncode
             if rc != 0 and g.name not in died_before:
@@ -133,10 +131,3 @@ def pytest_runtest_makereport(item, call):
         s = getattr(item, "funcargs", {}).get("stack")
         if isinstance(s, h.Stack):
             report.sections.append((f"e2e logs {s.topology.id}", s.logs_report(60)))
-
-
-def pytest_terminal_summary(terminalreporter):
-    if STACK_TIMINGS:
-        terminalreporter.section("e2e stack timings")
-        for key, timings in STACK_TIMINGS.items():
-            terminalreporter.write_line(f"{key}: {timings}")
