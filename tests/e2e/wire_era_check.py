@@ -8,15 +8,28 @@ messages made by gmock_engine for this version's layout. stdout: JSON with
 message name: what `MsgpackDecoder(EngineCoreOutputs)` made of it, or the
 error it raised) and `adds` (frame 1 of an ADD per logical request of
 tests/golden/generate.py, encoded by this version's `MsgpackEncoder`).
+
+`--versions`: every version in one run. stdin: JSON `{"jobs": N, "versions":
+[{"version", "tree", "outputs"}, ...]}`, started with only the shims on
+PYTHONPATH; stdout: JSON `{version: the report above, or {"error": ...}}`.
+The process imports the third-party packages every era's `vllm` imports
+(torch, transformers, ...: 3-5 s of the 7-10 s an era's imports take on
+2 cores) once, then forks one child per version (N at a time), which puts
+that version's tree on sys.path and imports its `vllm` afresh: no two eras
+ever share a `vllm` module (they register the same torch ops), and none
+pays for torch again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "golden"))
 
@@ -60,14 +73,13 @@ def _output(output: Any) -> Dict[str, Any]:
     return decoded
 
 
-def main() -> int:
-    """See the module docstring."""
+def check(task: Dict[str, Any]) -> Dict[str, Any]:
+    """The report of the `vllm` on sys.path for `task` (see the module docstring)."""
     import vllm
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, FinishReason
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    task = json.load(sys.stdin)
     decoder = MsgpackDecoder(EngineCoreOutputs)
     decoded = {}
     for message in task["outputs"]:
@@ -91,15 +103,80 @@ def main() -> int:
         frames = encoder.encode(generate._build(EngineCoreRequest, wanted))
         adds.append({"name": spec["name"], "logical": spec, "frames": [bytes(f).hex() for f in frames]})
 
-    json.dump({
+    return {
         "vllm_version": vllm.__version__,
         "finish_reasons": {r.name: int(r) for r in FinishReason},
         "default_max_tokens": SamplingParams().max_tokens,
         "decoded": decoded,
         "adds": adds,
-    }, sys.stdout)
+    }
+
+
+#: What every era's `vllm` imports from the 0.32 venv on the way to
+#: vllm.v1.engine, slowest first (-X importtime of the 0.32 tree): imported
+#: once before the forks. A package a venv lacks is skipped.
+SHARED_PACKAGES = ("torch", "transformers", "openai", "triton", "aiohttp", "sympy", "numpy",
+                   "msgspec", "pydantic", "zmq", "huggingface_hub", "tokenizers", "requests")  # fmt: skip
+
+
+def check_versions(tasks: List[Dict[str, Any]], jobs: int) -> Dict[str, Any]:
+    """{version: report or {"error": ...}}, one forked child per version."""
+    for name in SHARED_PACKAGES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    assert "vllm" not in sys.modules, "a shared package imported vllm: the eras would share it"
+    out: Dict[str, Any] = {}
+    running: Dict[int, tuple] = {}  # pid -> (version, result file)
+    pending = list(tasks)
+    while pending or running:
+        while pending and len(running) < jobs:
+            task = pending.pop(0)
+            result = tempfile.NamedTemporaryFile(prefix=f"wire-era-{task['version']}-", suffix=".json", delete=False)
+            result.close()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:  # the child: this era's vllm, its report to the file
+                code = 1
+                try:
+                    os.dup2(2, 1)  # whatever vLLM prints goes to stderr, never into the parent's JSON
+                    sys.path.insert(2, task["tree"])  # after this dir and the shims (PYTHONPATH), before the venv
+                    report = check(task)
+                    with open(result.name, "w") as f:
+                        json.dump(report, f)
+                    code = 0
+                except BaseException as exc:  # noqa: BLE001 - reported by the parent
+                    with open(result.name, "w") as f:
+                        json.dump({"error": f"{type(exc).__name__}: {exc}"}, f)
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            running[pid] = (task["version"], result.name)
+        pid, status = os.wait()
+        version, path = running.pop(pid)
+        try:
+            with open(path) as f:
+                out[version] = json.load(f)
+        except (OSError, ValueError):
+            out[version] = {"error": f"the child for {version} ended with wait status {status} and no report"}
+        finally:
+            os.unlink(path)
+    return out
+
+
+def main(argv: List[str]) -> int:
+    """See the module docstring."""
+    task = json.load(sys.stdin)
+    if "--versions" in argv:
+        result = check_versions(task["versions"], int(task.get("jobs", 2)))
+    else:
+        result = check(task)
+    json.dump(result, sys.stdout)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

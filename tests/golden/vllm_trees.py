@@ -175,10 +175,11 @@ def shim_dir(trees: Path) -> Path:
     return shims
 
 
-def subprocess_env(tree: Path, trees: Path, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    """Environment that imports `vllm` from `tree` (shims first)."""
+def subprocess_env(tree: Optional[Path], trees: Path, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """Environment that imports `vllm` from `tree` (shims first); with no
+    tree, the shims only (the process puts a tree on sys.path itself)."""
     env = dict(os.environ if base is None else base)
-    env["PYTHONPATH"] = os.pathsep.join([str(shim_dir(trees)), str(tree)])
+    env["PYTHONPATH"] = os.pathsep.join([str(shim_dir(trees))] + ([] if tree is None else [str(tree)]))
     # Quiet and deterministic: no usage reporting, no plugin discovery, and
     # a fixed hash seed so set-valued fields encode in a stable order.
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
