@@ -22,7 +22,7 @@ GMOCK_WIRE_ERAS_WHEELS to a directory that already holds some to use them
 there; GMOCK_WIRE_ERAS_VERSIONS=0.11.0,0.22.1 runs only those),
 extracted without their .so files into `.../wire-eras/trees`. Skipped with
 the reason when the 0.32 venv (tests/e2e/install_frontends.sh) is absent.
-About 1.5-2 minutes on 2 cores once the trees exist (two children at a
+About 1.3 minutes on 2 cores once the trees exist (two children at a
 time, 3-6 s of imports each: a process per version, 7-10 s each, took 3).
 """
 

@@ -156,6 +156,8 @@ def check_versions(tasks: List[Dict[str, Any]], jobs: int) -> Dict[str, Any]:
                     os._exit(code)
             running[pid] = (task["version"], result.name)
         pid, status = os.wait()
+        if pid not in running:
+            continue  # a child of an imported package, not an era's
         version, path = running.pop(pid)
         try:
             with open(path) as f:
