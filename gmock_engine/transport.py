@@ -68,6 +68,7 @@ _get = _BackendSocket.get
 _NOBLOCK = int(zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
+_FD = int(zmq.FD)
 
 
 def recv_noblock(sock: Any) -> List[bytes]:
@@ -97,13 +98,60 @@ def wait_readable(sock: Any) -> None:
     (the hub watches the socket's FD, edge-triggered; reading ZMQ_EVENTS
     before, as `readable` does, re-arms it, so nothing that arrives after
     that check is missed). It may return with nothing there: look again.
+    For a socket that one loop waits on for ever, `ReadWaiter` is cheaper.
 
     zmq.green also wakes a waiter every 11.6 s whatever happens, against
     a lost edge; with the check above there is none to lose, and 256 idle
     engines in one process woke every ~45 ms for it (0.37 % of a core, P4).
-    The safety net stays, at WAIT_SAFETY_NET_S: the readers make their
-    socket `patient` once, as they start."""
+    The safety net stays, at WAIT_SAFETY_NET_S, for a socket made
+    `patient`."""
     sock._wait_read()
+
+
+class ReadWaiter:
+    """The wait of the one loop that reads `sock` from now on (a `Reader`),
+    at the least the hub can do: a libev io watcher on the socket's FD,
+    started for each wait and stopped after it (gevent's own `Hub.wait`,
+    a compiled Waiter), and one repeating timer, started once, as the
+    safety net against a lost edge (WAIT_SAFETY_NET_S; zmq.green's wait
+    builds and starts a gevent.Timeout for every wait instead).
+
+    zmq.green's wait costs more for each message that arrives alone (an
+    ADD behind vllm-rs, issue 17): its FD watcher runs a Python callback
+    that reads ZMQ_EVENTS through pyzmq's option lookup and sets an
+    AsyncResult, whose links wake the waiter, which had built that
+    AsyncResult and a Timeout. This waiter stops zmq.green's watcher of
+    `sock`, so no green call may wait on `sock` after it is made (the
+    handshake's green calls on the input sockets are over by then; `close`
+    is unaffected). As with `wait_readable`, the caller reads ZMQ_EVENTS
+    (`readable`) before each wait; a wait may return with nothing there."""
+
+    def __init__(self, sock: Any, safety_net_s: Optional[float] = None) -> None:
+        if safety_net_s is None:
+            safety_net_s = WAIT_SAFETY_NET_S
+        hub = gevent.get_hub()
+        state_watcher = getattr(sock, "_state_event", None)
+        if state_watcher is not None:
+            state_watcher.stop()  # zmq.green's: its callback would run for every wake-up
+        self._hub_wait = hub.wait
+        self._io = hub.loop.io(_get(sock, _FD), 1)  # 1: READ
+        # The safety net wakes this socket's loop (when parked) to look again.
+        self._net = hub.loop.timer(safety_net_s, safety_net_s, ref=False)
+        self._net.start(self._look_again)
+
+    def wait(self) -> None:
+        """Park until the socket's FD signals (or the safety net fires)."""
+        self._hub_wait(self._io)
+
+    def _look_again(self) -> None:
+        io = self._io
+        if io.active:  # the loop is parked in Hub.wait: answer as its watcher would
+            io.callback(*io.args)
+
+    def close(self) -> None:
+        """Stop the safety net (the io watcher is stopped between waits)."""
+        self._net.stop()
+        self._net.close()
 
 
 def patient(sock: Any) -> Any:
@@ -300,8 +348,14 @@ class Reader:
         for the coordinator XSUB (which answers None for a late READY, §2.6).
         A frame that cannot be decoded is dropped; only the socket failing
         ends this loop."""
+        waiter = ReadWaiter(sock)  # idle, this loop waits on the socket for ever
+        try:
+            self._loop(sock, where, decode, waiter.wait)
+        finally:
+            waiter.close()
+
+    def _loop(self, sock: Any, where: str, decode: Callable[[Any, protocol.Wire], Any], wait: Callable[[], None]) -> None:
         wire, put, wake, gate = self.wire, self.put, self.wake, self.gate
-        patient(sock)  # idle, this loop waits on the socket for ever (see wait_readable)
         burst = 0  # messages read since this loop last gave the hub a round
         while True:
             if not gate.is_set():
@@ -311,7 +365,7 @@ class Reader:
                 # recv_multipart, which costs ~9 µs more per message than
                 # this (its per-frame state checks, an EAGAIN exception).
                 burst = 0
-                wait_readable(sock)
+                wait()
                 continue
             if burst == READ_SLICE:
                 # Paced, a burst (a wave of ADDs, ~25 µs each to decode)

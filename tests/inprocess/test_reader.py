@@ -91,3 +91,41 @@ def test_an_idle_reader_looks_again_only_at_the_safety_net(monkeypatch):
     finally:
         receiver.close(0)
         ctx.term()
+
+
+def test_every_message_wakes_a_parked_reader():
+    """The reader parks on its own io watcher (transport.ReadWaiter), not
+    zmq.green's wait, whose FD watcher it stops: every message that arrives
+    while it is parked must still wake it, alone, in bursts, or right after
+    the reader looked (a lost wake-up would leave a message unread until
+    the 120 s safety net)."""
+    ctx = zmq.Context()
+    sender, receiver = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        receiver.bind("inproc://reader-wakes")
+        sender.connect("inproc://reader-wakes")
+        queued = []
+        reader = _reader(queued.append, False)
+        loop = gevent.spawn(reader.run, receiver, "test", protocol.decode_input)
+        gevent.sleep(0.01)
+        assert not receiver._state_event.active  # zmq.green's callback no longer runs per wake-up
+        sent = 0
+        with gevent.Timeout(10):
+            for pause, burst in [(0.0, 1)] * 100 + [(0.002, 1)] * 50 + [(0.001, 5)] * 30 + [(0.0, 3)] * 30:
+                for _ in range(burst):
+                    request = frontend_tools.engine_core_request(f"wake-{sent}", [1, 2], {"max_tokens": 2})
+                    sender.send_multipart(frontend_tools.add_frames(request))
+                    sent += 1
+                gevent.sleep(pause)
+                # each message read before the next wave: none waits for a later one to wake the reader
+                deadline = time.monotonic() + 2
+                while len(queued) < sent and time.monotonic() < deadline:
+                    gevent.sleep(0.0005)
+                assert len(queued) == sent, (len(queued), sent)
+        assert loop.dead is False
+        loop.kill()
+        assert [m.request_id for m in queued] == [f"wake-{i}" for i in range(sent)]
+    finally:
+        sender.close(0)
+        receiver.close(0)
+        ctx.term()
