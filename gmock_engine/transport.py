@@ -23,7 +23,7 @@ more per message (its EVENTS check and enum flag arithmetic after every
 call), which is most of what a step of a few tokens costs (issue 17). That
 is safe because each socket direction has one greenlet: nobody else waits on
 the socket for the state check a direct call skips, and the owner waits
-with zmq.green's own wait (`wait_readable`, or the green send on EAGAIN).
+with a wait on the socket's FD (`ReadWaiter`, or the green send on EAGAIN).
 """
 
 from __future__ import annotations
@@ -93,42 +93,26 @@ def readable(sock: Any) -> bool:
     return bool(_get(sock, _EVENTS) & _POLLIN)
 
 
-def wait_readable(sock: Any) -> None:
-    """Park this greenlet until `sock`'s state changes: zmq.green's own wait
-    (the hub watches the socket's FD, edge-triggered; reading ZMQ_EVENTS
-    before, as `readable` does, re-arms it, so nothing that arrives after
-    that check is missed). It may return with nothing there: look again.
-    For a socket that one loop waits on for ever, `ReadWaiter` is cheaper.
-
-    zmq.green also wakes a waiter every 11.6 s whatever happens, against
-    a lost edge; with the check above there is none to lose, and 256 idle
-    engines in one process woke every ~45 ms for it (0.37 % of a core, P4).
-    The safety net stays, at WAIT_SAFETY_NET_S, for a socket made
-    `patient`."""
-    sock._wait_read()
-
-
 class ReadWaiter:
     """The wait of the one loop that reads `sock` from now on (a `Reader`),
     at the least the hub can do: a libev io watcher on the socket's FD,
     started for each wait and stopped after it (gevent's own `Hub.wait`,
     a compiled Waiter), and one repeating timer, started once, as the
-    safety net against a lost edge (WAIT_SAFETY_NET_S; zmq.green's wait
-    builds and starts a gevent.Timeout for every wait instead).
+    safety net against a lost edge (WAIT_SAFETY_NET_S).
 
-    zmq.green's wait costs more for each message that arrives alone (an
-    ADD behind vllm-rs, issue 17): its FD watcher runs a Python callback
-    that reads ZMQ_EVENTS through pyzmq's option lookup and sets an
-    AsyncResult, whose links wake the waiter, which had built that
-    AsyncResult and a Timeout. This waiter stops zmq.green's watcher of
-    `sock`, so no green call may wait on `sock` after it is made (the
-    handshake's green calls on the input sockets are over by then; `close`
-    is unaffected). As with `wait_readable`, the caller reads ZMQ_EVENTS
-    (`readable`) before each wait; a wait may return with nothing there."""
+    The FD is edge-triggered: reading ZMQ_EVENTS (`readable`) re-arms it,
+    so a caller that reads it before each wait misses nothing that arrives
+    after that look; a wait may return with nothing there: look again.
+    zmq.green's own wait costs more for each message that arrives alone
+    (an ADD behind vllm-rs, issue 17): it builds an AsyncResult and starts
+    a gevent.Timeout (its guard, every 11.6 s) for every wait, and its FD
+    watcher runs a Python callback that reads ZMQ_EVENTS through pyzmq's
+    option lookup and sets that AsyncResult, whose links wake the waiter.
+    This waiter stops zmq.green's watcher of `sock`, so no green call may
+    wait on `sock` after it is made (the handshake's green calls on the
+    input sockets are over by then; `close` is unaffected)."""
 
-    def __init__(self, sock: Any, safety_net_s: Optional[float] = None) -> None:
-        if safety_net_s is None:
-            safety_net_s = WAIT_SAFETY_NET_S
+    def __init__(self, sock: Any) -> None:
         hub = gevent.get_hub()
         state_watcher = getattr(sock, "_state_event", None)
         if state_watcher is not None:
@@ -136,7 +120,7 @@ class ReadWaiter:
         self._hub_wait = hub.wait
         self._io = hub.loop.io(_get(sock, _FD), 1)  # 1: READ
         # The safety net wakes this socket's loop (when parked) to look again.
-        self._net = hub.loop.timer(safety_net_s, safety_net_s, ref=False)
+        self._net = hub.loop.timer(WAIT_SAFETY_NET_S, WAIT_SAFETY_NET_S, ref=False)
         self._net.start(self._look_again)
 
     def wait(self) -> None:
@@ -156,9 +140,9 @@ class ReadWaiter:
 
 def patient(sock: Any) -> Any:
     """`sock` (zmq.green) with its guard against a lost edge at
-    WAIT_SAFETY_NET_S instead of every 11.6 s (see `wait_readable`): for a
-    socket a greenlet waits on for ever when idle (the readers, the KV
-    replay ROUTER)."""
+    WAIT_SAFETY_NET_S instead of every 11.6 s: for a socket a greenlet
+    waits on for ever with zmq.green's own wait (the KV replay ROUTER; the
+    readers have their `ReadWaiter`)."""
     sock._gevent_bug_timeout = WAIT_SAFETY_NET_S
     return sock
 
