@@ -19,13 +19,23 @@ client or an evaluation harness can check:
   column 0.
 
 Ids come from the token source's range (`alternatives`), so they decode.
+
+A request with no sampling controls that draws from a token pool (the
+random source, a token file) takes its rows from a `RowPool`: the rows of
+every position of that pool at its k, drawn once by the same model (a block
+at a time, on first use) and shared by every request and engine of the
+process, so its per-token cost is three byte slices (issue 17: ~3.2 us a
+token with 5 alternatives drawn, against ~0.3). The rows then depend on
+(pool position, k) instead of the request's own stream; since a request's
+pool position is seeded per (seed, engine rank, request id), they stay
+deterministic per request (PROTOCOL.md §9.2).
 """
 
 from __future__ import annotations
 
 import math
 import struct
-from typing import AbstractSet, List, Optional, Sequence, Tuple
+from typing import AbstractSet, Any, List, Optional, Sequence, Tuple
 
 _MASK64 = (1 << 64) - 1
 _UNIT = 1.0 / (1 << 53)
@@ -42,6 +52,18 @@ _FORCED_P1 = 1.0 - 1e-6
 _IMPOSSIBLE = -9999.0
 #: Random picks of an alternative before taking the first free id in order.
 _PICK_ATTEMPTS = 64
+#: RowPools are kept for token pools of at most this many ids (the random
+#: pool's 65 536: ~3.7 MB at k = 5, ~11.6 MB at k = 20) and k up to this
+#: (vLLM's default max_logprobs); beyond, rows are drawn per token.
+ROW_POOL_MAX_SIZE = 1 << 16
+ROW_POOL_MAX_K = 20
+#: Positions drawn at once when a RowPool first needs them: ~0.6 ms of the
+#: hub at k = 5, ~2 ms at k = 20.
+ROW_BLOCK = 256
+#: Bytes the RowPools of a process may hold. When a new one would exceed
+#: it, those of other token pools or models (before a reload) go first;
+#: if that is not enough, the new k is drawn per token (no thrashing).
+ROW_POOL_BYTES = 64 << 20
 
 
 def _level(p1: float) -> Tuple[float, float, List[float]]:
@@ -71,6 +93,29 @@ class LogprobModel:
         # rank (extended as larger k are asked).
         self._levels = [_level(min(0.98, max(0.02, top1 * (0.5 + (i + 0.5) / 256)))) for i in range(256)]
         self._forced = _level(_FORCED_P1)
+        #: (id of a pool's ids, k) -> (those ids, their RowPool or None): `pooled`'s memo
+        self._pooled: "dict[Tuple[int, int], Tuple[Any, Optional[RowPool]]]" = {}
+
+    def pooled(self, source: Any, k: int, ids: Optional[List[int]] = None) -> "Optional[RowPool]":
+        """The shared RowPool of `source`'s pool at `k` (or of `ids`, a
+        stop-free copy of that pool: tokens.TokenPool.ids_avoiding), or None
+        where rows are drawn per token: a source without a pool (echo), a
+        pool over ROW_POOL_MAX_SIZE ids or with an id beyond int32, k over
+        ROW_POOL_MAX_K, or ROW_POOL_BYTES held."""
+        base = getattr(source, "ids", None)
+        if ids is None:
+            ids = base
+        key = (id(ids), k)
+        memo = self._pooled.get(key)
+        if memo is not None and memo[0] is ids:
+            return memo[1]
+        found = None
+        if ids is not None and k <= ROW_POOL_MAX_K and source.size <= ROW_POOL_MAX_SIZE:
+            found = _row_pool(self, base, ids, source.size, k)
+        if len(self._pooled) >= 64:  # a memo, not a store: the RowPools live in _row_pools
+            self._pooled.clear()
+        self._pooled[key] = (ids, found)
+        return found
 
     def rows(
         self,
@@ -148,6 +193,116 @@ class LogprobModel:
         wide = max(ids) >= _INT32_LIMIT if ids else False  # vLLM's vocabularies fit int32; a mock's may not
         ids_row, lps_row, ranks_row = _structs(n, columns, wide)
         return "i8" if wide else "i4", ids_row.pack(*ids), lps_row.pack(*lps), ranks_row.pack(*ranks), state
+
+
+class RowPool:
+    """The logprob rows of every position of one token pool at one k, as
+    `LogprobModel.rows` draws them with that position's id sampled: token
+    ids int32 [k+1], logprobs float32 [k+1] and rank int64 per position, in
+    three buffers laid out as the pool (its POOL_PAD tail too, so a slice
+    never wraps). Blocks of ROW_BLOCK positions are drawn on first use,
+    each from a state seeded by (k, block): the same rows whatever the
+    order of use."""
+
+    def __init__(self, model: LogprobModel, ids: List[int], size: int, k: int) -> None:
+        self.model = model
+        self.ids = ids  # the pool, padded (tokens.TokenPool.ids); shared, never mutated
+        self.size = size
+        self.k = k
+        #: bytes a row takes in `row_ids` and `row_lps` (`row_ranks`: 8)
+        self.stride = 4 * (k + 1)
+        #: The rows by position (only those `ensure` drew hold them).
+        self.row_ids = bytearray(len(ids) * self.stride)
+        self.row_lps = bytearray(len(ids) * self.stride)
+        self.row_ranks = bytearray(len(ids) * 8)
+        self._built = bytearray(-(-size // ROW_BLOCK))
+        self.nbytes = self.bytes_for(len(ids), k)
+
+    @staticmethod
+    def bytes_for(positions: int, k: int) -> int:
+        """What the buffers of a RowPool of `positions` rows at `k` take."""
+        return positions * (8 * (k + 1) + 8)
+
+    def take(self, position: int, tokens: List[int]) -> Optional[Tuple[bytearray, bytearray, bytearray]]:
+        """The rows (ids, logprobs, ranks: little-endian buffers) of `tokens` sampled from
+        pool position `position` on; None when they are not the pool's ids
+        there (moved off a stop id, a planned last token, a long chunk):
+        those are drawn per token."""
+        end = position + len(tokens)
+        ids = self.ids
+        if not 0 <= position < self.size or end > len(ids) or ids[position:end] != tokens:
+            return None
+        built = self._built
+        if not (built[position // ROW_BLOCK] and built[(min(end, self.size) - 1) // ROW_BLOCK]) or end > self.size:
+            self.ensure(position, end)
+        stride = self.stride
+        # slices of the buffers: copies, so a later block leaves them as they are
+        return (
+            self.row_ids[position * stride : end * stride],
+            self.row_lps[position * stride : end * stride],
+            self.row_ranks[position * 8 : end * 8],
+        )
+
+    def ensure(self, position: int, end: int) -> None:
+        """Draw the blocks that rows `position` to `end` (exclusive, at most
+        the padded pool's length) are read from."""
+        built, size = self._built, self.size
+        for block in range(position // ROW_BLOCK, (min(end, size) - 1) // ROW_BLOCK + 1):
+            if not built[block]:
+                self._build(block)
+        if end > size and not built[0]:  # the tail repeats the pool's first positions
+            self._build(0)
+
+    def _build(self, block: int) -> None:
+        start, size, stride = block * ROW_BLOCK, self.size, self.stride
+        stop = min(size, start + ROW_BLOCK)
+        state = (block * 0x9E3779B97F4A7C15 + self.k * 0xBF58476D1CE4E5B9 + 1) & _MASK64
+        _, row_ids, row_lps, row_ranks, _ = self.model.rows(state, self.ids[start:stop], self.k)
+        ids, lps, ranks = self.row_ids, self.row_lps, self.row_ranks
+        ids[start * stride : stop * stride] = row_ids
+        lps[start * stride : stop * stride] = row_lps
+        ranks[start * 8 : stop * 8] = row_ranks
+        for tail in range(size, len(self.ids)):  # the padded tail: copies of the rows it repeats
+            source = (tail - size) % size
+            if start <= source < stop:
+                ids[tail * stride : (tail + 1) * stride] = ids[source * stride : (source + 1) * stride]
+                lps[tail * stride : (tail + 1) * stride] = lps[source * stride : (source + 1) * stride]
+                ranks[tail * 8 : (tail + 1) * 8] = ranks[source * 8 : (source + 1) * 8]
+        self._built[block] = 1
+
+
+#: The RowPools of a process, by token pool and model: (id of the pool's
+#: ids, the model's parameters) -> (those ids, {(id of the ids the rows
+#: are for: the pool's or a stop-free copy's, k) -> (those ids, RowPool or
+#: None)}). None: rows drawn per token (an id beyond int32, no room).
+_row_pools: "dict[Tuple[Any, ...], Tuple[List[int], dict]]" = {}
+
+
+def _row_pool(model: LogprobModel, base: List[int], ids: List[int], size: int, k: int) -> Optional[RowPool]:
+    group_key = (id(base), (model.top1, model.sampled_top1, model.low, model.span))
+    group = _row_pools.get(group_key)
+    if group is None or group[0] is not base:  # new, or the id of a pool that is gone
+        group = _row_pools[group_key] = (base, {})
+    pools = group[1]
+    entry = pools.get((id(ids), k))
+    if entry is not None and entry[0] is ids:
+        return entry[1]
+    found = None
+    if max(ids) < _INT32_LIMIT:
+        need = RowPool.bytes_for(len(ids), k)
+        for other in list(_row_pools):
+            if _row_pool_bytes() + need <= ROW_POOL_BYTES:
+                break
+            if other != group_key:  # another token pool's or model's: stale after a reload
+                del _row_pools[other]
+        if _row_pool_bytes() + need <= ROW_POOL_BYTES:
+            found = RowPool(model, ids, size, k)
+    pools[(id(ids), k)] = (ids, found)
+    return found
+
+
+def _row_pool_bytes() -> int:
+    return sum(pool.nbytes for _, pools in _row_pools.values() for _, pool in pools.values() if pool is not None)
 
 
 #: (tokens, columns, wide) -> the three packers of `LogprobModel.rows`: made

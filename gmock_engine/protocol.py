@@ -1025,6 +1025,18 @@ def logprobs_lists(
     era's NamedTuple has 3 fields, and 0.11.0's LogprobsLists gets nested
     lists instead of arrays (§8.1)."""
     layout = layout or _LAYOUT_0_33
+    if not tensors and ids_width == "i4" and not layout.logprobs_as_lists:
+        # new_logprobs, ids int32: every output of a request with logprobs
+        # (ndarray inline, as it builds them)
+        ext = msgpack.ExtType
+        out = [
+            ["<i4", [rows, columns], tuple.__new__(ext, (RAW_VIEW_EXT, token_ids))],
+            ["<f4", [rows, columns], tuple.__new__(ext, (RAW_VIEW_EXT, logprobs))],
+            ["<i8", [rows], tuple.__new__(ext, (RAW_VIEW_EXT, ranks))],
+        ]
+        if layout.logprobs_arity > 3:
+            out.append(None)
+        return out
     if not tensors and layout.logprobs_as_lists:
         ids = array.array("q" if ids_width == "i8" else "i", token_ids).tolist()
         lps = array.array("f", logprobs).tolist()

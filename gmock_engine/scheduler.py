@@ -25,14 +25,16 @@ import sys
 from collections import Counter
 from typing import Any, Callable, Dict, List, Optional
 
+import msgpack
+
 from . import protocol
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KV_LOAD_FAILURE_MESSAGE, KVTransfer
 from .latency import LatencyModel
-from .logprobs import LogprobModel
+from .logprobs import ROW_POOL_MAX_K, LogprobModel
 from .lora import AdapterRegistry, LoRAError
 from .outbox import Outbox
-from .protocol import EngineCoreEventType, FinishReason
+from .protocol import RAW_VIEW_EXT, EngineCoreEventType, FinishReason
 from .request import Request
 from .request_queue import create_request_queue
 from .tokens import POOL_PAD, TokenPool, TokenSource
@@ -98,6 +100,27 @@ def _next_pooled(requests: Any, pool: List[int], size: int, chunk: int, append: 
             append(out)
 
 
+def _next_pooled_rows(requests: Any, pool: List[int], size: int, chunk: int, append: Callable[[Any], None], rows: Any) -> None:
+    """`_next_pooled` for lane members with logprobs: the same slices of the
+    pool, and of `rows` (the pool's logprobs.RowPool at their k) the rows of
+    those positions, swapped into the member's reused LogprobsLists: the
+    floor's loop for such requests (reference_emitter.py)."""
+    stride, row_ids, row_lps, row_ranks = rows.stride, rows.row_ids, rows.row_lps, rows.row_ranks
+    new, ext = tuple.__new__, msgpack.ExtType
+    for request in requests:
+        position = request.rng_state
+        end = position + chunk
+        out = request.lane_output
+        out[1] = pool[position:end]
+        arrays = out[2]
+        arrays[0][2] = new(ext, (RAW_VIEW_EXT, row_ids[position * stride : end * stride]))
+        arrays[1][2] = new(ext, (RAW_VIEW_EXT, row_lps[position * stride : end * stride]))
+        arrays[2][2] = new(ext, (RAW_VIEW_EXT, row_ranks[position * 8 : end * 8]))
+        request.rng_state = end if end < size else end % size
+        request.num_output_tokens += chunk
+        append(out)
+
+
 class Sampler:
     """Where a request's tokens and logprobs come from: the token source
     (tokens.py) and the logprob model (logprobs.py) of its ADD. A request
@@ -154,12 +177,18 @@ class Scheduler:
         self.running: Dict[str, Request] = {}
         #: Running requests on the full path of `_emit` (the others are in a lane).
         self._full: Dict[str, Request] = {}
-        #: (client, stops) -> the steady requests of that lane (`_emit`);
+        #: (client, stops, k) -> the steady requests of that lane (`_emit`);
         #: stops: False (no stop ids), a stop set (its lane slices the stop-free
-        #: pool `_lane_pools` holds for it) or True (the loop checks each token).
+        #: pool `_lane_pools` holds for it) or True (the loop checks each token);
+        #: k: the logprobs its members ask (their rows from the RowPool of the
+        #: pool the lane slices), None for none.
         self.lanes: Dict[Any, Dict[str, Request]] = {}
         #: stop set -> the stop-free copy of the pool its lanes slice (`_stop_lane`)
         self._lane_pools: Dict[frozenset, List[int]] = {}
+        #: (stops, k) -> the logprobs.RowPool the lanes of that kind read their
+        #: members' rows from (held here: the rows `_join_lanes` drew stay
+        #: theirs whatever the process's RowPool cache drops)
+        self._lane_rows: Dict[Any, Any] = {}
         self._stop_sets_seen: Dict[frozenset, int] = {}
         #: `_emit` call -> the lane members that go back to the full path then.
         self._lane_exits: Dict[int, List[Request]] = {}
@@ -226,6 +255,7 @@ class Scheduler:
                     self._full[request.request_id] = request
         if sampler is not self.sampler:
             self._lane_pools, self._stop_sets_seen = {}, {}  # copies of the old source's pool
+            self._lane_rows = {}  # and their rows
         self.sampler = sampler
         self._lane_source = self._pool_of(sampler)
         self._lanes_changed()
@@ -446,10 +476,11 @@ class Scheduler:
                 outputs = batches[request.client_index] = []
             remaining = request.max_tokens - request.num_output_tokens
             n = chunk if chunk < remaining else remaining
-            tokens, request.rng_state = request.sampler.tokens.draw(request.rng_state, n)
+            position = request.rng_state
+            tokens, request.rng_state = request.sampler.tokens.draw(position, n)
             new_logprobs = None
             if request.shaped:  # sampling controls or logprobs: off the common path
-                tokens, new_logprobs = self._shape(request, tokens, n == remaining)
+                tokens, new_logprobs = self._shape(request, tokens, n == remaining, position)
             elif request.stop_ids is not None and not request.stop_ids.isdisjoint(tokens):
                 tokens = request.sampler.tokens.avoid(tokens, request.stop_ids)
             first = request.num_output_tokens == 0
@@ -493,7 +524,7 @@ class Scheduler:
             if finish is not None:
                 outbox.finish(request.client_index, request.request_id)
                 done.append(request)
-            elif not request.shaped and request.sampler is sampler and remaining - n > chunk:
+            elif (not request.shaped or self._rows_lane(request)) and request.sampler is sampler and remaining - n > chunk:
                 # from its next output on, a lane does what this path would
                 # (until its last output, a preemption or a reload)
                 joining.append(request)
@@ -518,7 +549,7 @@ class Scheduler:
         # (KVCacheManager.on_lane_outputs) instead of one per request.
         lane_outputs = self.kv.on_lane_outputs if on_output is not None and reuse else None
         emitted = 0
-        for (client, stops), lane in self.lanes.items():
+        for (client, stops, k), lane in self.lanes.items():
             outputs = batches.get(client)
             if outputs is None:
                 outputs = batches[client] = []
@@ -526,7 +557,13 @@ class Scheduler:
             # no stop ids, or a stop set with its stop-free pool: a slice
             # of the pool is what the checked draw would make
             pool = self._lane_pool(stops)
-            if pool is not None and reuse:
+            if k is not None:
+                # logprobs: the same slices, and the rows of those positions
+                # (`_join_lanes` let only such requests in, and drew the rows)
+                _next_pooled_rows(lane.values(), pool, size, chunk, append, self._lane_rows[stops, k])
+                if lane_outputs is not None:
+                    lane_outputs(lane.values())
+            elif pool is not None and reuse:
                 # the common case: the next ids of the pool swapped into each
                 # request's own output (_next_pooled, the floor's loop,
                 # reference_emitter.py). New lists every step (reuse off:
@@ -579,7 +616,27 @@ class Scheduler:
         chunk, full, lanes, exits = self.chunk, self._full, self.lanes, self._lane_exits
         for request in requests:
             remaining = request.max_tokens - request.num_output_tokens
-            key = (request.client_index, False if request.stop_ids is None else self._stop_lane(request.stop_ids))
+            stops = False if request.stop_ids is None else self._stop_lane(request.stop_ids)
+            k = request.num_logprobs
+            rows = None
+            if k is not None:
+                # its rows from the RowPool of the pool its lane slices; none
+                # (a lane that checks its stop ids, no room for the rows):
+                # it stays on the full path
+                pool = self._lane_pool(stops)
+                rows = self._lane_rows.get((stops, k))
+                if rows is None and pool is not None:
+                    rows = self.sampler.logprobs.pooled(self.sampler.tokens, k, pool)
+                    if rows is not None:
+                        self._lane_rows[stops, k] = rows
+                if rows is None:
+                    continue
+                # every row it will read, drawn now (the lane's loop checks nothing)
+                position, end = request.rng_state, request.rng_state + remaining
+                rows.ensure(position, min(end, len(pool)))
+                if end > rows.size:
+                    rows.ensure(0, min(end - rows.size, rows.size))
+            key = (request.client_index, stops, k)
             lane = lanes.get(key)
             if lane is None:
                 lane = lanes[key] = {}
@@ -587,7 +644,9 @@ class Scheduler:
             del full[request.request_id]
             lane[request.request_id] = request
             request.lane = key
-            if self.reuse_outputs:
+            if rows is not None:  # its arrays are swapped in at every step (`_next_pooled_rows`)
+                request.lane_output = [request.request_id, [0], protocol.logprobs_lists(chunk, k + 1, b"", b"", b"", self.wire.layout)]
+            elif self.reuse_outputs:
                 request.lane_output = [request.request_id, [0]]
             # the outputs the lane makes: every one before the last
             leave = request.lane_exit = step + 1 + (remaining - 1) // chunk
@@ -644,10 +703,27 @@ class Scheduler:
         # built (KV blocks enforced, prefix caching, reused outputs), so it
         # is looked at here, not in every step
         if len(self.lanes) == 1 and self.reuse_outputs and not self.kv.enforced and not self.kv.caching:
-            for (client, stops), lane in self.lanes.items():
+            for (client, stops, k), lane in self.lanes.items():
                 pool = self._lane_pool(stops)
-                if pool is not None:  # not: a source that is not pooled, or a lane that checks its stop ids
+                if pool is not None and k is None:  # not: a source that is not pooled, a lane that checks its stop ids, logprobs
                     self._solo = (client, lane, pool)
+
+    def _rows_lane(self, request: Request) -> bool:
+        """Whether a shaped request may join a lane all the same: it asks
+        for logprobs and nothing else shapes its tokens or their rows (no
+        allowed_token_ids or forced ids, no banned ids), so a lane's slices
+        of the pool and of its RowPool are what the full path would make;
+        the outputs are reused, and the era sends logprobs as arrays."""
+        return (
+            request.pool is None
+            and request.banned is None
+            and not request.forced
+            and request.num_logprobs is not None
+            and request.num_logprobs <= ROW_POOL_MAX_K
+            and self.reuse_outputs
+            and self._lane_source[0]
+            and not self.wire.layout.logprobs_as_lists
+        )
 
     def _lane_pool(self, stops: Any) -> Optional[List[int]]:
         """The pool a lane of kind `stops` slices: the source's ids (no stop
@@ -718,10 +794,11 @@ class Scheduler:
         done.append(request)
         return True
 
-    def _shape(self, request: Request, tokens: List[int], last: bool) -> "tuple[List[int], Optional[List[Any]]]":
+    def _shape(self, request: Request, tokens: List[int], last: bool, position: Any) -> "tuple[List[int], Optional[List[Any]]]":
         """Tokens of a request with sampling controls (drawn from its pool)
         or logprobs, and their new_logprobs (computed on the final ids,
-        the planned last token included)."""
+        the planned last token included). `position`: the token source's
+        state the tokens were drawn from."""
         if request.pool is not None:  # allowed_token_ids / logit_bias +100 (request.plan)
             pool = request.pool
             tokens = [pool[t % len(pool)] for t in tokens]
@@ -729,13 +806,22 @@ class Scheduler:
             tokens = request.sampler.tokens.avoid(tokens, request.stop_ids)
         if last and request.last_token is not None and tokens:
             tokens[-1] = request.last_token
-        return tokens, None if request.num_logprobs is None else self._logprobs(request, tokens)
+        return tokens, None if request.num_logprobs is None else self._logprobs(request, tokens, position)
 
-    def _logprobs(self, request: Request, tokens: List[int]) -> Optional[List[Any]]:
+    def _logprobs(self, request: Request, tokens: List[int], position: Any) -> Optional[List[Any]]:
         """new_logprobs for this output's tokens (logprobs.py, Appendix E);
-        none for an output without tokens, as vLLM."""
+        none for an output without tokens, as vLLM. Without sampling
+        controls, the pre-drawn rows of the token pool's positions
+        (logprobs.RowPool) where the tokens are the pool's own."""
         if not tokens:
             return None
+        k = request.num_logprobs
+        if request.alternatives is None and request.banned is None and not request.forced:
+            pool = request.sampler.logprobs.pooled(request.sampler.tokens, k)
+            if pool is not None:
+                rows = pool.take(position, tokens)
+                if rows is not None:
+                    return protocol.logprobs_lists(len(tokens), k + 1, rows[0], rows[1], rows[2], self.wire.layout)
         width, ids, lps, ranks, request.logprob_state = request.sampler.logprobs.rows(
             request.logprob_state, tokens, request.num_logprobs, request.alternatives, request.banned, request.forced
         )

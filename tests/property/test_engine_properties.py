@@ -30,7 +30,12 @@ another:
     ends with finish_reason STOP on its first token (vLLM's check_stop);
 (g) with outputs reused (as the runtime runs the engine), the steady step
     (Scheduler.steady_step) sends the same bytes as the general step: each
-    scenario runs once as it is and once with that path turned off.
+    scenario runs once as it is and once with that path turned off;
+(h) with outputs reused, every new_logprobs row is self-consistent
+    (distinct alternatives, non-increasing logprobs <= 0, the sampled token
+    at its rank when within k) and carries the output's own tokens in column
+    0, wherever the rows come from (drawn, a RowPool on the full path, a
+    lane of requests with logprobs).
 
 Failures raise an AssertionError subclass named after the rule, so Hypothesis
 reports distinct rules as distinct bugs, each with its own shrunk example.
@@ -47,6 +52,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 import time
 from collections import Counter, defaultdict
 from typing import Any, Dict, List, Optional, Tuple
@@ -933,6 +939,73 @@ def _steady_counted(run: Run, counts: Counter) -> None:
         return result
 
     run.engine.scheduler.steady_step = counted
+
+
+class LogprobRowsObserver(Observer):
+    """(h): each output's new_logprobs read as the frontends read them
+    (Appendix E), when it is returned (reused lists change at the next
+    step); counts the steps that had a lane of requests with logprobs."""
+
+    def __init__(self, counts: Counter) -> None:
+        self.counts = counts
+
+    def output(self, run, client, message):
+        for output in message[1]:
+            if len(output) < 3 or output[2] is None:
+                continue
+            tokens, (ids, lps, ranks) = output[1], output[2][:3]
+            rows, columns = ids[1]
+            found = (
+                list(struct.unpack(f"<{rows * columns}{'q' if ids[0] == '<i8' else 'i'}", bytes(ids[2].data))),
+                list(struct.unpack(f"<{rows * columns}f", bytes(lps[2].data))),
+                list(struct.unpack(f"<{rows}q", bytes(ranks[2].data))),
+            )
+            for row in range(rows):
+                row_ids = found[0][row * columns : (row + 1) * columns]
+                row_lps = found[1][row * columns : (row + 1) * columns]
+                problem = _row_problem(row_ids, row_lps, found[2][row], tokens[row] if row < len(tokens) else None)
+                if problem:
+                    raise violation("Logprob_rows", f"{output[0]!r} row {row}: {problem}: ids {row_ids} logprobs {row_lps} rank {found[2][row]}")
+            self.counts["rows checked"] += rows
+
+    def after(self, run):
+        if any(key[2] is not None for key in run.engine.scheduler.lanes):
+            self.counts["steps with a logprobs lane"] += 1
+
+
+def _row_problem(ids: List[int], lps: List[float], rank: int, token: Optional[int]) -> Optional[str]:
+    top_ids, top_lps = ids[1:], lps[1:]
+    if ids[0] != token:
+        return f"column 0 is {ids[0]}, the token {token}"
+    if len(set(top_ids)) != len(top_ids):
+        return "alternatives repeat"
+    if any(lp > 0 for lp in lps) or any(a < b for a, b in zip(top_lps, top_lps[1:])):
+        return "logprobs above 0 or increasing"
+    if rank < 1:
+        return "rank below 1"
+    if rank <= len(top_ids) and (top_ids[rank - 1] != ids[0] or top_lps[rank - 1] != lps[0]):
+        return "the sampled token is not at its rank"
+    if rank > len(top_ids) and ids[0] in top_ids:
+        return "the sampled token is among the alternatives beyond its rank"
+    return None
+
+
+def test_logprob_rows_carry_the_tokens_wherever_they_come_from():
+    """(a) + (h); fails unless some examples ran a lane of requests with logprobs."""
+    counts: Counter = Counter()
+
+    @settings(max_examples=examples(400))
+    @given(scenario=scenarios(frozenset({"tokens", "stops", "scheduler", "sampling", "bulk"})))
+    def check(scenario):
+        spec, ops = scenario
+        CASES.add(1 + len(ops))
+        run = Run({**spec, "reuse_outputs": True}, [LogprobRowsObserver(counts)])
+        for op in ops:
+            run.do(op)
+        run.finish()
+
+    check()
+    assert counts["steps with a logprobs lane"] > 0 and counts["rows checked"] > 0, dict(counts)
 
 
 @pytest.mark.parametrize("focus", ["scheduler", "all"])

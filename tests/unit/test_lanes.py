@@ -35,7 +35,7 @@ def test_a_lane_makes_every_output_but_the_first_and_the_last():
     engine.apply(add("r", 6))
     sent = engine.step()  # first output: the full path
     lanes, exits, full = books(engine)
-    assert "r" in lanes[(0, False)] and "r" not in full
+    assert "r" in lanes[(0, False, None)] and "r" not in full
     assert [r.request_id for step in exits.values() for r in step] == ["r"]
     sent += run(engine)
     outs = outputs_of(sent, "r")
@@ -73,9 +73,9 @@ def test_an_aborted_lane_member_leaves_no_trace_and_sends_nothing_more():
     engine.apply(add("a", 100))
     engine.apply(add("b", 100))
     sent = engine.step() + engine.step()
-    assert set(engine.scheduler.lanes[(0, False)]) == {"a", "b"}
+    assert set(engine.scheduler.lanes[(0, False, None)]) == {"a", "b"}
     sent += engine.apply(AbortRequests(["a"]))
-    assert set(engine.scheduler.lanes[(0, False)]) == {"b"}
+    assert set(engine.scheduler.lanes[(0, False, None)]) == {"b"}
     assert [r.request_id for step in engine.scheduler._lane_exits.values() for r in step] == ["b"]
     after = run(engine)
     assert outputs_of(after, "a") == []
@@ -99,7 +99,7 @@ def test_a_reload_with_a_new_source_takes_running_requests_out_of_their_lanes():
     engine = EngineCore(EngineSettings(rank=0, num_clients=1))
     engine.apply(add("old", 30))
     sent = engine.step() + engine.step()
-    assert "old" in engine.scheduler.lanes[(0, False)]
+    assert "old" in engine.scheduler.lanes[(0, False, None)]
     engine.reconfigure(EngineSettings(rank=0, num_clients=1, token_source=EchoTokens()))
     assert engine.scheduler.lanes == {} and "old" in engine.scheduler._full
     engine.apply(add("new", 6))
@@ -135,8 +135,8 @@ def test_the_second_request_with_a_stop_set_slices_a_stop_free_pool_and_makes_th
     engine.apply(add("b", 300, stop=sorted(stops)))
     sent += engine.step() + engine.step()
     lanes = engine.scheduler.lanes
-    assert set(lanes[(0, True)]) == {"a"}  # the set's first request: the checked loop
-    assert set(lanes[(0, stops)]) == {"b"}  # its second: the set's own pool
+    assert set(lanes[(0, True, None)]) == {"a"}  # the set's first request: the checked loop
+    assert set(lanes[(0, stops, None)]) == {"b"}  # its second: the set's own pool
     sent += run(engine)
     source = RandomTokens(32000, 0, 0)
     for rid in ("a", "b"):
@@ -192,7 +192,7 @@ def test_no_stop_free_pool_beyond_the_limits_and_the_checked_loop_is_right(monke
         engine.apply(add(rid, 100, stop=sorted(stops)))
         sent += engine.step()
     assert set(engine.scheduler._lane_pools) == {first}  # one set at most
-    assert "y2" in engine.scheduler.lanes[(0, True)]
+    assert "y2" in engine.scheduler.lanes[(0, True, None)]
     sent += run(engine)
     source = RandomTokens(32000, 0, 0)
     for rid, stops in (("x", first), ("x2", first), ("y", second), ("y2", second)):

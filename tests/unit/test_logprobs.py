@@ -8,7 +8,7 @@ import struct
 import msgpack
 import pytest
 
-from gmock_engine import protocol
+from gmock_engine import logprobs, protocol, tokens
 from gmock_engine.engine import EngineCore, EngineSettings
 from gmock_engine.logprobs import LogprobModel
 from gmock_engine.protocol import EngineCoreRequest, FinishReason, InvalidRequest
@@ -215,3 +215,93 @@ def test_banned_ids_never_appear_among_the_alternatives():
     for (ids, lps), rank in rows:
         check_row(ids, lps, rank)
         assert not set(ids) & set(range(40))
+
+
+# -- pre-drawn rows (logprobs.RowPool) -----------------------------------------------
+
+
+def pool_rows(pool, position, n):
+    ids, lps, ranks = pool.take(position, pool.ids[position : position + n])
+    return decode_lists(protocol.logprobs_lists(n, pool.k + 1, bytes(ids), bytes(lps), bytes(ranks)))
+
+
+def test_pooled_rows_are_consistent_at_every_position_and_the_tail_repeats_the_head():
+    source = tokens.RandomTokens(300, seed=3, rank=0)
+    model = LogprobModel(low=0, span=300)
+    pool = model.pooled(source, 4)
+    assert pool is not None and pool is model.pooled(source, 4)
+    size = source.size
+    for position in (0, 255, 256, 4000, size - 3, size - 1):  # block edges, the wrap into the padded tail
+        rows, ranks = pool_rows(pool, position, 4)
+        assert [ids[0] for ids, _ in rows] == source.ids[position : position + 4]
+        for (ids, lps), rank in zip(rows, ranks):
+            check_row(ids, lps, rank)
+    # the tail's rows are the head's, so a wrapped request reads what it would at 0, 1, ...
+    assert pool_rows(pool, size - 1, 3)[0][1:] == pool_rows(pool, 0, 2)[0]
+    assert pool.take(5, [source.ids[5] + 1]) is None  # not the pool's ids there: drawn instead
+
+
+def test_pooled_rows_do_not_depend_on_the_order_blocks_are_drawn():
+    source = tokens.RandomTokens(1000, seed=1, rank=0)
+    forward = LogprobModel(low=0, span=1000).pooled(source, 3)
+    logprobs._row_pools.clear()
+    backward = LogprobModel(low=0, span=1000).pooled(source, 3)
+    assert forward is not backward
+    positions = [10, 300, 700, 5000]
+    first = [pool_rows(forward, p, 2) for p in positions]
+    second = [pool_rows(backward, p, 2) for p in reversed(positions)][::-1]
+    assert first == second
+
+
+def test_row_pools_are_shared_and_bounded_and_a_stale_one_makes_room(monkeypatch):
+    logprobs._row_pools.clear()
+    source = tokens.RandomTokens(500, seed=0, rank=0)
+    other_engine = tokens.RandomTokens(500, seed=0, rank=1)  # the same pool: one RowPool for both
+    assert LogprobModel(span=500).pooled(source, 2) is LogprobModel(span=500).pooled(other_engine, 2)
+    # room for three RowPools at k 2
+    monkeypatch.setattr(logprobs, "ROW_POOL_BYTES", 3 * logprobs.RowPool.bytes_for(len(source.ids), 2))
+    model = LogprobModel(span=500)
+    copy = source.ids_avoiding(frozenset({source.ids[0]}))  # a stop-free copy: rows of its own
+    assert model.pooled(source, 2, copy) not in (None, model.pooled(source, 2))
+    assert model.pooled(source, 1) is not None
+    assert model.pooled(source, 3) is None  # full: k 3 is drawn per token, no pool of this source evicted
+    assert model.pooled(source, 2) is not None and model.pooled(source, 2, copy) is not None
+    reloaded = tokens.RandomTokens(500, seed=7, rank=0)  # a reload's new pool: the stale ones make room
+    assert LogprobModel(span=500).pooled(reloaded, 2) is not None
+    assert list(logprobs._row_pools.values())[-1][0] is reloaded.ids and len(logprobs._row_pools) == 1
+    assert logprobs._row_pool_bytes() <= logprobs.ROW_POOL_BYTES
+    assert model.pooled(source, logprobs.ROW_POOL_MAX_K + 1) is None
+    assert model.pooled(tokens.EchoTokens(), 2) is None
+    wide = tokens.RandomTokens(2**32, seed=0, rank=0, low=2**32 - 100)
+    assert LogprobModel(low=2**32 - 100, span=100).pooled(wide, 2) is None  # an id beyond int32: drawn as int64
+    logprobs._row_pools.clear()
+
+
+def test_an_engine_takes_pooled_rows_and_draws_those_the_pool_does_not_hold(monkeypatch):
+    logprobs._row_pools.clear()
+    drawn = []
+    rows = LogprobModel.rows
+
+    def counting(self, state, sampled, k, *args, **kwargs):
+        drawn.append(len(sampled))
+        return rows(self, state, sampled, k, *args, **kwargs)
+
+    monkeypatch.setattr(LogprobModel, "rows", counting)
+    e = engine(output_token_chunk_size=2)
+    e.apply(EngineCoreRequest("r", 4, 40, True, logprobs=3))
+    outputs = run(e)
+    # the pool's blocks (ROW_BLOCK positions each) and nothing per token
+    assert drawn and all(n == logprobs.ROW_BLOCK for n in drawn)
+    # the EOS planned as its last token is not the pool's id there: that chunk is drawn
+    drawn.clear()
+    e.apply(EngineCoreRequest("s", 4, 40, True, logprobs=3, eos_token_id=1, all_stop_token_ids=(1,), extra_args={"mock_output_len": 9}))
+    stopped = run(e)
+    assert stopped[-1][5] == FinishReason.STOP and stopped[-1][1][-1] == 1
+    # its last chunk (chunk 2, 9 tokens: the EOS alone) drawn; before it, at most a block of its offset
+    assert drawn[-1] == 1 and all(n == logprobs.ROW_BLOCK for n in drawn[:-1])
+    outputs += stopped
+    for output in outputs:
+        got, ranks = decode_lists(output[2])
+        assert [ids[0] for ids, _ in got] == output[1]
+        for (ids, lps), rank in zip(got, ranks):
+            check_row(ids, lps, rank)
