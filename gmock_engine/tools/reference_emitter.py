@@ -19,6 +19,11 @@ the least a Python engine has to spend to send the messages gmock sends
   step is one loop that slices each request's next ids out of the pool
   (inline) and swaps them into each of those lists, then one `pack` and one
   `send` per client.
+* logprobs (SamplingParams `logprobs`, k <= logprobs.ROW_POOL_MAX_K) the
+  cheapest way there is to make them valid: the rows of the pool's
+  positions drawn once (logprobs.RowPool, the blocks a request will read
+  drawn at its ADD), and per token the three slices of them swapped into
+  the request's reused LogprobsLists;
 * one thread, a blocking poll, no gevent, no queues, no validation, no
   logging, no token budget, KV cache or latency model. Bad input crashes it.
 
@@ -41,6 +46,7 @@ import msgpack
 import zmq
 
 from .. import protocol
+from ..logprobs import LogprobModel
 from ..outbox import STATS_INTERVAL_S
 from ..protocol import EngineCoreEventType, FinishReason
 from ..tokens import POOL_PAD, RandomTokens
@@ -62,8 +68,11 @@ class Engine:
         self.step = 0
         #: client -> request id -> [reused output list, generator state, tokens of its last output]
         self.running: Dict[int, Dict[str, List[Any]]] = {}
-        #: requests added since the last step: (client, id, max_tokens, state, events, prompt length)
+        #: the same for requests with logprobs: [reused [id, tokens, LogprobsLists], state, last, RowPool]
+        self.running_logprobs: Dict[int, Dict[str, List[Any]]] = {}
+        #: requests added since the last step: (client, id, max_tokens, state, events, prompt length, RowPool)
         self.fresh: List[Any] = []
+        self.logprob_model = LogprobModel(low=tokens.low, span=tokens.span)
         #: step -> [(client, id)] whose last chunk goes out in that step
         self.finish_at: Dict[int, List[Any]] = {}
         self.count = 0
@@ -76,14 +85,25 @@ class Engine:
 
     def add(self, body: List[Any]) -> None:
         """ADD: its generator state, its QUEUED event; its finish step is fixed at its first step."""
-        rid, client = body[0], body[_CLIENT]
-        n = body[_SAMPLING].get("max_tokens", 16)
+        rid, client, sampling = body[0], body[_CLIENT], body[_SAMPLING]
+        n = sampling.get("max_tokens", 16)
         events = [protocol.engine_core_event(EngineCoreEventType.QUEUED, time.monotonic())]
-        self.fresh.append((client, rid, n, self.tokens.initial_state(rid), events, len(body[_PROMPT] or ())))
+        state = self.tokens.initial_state(rid)
+        pool = None
+        k = sampling.get("logprobs")
+        if k is not None:
+            pool = self.logprob_model.pooled(self.tokens, k)
+            assert pool is not None and self.chunk <= POOL_PAD, "the floor makes logprobs for k <= 20 and chunks <= 64 only"
+            # the rows of every position it will read, drawn now
+            end = state + n
+            pool.ensure(state, min(end, len(pool.ids)))
+            if end > pool.size:
+                pool.ensure(0, min(end - pool.size, pool.size))
+        self.fresh.append((client, rid, n, state, events, len(body[_PROMPT] or ()), pool))
         self.count += 1
 
     def abort(self, rid: str) -> None:
-        for client, requests in self.running.items():
+        for client, requests in [*self.running.items(), *self.running_logprobs.items()]:
             if requests.pop(rid, None) is not None:
                 break
         else:
@@ -107,12 +127,14 @@ class Engine:
         ending = self.finish_at.pop(step, None)
         if ending:
             for client, rid in ending:
-                entry = self.running[client].pop(rid, None)
+                entry = self.running.get(client, {}).pop(rid, None) or self.running_logprobs.get(client, {}).pop(rid, None)
                 if entry is None:
                     continue  # aborted
-                tokens, entry[1] = self.tokens.draw(entry[1], entry[2])
+                position = entry[1]
+                tokens, entry[1] = self.tokens.draw(position, entry[2])
+                logprobs = _logprobs(entry[3], position, len(tokens), self.layout) if len(entry) > 3 else None
                 batch = batches.get(client) or batches.setdefault(client, ([], []))
-                batch[0].append([rid, tokens, None, None, None, 1])
+                batch[0].append([rid, tokens, logprobs, None, None, 1])
                 batch[1].append(rid)
                 self.count -= 1
         ids, size = self.tokens.ids, self.tokens.size
@@ -142,16 +164,35 @@ class Engine:
                     out = entry[0]
                     out[1], entry[1] = self.tokens.draw(entry[1], chunk)
                     append(out)
+        ext = msgpack.ExtType
+        for client, requests in self.running_logprobs.items():
+            batch = batches.get(client) or batches.setdefault(client, ([], []))
+            append = batch[0].append
+            # as the loops above, and the rows of the same positions: three
+            # slices of the RowPool's buffers swapped into the reused lists
+            for entry in requests.values():
+                position, out, pool = entry[1], entry[0], entry[3]
+                end = position + chunk
+                out[1] = ids[position:end]
+                id_row, lp_row, rank_row = out[2][0], out[2][1], out[2][2]
+                stride = pool.stride
+                id_row[2] = tuple.__new__(ext, (3, pool.row_ids[position * stride : end * stride]))
+                lp_row[2] = tuple.__new__(ext, (3, pool.row_lps[position * stride : end * stride]))
+                rank_row[2] = tuple.__new__(ext, (3, pool.row_ranks[position * 8 : end * 8]))
+                entry[1] = end if end < size else end % size
+                append(out)
         if self.fresh:  # after the draw loop: their next tokens are for the next step
             scheduled = protocol.engine_core_event(EngineCoreEventType.SCHEDULED, now)
-            for client, rid, n, state, events, prompt_len in self.fresh:
+            for client, rid, n, state, events, prompt_len, pool in self.fresh:
                 events.append(scheduled)
                 first_n = chunk if chunk < n else n
+                position = state
                 tokens, state = self.tokens.draw(state, first_n)
                 left = n - first_n
                 first = protocol.engine_core_output(
                     rid, tokens, None if left else FinishReason.LENGTH, None, self.layout,
                     events=events, prefill_stats=protocol.prefill_stats(prompt_len),
+                    new_logprobs=None if pool is None else _logprobs(pool, position, first_n, self.layout),
                 )  # fmt: skip
                 batch = batches.get(client) or batches.setdefault(client, ([], []))
                 batch[0].append(first)
@@ -161,7 +202,12 @@ class Engine:
                     continue
                 # the finish step, bucketed now: the running loop never checks a length
                 steps = -(-left // chunk)
-                self.running.setdefault(client, {})[rid] = [[rid, None], state, left - (steps - 1) * chunk]
+                last = left - (steps - 1) * chunk
+                if pool is None:
+                    self.running.setdefault(client, {})[rid] = [[rid, None], state, last]
+                else:
+                    reused = _logprobs(pool, 0, chunk, self.layout)  # its arrays are swapped in every step
+                    self.running_logprobs.setdefault(client, {})[rid] = [[rid, None, reused], state, last, pool]
                 self.finish_at.setdefault(step + steps, []).append((client, rid))
             self.fresh = []
         stats = self._stats_if_due(now)
@@ -184,6 +230,13 @@ class Engine:
             return None
         self._stats_counts, self._stats_at = counts, now
         return protocol.scheduler_stats(running, 0, 0.0, self.step)
+
+
+def _logprobs(pool: Any, position: int, n: int, layout: protocol.WireLayout) -> List[Any]:
+    """new_logprobs of the n tokens from pool position `position` on."""
+    stride, end = pool.stride, position + n
+    ids, lps, ranks = pool.row_ids[position * stride : end * stride], pool.row_lps[position * stride : end * stride], pool.row_ranks[position * 8 : end * 8]
+    return protocol.logprobs_lists(n, pool.k + 1, ids, lps, ranks, layout)
 
 
 pack = msgpack.Packer(use_bin_type=True).pack

@@ -27,13 +27,15 @@ def without_times(output):
     return output
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 4])
-def test_the_floor_sends_what_gmock_sends(chunk):
+@pytest.mark.parametrize("chunk,logprobs", [(1, None), (3, None), (4, None), (1, 5), (4, 2)])
+def test_the_floor_sends_what_gmock_sends(chunk, logprobs):
     lengths = {"a": 1, "b": 4, "c": 7, "d": 12}
+    asking = {"b", "d"} if logprobs is not None else set()  # with logprobs: the same rows too
     engine = make(chunk=chunk, clients=1)
     for rid, n in lengths.items():
-        engine.apply(add(rid, max_tokens=n))
-    gmock = [m for _, m in run(engine)]
+        engine.apply(add(rid, max_tokens=n, logprobs=logprobs if rid in asking else None))
+    # through the wire, as the frontend sees both (the rows are buffers of either type before)
+    gmock = [msgpack.unpackb(msgpack.packb(m, use_bin_type=True), strict_map_key=False) for _, m in run(engine)]
 
     floor = reference_emitter.Engine(0, chunk, RandomTokens(32000, 0, 0), protocol.layout_for_version("0.33"))
     sock = Socket()
@@ -41,6 +43,8 @@ def test_the_floor_sends_what_gmock_sends(chunk):
     for rid, n in lengths.items():
         body = [None] * 22
         body[0], body[1], body[3], body[11] = rid, [1, 2, 3], {"max_tokens": n}, 0
+        if rid in asking:
+            body[3]["logprobs"] = logprobs
         floor.add(body)
     while floor.busy:
         floor.run_step()
@@ -52,6 +56,8 @@ def test_the_floor_sends_what_gmock_sends(chunk):
         ours = [[without_times(o) for o in m[1] if o[0] == rid] for m in gmock]
         theirs = [[without_times(o) for o in m[1] if o[0] == rid] for m in sock.messages]
         assert ours == theirs, rid
+        with_rows = [o for m in theirs for o in m if len(o) > 2 and o[2] is not None]
+        assert len(with_rows) == (len([o for m in theirs for o in m]) if rid in asking else 0)
     assert [sorted(m[5]) for m in gmock if len(m) > 5] == [sorted(m[5]) for m in sock.messages if len(m) > 5]
     # SchedulerStats on the first message and on the one that leaves the engine idle, as gmock's
     # (in between, gmock's also follow its KV usage, which the floor does not keep)
