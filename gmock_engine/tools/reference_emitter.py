@@ -37,6 +37,7 @@ with nil, and an ABORT with an ABORT output.
 from __future__ import annotations
 
 import argparse
+import gc
 import signal
 import sys
 import time
@@ -46,6 +47,7 @@ import msgpack
 import zmq
 
 from .. import protocol
+from ..cli import GC_THRESHOLD
 from ..logprobs import LogprobModel
 from ..outbox import STATS_INTERVAL_S
 from ..protocol import EngineCoreEventType, FinishReason
@@ -252,6 +254,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # As gmock's entry point (cli.py): the cyclic GC runs rarely. A step's
+    # lists are acyclic and freed by reference counting; with the default
+    # thresholds the collector walks every live request and block again and
+    # again, which no engine needs to pay.
+    gc.freeze()
+    gc.set_threshold(GC_THRESHOLD, 50, 100)
 
     ctx = zmq.Context()
     layout = protocol.layout_for_version(protocol.DEFAULT_PROTOCOL_VERSION)
