@@ -65,7 +65,7 @@ def main() -> int:
             for concurrency in (256, 2048):
                 row(f"engines {engines} chunk {chunk} C {concurrency}",
                     ["--engines", str(engines), "--chunk", str(chunk), "--concurrency", str(concurrency), "--max-tokens", "1024", *window])  # fmt: skip
-    print("== features (engines 1, chunk 1, C 256): what each costs; the floor does none of it ==")
+    print("== features (engines 1, chunk 1, C 256): what each costs; the floor makes the same logprobs, prefix caching and KV events, and none of the rest ==")
     base = ["--concurrency", "256", "--max-tokens", "1024", *window]
     row("an EOS id in every ADD (as the frontends')", ["--eos-token-id", "31999", *base])
     row("logprobs 5 for half the requests", ["--logprobs-share", "0.5", *base])

@@ -375,6 +375,44 @@ def test_run_sh_bench_loads_both_targets():
     assert "ratio gmock/reference CPU per token:" in result.stdout
 
 
+def test_run_sh_bench_gives_the_floor_prefix_caching_and_kv_events():
+    # the reference emitter takes --prefix-caching and --kv-events-config
+    # from --engine-arg (bench.FLOOR_FLAGS): a SUB on its endpoint hears
+    # KVEventBatches [ts, events, rank] of BlockStored (and, with 64 blocks,
+    # BlockRemoved) in seq order
+    import msgpack
+    import zmq
+
+    port = free_port()
+    config = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}"})
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        proc = subprocess.Popen(
+            [RUN_SH, "bench", "--target", "reference", "--duration", "0.5", "--warmup", "0.2", "--idle", "0.1", "--concurrency", "4",
+             "--max-tokens", "40", "--engine-arg=--prefix-caching", f"--engine-arg=--kv-events-config={config}",
+             "--engine-arg=--num-gpu-blocks=64", "--engine-arg=--block-size=4"],
+            cwd=REPO_DIR, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        batches = []
+        while proc.poll() is None or sub.poll(0):
+            if sub.poll(100):
+                batches.append(sub.recv_multipart())
+        assert proc.returncode == 0, proc.stderr.read()
+    finally:
+        sub.close(0)
+        ctx.term()
+    assert len(batches) > 10
+    seqs = [int.from_bytes(seq, "big") for _, seq, _ in batches]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    events = [e for _, _, payload in batches for e in msgpack.unpackb(payload)[1]]
+    kinds = {e["type"] for e in events}
+    assert kinds == {"BlockStored", "BlockRemoved"}, kinds
+    assert all(len(e["token_ids"]) == 4 * len(e["block_hashes"]) and e["block_size"] == 4 for e in events if e["type"] == "BlockStored")
+
+
 def test_run_sh_bench_open_loop_and_paced(tmp_path):
     # `--rate`: ADDs at a fixed rate, sent at times a timerfd wakes the
     # driver's poll for (steptimer.TimerFD); `--itl-ms`: gmock's step

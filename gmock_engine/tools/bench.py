@@ -306,6 +306,11 @@ class Driver:
 # -- one target ---------------------------------------------------------------------
 
 
+#: --engine-arg flags the reference emitter takes as well, as `--flag` or
+#: `--flag=value` (its features: prefix caching and KV events).
+FLOOR_FLAGS = ("--prefix-caching", "--kv-events-config", "--num-gpu-blocks", "--block-size")
+
+
 def engine_command(target: str, args: argparse.Namespace, handshake: str) -> List[str]:
     common = [
         "--handshake-address",
@@ -316,7 +321,9 @@ def engine_command(target: str, args: argparse.Namespace, handshake: str) -> Lis
         str(args.chunk),
     ]
     if target == "reference":
-        return [sys.executable, "-m", "gmock_engine.tools.reference_emitter", *common]
+        # the features the floor does too take gmock's flags of the same names
+        floor_args = [a for a in args.engine_arg if a.split("=", 1)[0] in FLOOR_FLAGS]
+        return [sys.executable, "-m", "gmock_engine.tools.reference_emitter", *common, *floor_args]
     command = [sys.executable, "-m", "gmock_engine", *common, "--log-level", "WARNING"]
     if args.itl_ms:
         command += ["--itl-ms", str(args.itl_ms)]
@@ -437,7 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--target", choices=("both", "gmock", "reference"), default="both", help="what to run (both: gmock, then reference)"
     )
-    parser.add_argument("--engine-arg", action="append", default=[], help="extra gmock flag (repeatable), e.g. --engine-arg=--seed=3")
+    parser.add_argument("--engine-arg", action="append", default=[], help="extra gmock flag (repeatable), e.g. --engine-arg=--seed=3; the reference emitter takes "
+                        "the ones it knows too (--prefix-caching, --kv-events-config, --num-gpu-blocks, --block-size)")
     parser.add_argument("--json", metavar="FILE", help="also append the results as one JSON line to FILE")
     parser.add_argument(
         "--report", metavar="FILE.html", help="also write a self-contained HTML report with charts (needs the `report` extra: matplotlib)"

@@ -24,24 +24,35 @@ the least a Python engine has to spend to send the messages gmock sends
   positions drawn once (logprobs.RowPool, the blocks a request will read
   drawn at its ADD), and per token the three slices of them swapped into
   the request's reused LogprobsLists;
+* prefix caching and KV events (`--prefix-caching`, `--kv-events-config`,
+  as gmock's flags) the cheapest way there is to send the same events: a
+  request's blocks are touched only when one of them becomes full or a new
+  one is needed, at steps computed when it starts (bucketed as its finish
+  step), so nothing is kept per token; a full block's tokens are sliced
+  out of the prompt and the token pool, hashed once, and the step's events
+  packed as vLLM's KVEventBatch and sent on a PUB (`FloorKV`);
 * one thread, a blocking poll, no gevent, no queues, no validation, no
-  logging, no token budget, KV cache or latency model. Bad input crashes it.
+  logging, no token budget, KV blocks enforced or latency model, no replay
+  of KV events. Bad input crashes it.
 
 It answers get_supported_tasks with ["generate"], every other utility call
 with nil, and an ABORT with an ABORT output.
 
     python -m gmock_engine.tools.reference_emitter --handshake-address tcp://127.0.0.1:29550 \\
-        [--engine-count N] [--output-token-chunk-size K] [--vocab-size V] [--seed S]
+        [--engine-count N] [--output-token-chunk-size K] [--vocab-size V] [--seed S] \\
+        [--prefix-caching] [--kv-events-config JSON] [--num-gpu-blocks B] [--block-size S]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import signal
 import sys
 import time
-from typing import Any, Dict, List
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional
 
 import msgpack
 import zmq
@@ -49,7 +60,9 @@ import zmq
 from .. import protocol
 from ..cli import GC_THRESHOLD
 from ..logprobs import LogprobModel
+from ..kv_events import offset_endpoint
 from ..outbox import STATS_INTERVAL_S
+from ..prefix_cache import HASH_MASK
 from ..protocol import EngineCoreEventType, FinishReason
 from ..tokens import POOL_PAD, RandomTokens
 
@@ -57,10 +70,222 @@ from ..tokens import POOL_PAD, RandomTokens
 _PROMPT, _SAMPLING, _CLIENT = 1, 3, 11
 
 
+class _Block:
+    """One physical KV block: its hash once it is full and computed, and how
+    many running requests hold it."""
+
+    __slots__ = ("hash", "ref")
+
+    def __init__(self) -> None:
+        self.hash: Optional[int] = None
+        self.ref = 1
+
+
+class FloorKV:
+    """Prefix caching and KV events at the floor (`--prefix-caching`).
+
+    The job is vLLM's block pool (PROTOCOL.md Appendix D): cached blocks by
+    hash, an LRU of the evictable ones, and for each running request its
+    blocks, hashed as they fill, with one BlockStored per request and step
+    for the blocks that became full, one BlockRemoved per evicted block.
+    The cheapest way to do it: nothing per token. A request's record is
+    [blocks, hashes, prompt, pool position, max_tokens, first step, steps];
+    the steps at which a block of it becomes full (its KV computed: the step
+    after its last token went out) or it needs a new block are computed from
+    its length and the chunk, and it is looked at in those steps only
+    (`at`, as the finish buckets). A full block's tokens are sliced out of
+    its prompt and the token pool at its position, which is where its
+    output came from. The events are made as vLLM encodes them (0.33:
+    tagged maps) and sent as one KVEventBatch per step (`publish`); none
+    are kept when nothing publishes them.
+    """
+
+    def __init__(self, capacity: int, block_size: int, tokens: RandomTokens, chunk: int, publish: Optional[Callable[[List[Any]], None]]) -> None:
+        self.capacity = capacity
+        self.block_size = block_size
+        self.ids, self.pool_size = tokens.ids, tokens.size
+        self.chunk = chunk
+        #: hash -> the physical blocks holding it
+        self.cached: Dict[int, List[_Block]] = {}
+        #: cached blocks no request holds, least recently freed first
+        self.evictable: "OrderedDict[_Block, None]" = OrderedDict()
+        self.held = 0
+        #: step -> records with block work at that step
+        self.at: Dict[int, List[List[Any]]] = {}
+        self.publish = publish
+        self.events: Optional[List[Any]] = [] if publish is not None else None
+        #: prefix_cache_stats since the last SchedulerStats
+        self.requests = self.queries = self.hits = 0
+
+    def start(self, prompt: List[int], n: int, position: int, step: int) -> "tuple[List[Any], int]":
+        """A request's first step (its admission and first output): the
+        cached blocks of its prompt touched, its prompt's other full blocks
+        stored, blocks for its first tokens. Returns its record and the
+        prompt tokens that were cached."""
+        size, cached = self.block_size, self.cached
+        full = len(prompt) // size
+        hashes: List[int] = []
+        parent = 0
+        for j in range(full):
+            parent = hash((parent, tuple(prompt[j * size : (j + 1) * size]))) & HASH_MASK
+            hashes.append(parent)
+        blocks: List[_Block] = []
+        for value in hashes[: (len(prompt) - 1) // size]:  # never the whole prompt: one token is computed
+            holders = cached.get(value)
+            if not holders:
+                break
+            block = holders[0]
+            if block.ref == 0:
+                del self.evictable[block]
+                self.held += 1
+            block.ref += 1
+            blocks.append(block)
+        hit = len(blocks)
+        self.requests += 1
+        self.queries += len(prompt)
+        self.hits += hit * size
+        record = [blocks, hashes, prompt, position, n, step, -(-n // self.chunk)]
+        first = self.chunk if self.chunk < n else n
+        self._grow(blocks, -(-(len(prompt) + first) // size))
+        for j in range(hit, full):
+            block = blocks[j]
+            block.hash = hashes[j]
+            cached.setdefault(hashes[j], []).append(block)
+        if full > hit and self.events is not None:
+            self._stored(hashes[hit:full], hashes[hit - 1] if hit else None, prompt[hit * size : full * size])
+        self._schedule(record, 1)
+        return record, hit * size
+
+    def step(self, step: int) -> None:
+        """The block work of this step's records: blocks that became full
+        stored, new blocks taken."""
+        records = self.at.pop(step, None)
+        if not records:
+            return
+        size, chunk = self.block_size, self.chunk
+        for record in records:
+            blocks, hashes, prompt, _, n, first = record[:6]
+            if blocks is None:
+                continue  # aborted
+            k = step - first + 1
+            prompt_len = len(prompt)
+            full = (prompt_len + min((k - 1) * chunk, n)) // size
+            if full > len(hashes):
+                self._cache(record, full)
+            self._grow(blocks, -(-(prompt_len + min(k * chunk, n)) // size))
+            self._schedule(record, k)
+
+    def free(self, record: List[Any]) -> None:
+        """The request left (finished, aborted): its blocks released, the
+        tail first; cached ones become evictable."""
+        blocks = record[0]
+        record[0] = None
+        evictable = self.evictable
+        for block in reversed(blocks):
+            block.ref -= 1
+            if block.ref == 0:
+                self.held -= 1
+                if block.hash is not None:
+                    evictable[block] = None
+
+    def flush(self) -> None:
+        """This step's events, if any, out as one batch."""
+        if self.events:
+            self.publish(self.events)  # type: ignore[misc]
+            self.events = []
+
+    def take_stats(self) -> Optional[Dict[str, Any]]:
+        """prefix_cache_stats since the last call (None: nothing moved)."""
+        if not self.requests:
+            return None
+        stats = {"reset": False, "requests": self.requests, "queries": self.queries, "hits": self.hits,
+                 "preempted_requests": 0, "preempted_queries": 0, "preempted_hits": 0}  # fmt: skip
+        self.requests = self.queries = self.hits = 0
+        return stats
+
+    def _schedule(self, record: List[Any], k: int) -> None:
+        """File the record under its next step with block work after its
+        step k, if it has one before its last."""
+        blocks, hashes, prompt, _, n, first, steps = record
+        size, chunk, prompt_len = self.block_size, self.chunk, len(prompt)
+        after = steps + 1
+        # the next block full: its last token's KV is computed in the step after it went out
+        need = size * (len(hashes) + 1) - prompt_len
+        if need <= n:
+            after = 1 - (-need // chunk)
+        # the next block needed: the first step whose tokens do not fit
+        room = size * len(blocks) - prompt_len
+        if room < n:
+            grow = room // chunk + 1
+            if grow < after:
+                after = grow
+        if after <= steps:
+            bucket = self.at.get(first + after - 1)
+            if bucket is None:
+                self.at[first + after - 1] = [record]
+            else:
+                bucket.append(record)
+
+    def _cache(self, record: List[Any], full: int) -> None:
+        """Hash the request's blocks up to `full` (generated tokens: sliced
+        out of the pool at the request's position) and store them."""
+        blocks, hashes, prompt, position = record[:4]
+        size, ids, pool_size, cached = self.block_size, self.ids, self.pool_size, self.cached
+        start = len(hashes)
+        prompt_len = len(prompt)
+        parent = hashes[-1] if hashes else 0
+        tokens: List[int] = []
+        for j in range(start, full):
+            offset = j * size - prompt_len  # the block's first token, as an output index
+            if offset >= 0:
+                at = (position + offset) % pool_size
+                block_tokens = ids[at : at + size]  # the pool is padded: no wrap inside a block
+            else:
+                block_tokens = prompt[j * size :] + ids[position : position + size + offset]
+            parent = hash((parent, tuple(block_tokens))) & HASH_MASK
+            hashes.append(parent)
+            block = blocks[j]
+            block.hash = parent
+            holders = cached.get(parent)
+            if holders is None:
+                cached[parent] = [block]
+            else:
+                holders.append(block)
+            tokens += block_tokens
+        if self.events is not None:
+            self._stored(hashes[start:full], hashes[start - 1] if start else None, tokens)
+
+    def _grow(self, blocks: List[_Block], count: int) -> None:
+        """New blocks until there are `count`: never-cached ones while the
+        pool has room, else the least recently freed cached one (evicted)."""
+        while len(blocks) < count:
+            if self.held + len(self.evictable) >= self.capacity and self.evictable:
+                block, _ = self.evictable.popitem(last=False)
+                value = block.hash
+                holders = self.cached[value]
+                holders.remove(block)
+                if not holders:
+                    del self.cached[value]
+                block.hash = None
+                block.ref = 1
+                if self.events is not None:
+                    self.events.append({"type": "BlockRemoved", "block_hashes": [value], "medium": "GPU", "group_idx": 0})
+            else:
+                block = _Block()
+            self.held += 1
+            blocks.append(block)
+
+    def _stored(self, hashes: List[int], parent: Optional[int], tokens: List[int]) -> None:
+        self.events.append({  # type: ignore[union-attr]
+            "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": self.block_size, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0,
+        })  # fmt: skip
+
+
 class Engine:
     """One DP rank: its sockets, its requests by client, its finish buckets."""
 
-    def __init__(self, rank: int, chunk: int, tokens: RandomTokens, layout: protocol.WireLayout) -> None:
+    def __init__(self, rank: int, chunk: int, tokens: RandomTokens, layout: protocol.WireLayout, kv: Optional[FloorKV] = None) -> None:
         self.rank = rank
         self.chunk = chunk
         self.tokens = tokens
@@ -72,8 +297,11 @@ class Engine:
         self.running: Dict[int, Dict[str, List[Any]]] = {}
         #: the same for requests with logprobs: [reused [id, tokens, LogprobsLists], state, last, RowPool]
         self.running_logprobs: Dict[int, Dict[str, List[Any]]] = {}
-        #: requests added since the last step: (client, id, max_tokens, state, events, prompt length, RowPool)
+        #: requests added since the last step: (client, id, max_tokens, state, events, prompt, RowPool)
         self.fresh: List[Any] = []
+        #: prefix caching (None: off), and its record of each running request
+        self.kv = kv
+        self.kv_records: Dict[str, List[Any]] = {}
         self.logprob_model = LogprobModel(low=tokens.low, span=tokens.span)
         #: step -> [(client, id)] whose last chunk goes out in that step
         self.finish_at: Dict[int, List[Any]] = {}
@@ -101,7 +329,7 @@ class Engine:
             pool.ensure(state, min(end, len(pool.ids)))
             if end > pool.size:
                 pool.ensure(0, min(end - pool.size, pool.size))
-        self.fresh.append((client, rid, n, state, events, len(body[_PROMPT] or ()), pool))
+        self.fresh.append((client, rid, n, state, events, body[_PROMPT] or [], pool))
         self.count += 1
 
     def abort(self, rid: str) -> None:
@@ -117,6 +345,9 @@ class Engine:
             else:
                 return
         self.count -= 1
+        record = self.kv_records.pop(rid, None)
+        if record is not None:
+            self.kv.free(record)  # type: ignore[union-attr]
         out = protocol.engine_core_output(rid, [], FinishReason.ABORT, None, self.layout)
         self.outputs[client].send(pack([self.rank, [out], None, time.monotonic(), None, [rid]]))
 
@@ -126,6 +357,10 @@ class Engine:
         chunk = self.chunk
         batches: Dict[int, Any] = {}
         now = time.monotonic()
+        kv = self.kv
+        freeing: List[Any] = []  # the blocks of requests that end: released after every block taken in this step
+        if kv is not None:
+            kv.step(step)
         ending = self.finish_at.pop(step, None)
         if ending:
             for client, rid in ending:
@@ -139,6 +374,8 @@ class Engine:
                 batch[0].append([rid, tokens, logprobs, None, None, 1])
                 batch[1].append(rid)
                 self.count -= 1
+                if kv is not None:
+                    freeing.append(self.kv_records.pop(rid))
         ids, size = self.tokens.ids, self.tokens.size
         for client, requests in self.running.items():
             batch = batches.get(client) or batches.setdefault(client, ([], []))
@@ -185,15 +422,22 @@ class Engine:
                 append(out)
         if self.fresh:  # after the draw loop: their next tokens are for the next step
             scheduled = protocol.engine_core_event(EngineCoreEventType.SCHEDULED, now)
-            for client, rid, n, state, events, prompt_len, pool in self.fresh:
+            for client, rid, n, state, events, prompt, pool in self.fresh:
                 events.append(scheduled)
                 first_n = chunk if chunk < n else n
                 position = state
                 tokens, state = self.tokens.draw(state, first_n)
                 left = n - first_n
+                hit = 0
+                if kv is not None:
+                    record, hit = kv.start(prompt, n, position, step)
+                    if left:
+                        self.kv_records[rid] = record
+                    else:
+                        freeing.append(record)
                 first = protocol.engine_core_output(
                     rid, tokens, None if left else FinishReason.LENGTH, None, self.layout,
-                    events=events, prefill_stats=protocol.prefill_stats(prompt_len),
+                    events=events, prefill_stats=protocol.prefill_stats(len(prompt), hit),
                     new_logprobs=None if pool is None else _logprobs(pool, position, first_n, self.layout),
                 )  # fmt: skip
                 batch = batches.get(client) or batches.setdefault(client, ([], []))
@@ -212,6 +456,10 @@ class Engine:
                     self.running_logprobs.setdefault(client, {})[rid] = [[rid, None, reused], state, last, pool]
                 self.finish_at.setdefault(step + steps, []).append((client, rid))
             self.fresh = []
+        if kv is not None:
+            for record in freeing:
+                kv.free(record)
+            kv.flush()
         stats = self._stats_if_due(now)
         for client, (outputs, finished) in batches.items():
             if not outputs and not finished:
@@ -223,15 +471,17 @@ class Engine:
             stats = None
 
     def _stats_if_due(self, now: float) -> Any:
-        """outbox.StatsCadence's rule (no waiting queue, no KV usage here)."""
+        """outbox.StatsCadence's rule (no waiting queue, no KV usage here;
+        prefix-cache counters not reported yet make them due)."""
         running = self.count
         if running and now - self._stats_at < STATS_INTERVAL_S:
             return None
         counts = (running, 0)
-        if counts == self._stats_counts:
+        pending = self.kv is not None and self.kv.requests
+        if counts == self._stats_counts and not pending:
             return None
         self._stats_counts, self._stats_at = counts, now
-        return protocol.scheduler_stats(running, 0, 0.0, self.step)
+        return protocol.scheduler_stats(running, 0, 0.0, self.step, prefix_cache_stats=self.kv.take_stats() if pending else None)
 
 
 def _logprobs(pool: Any, position: int, n: int, layout: protocol.WireLayout) -> List[Any]:
@@ -244,6 +494,19 @@ def _logprobs(pool: Any, position: int, n: int, layout: protocol.WireLayout) -> 
 pack = msgpack.Packer(use_bin_type=True).pack
 
 
+def _publisher(pub: Any, topic: bytes, rank: int) -> Callable[[List[Any]], None]:
+    """A step's KV events out on the PUB as vLLM's KVEventBatch
+    [ts, events, data_parallel_rank], under the next seq (8 bytes big-endian)."""
+    seq = 0
+
+    def publish(events: List[Any]) -> None:
+        nonlocal seq
+        pub.send_multipart((topic, seq.to_bytes(8, "big"), pack([time.time(), events, rank])), zmq.NOBLOCK)
+        seq += 1
+
+    return publish
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="gmock_engine.tools.reference_emitter")
     parser.add_argument("--handshake-address", default="tcp://127.0.0.1:29550")
@@ -252,7 +515,13 @@ def main(argv=None) -> int:
     parser.add_argument("--output-token-chunk-size", type=int, default=1)
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--seed", type=int, default=0)
+    # gmock's flags of the same names (bench.py passes them to both)
+    parser.add_argument("--prefix-caching", action="store_true")
+    parser.add_argument("--kv-events-config", type=json.loads, default=None, metavar="JSON")
+    parser.add_argument("--num-gpu-blocks", type=int, default=65536)
+    parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args(argv)
+    events = args.kv_events_config if args.kv_events_config and args.kv_events_config.get("enable_kv_cache_events") else None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     # As gmock's entry point (cli.py): the cyclic GC runs rarely. A step's
     # lists are acyclic and freed by reference counting; with the default
@@ -273,13 +542,22 @@ def main(argv=None) -> int:
         hs.send(pack({"status": "HELLO", "local": False, "headless": True}))
         addresses = msgpack.unpackb(hs.recv())["addresses"]
         ready = {
-            "max_model_len": 1048576, "num_gpu_blocks": 65536, "block_size": 16, "dp_stats_address": None,
+            "max_model_len": 1048576, "num_gpu_blocks": args.num_gpu_blocks, "block_size": args.block_size, "dp_stats_address": None,
             "dtype": "bfloat16", "vllm_version": "0.33.0", "world_size": 1, "data_parallel_size": args.engine_count,
             "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "decode_context_parallel_size": 1,
             "data_parallel_rank": rank, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
             "instance_id": f"reference-{rank}", "supports_lora": False, "max_loras": 0,
         }  # fmt: skip
-        engine = Engine(rank, args.output_token_chunk_size, RandomTokens(args.vocab_size, args.seed, rank), layout)
+        tokens = RandomTokens(args.vocab_size, args.seed, rank)
+        kv = None
+        if args.prefix_caching:
+            publish = None
+            if events is not None:
+                pub = ctx.socket(zmq.PUB)
+                pub.bind(offset_endpoint(events.get("endpoint", "tcp://*:5557"), rank))
+                publish = _publisher(pub, events.get("topic", "").encode(), rank)
+            kv = FloorKV(args.num_gpu_blocks, args.block_size, tokens, args.output_token_chunk_size, publish)
+        engine = Engine(rank, args.output_token_chunk_size, tokens, layout, kv)
         for address in addresses["inputs"]:
             dealer = ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.IDENTITY, identity)
@@ -291,7 +569,7 @@ def main(argv=None) -> int:
             push = ctx.socket(zmq.PUSH)
             push.connect(address)
             engine.outputs.append(push)
-        hs.send(pack({"status": "READY", "local": False, "headless": True, "num_gpu_blocks": 65536}))
+        hs.send(pack({"status": "READY", "local": False, "headless": True, "num_gpu_blocks": args.num_gpu_blocks}))
         engines.append(engine)
     owner = {sock: e for e in engines for sock in e.inputs}
 

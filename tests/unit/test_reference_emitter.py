@@ -64,3 +64,77 @@ def test_the_floor_sends_what_gmock_sends(chunk, logprobs):
     for messages in (gmock, sock.messages):
         assert messages[0][2] is not None and messages[-1][2] is not None
         assert messages[-1][2]["num_running_reqs"] == 0
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4])
+@pytest.mark.parametrize("reuse", [False, True])
+def test_the_floor_caches_prefixes_and_publishes_what_gmock_does(chunk, reuse):
+    """With prefix caching and KV events, the floor sends the same outputs
+    (prefill stats with the same cache hits) and, step by step, the same KV
+    events (their order within a step may differ, as outputs within a
+    message), through prefix hits and LRU evictions of a pool of 14 blocks of
+    4; the same prefix-cache counters in SchedulerStats."""
+    import collections
+    import json
+
+    from gmock_engine import kv_events
+    from gmock_engine.engine import EngineCore, EngineSettings
+    from gmock_engine.protocol import EngineCoreRequest
+    from test_engine import Clock
+
+    layout = protocol.layout_for_version("0.33")
+    block_size, capacity = 4, 14
+    shared = [7, 8, 9, 10, 11, 12, 13, 14, 15]
+    # (step it arrives at, id, prompt, max_tokens): every request joins a lane (max_tokens > 2 chunks),
+    # so the ones that end in one step leave in the order both engines free them (their arrival)
+    plan = [
+        (0, "a", shared, 9), (0, "b", [1, 2, 3, 4, 5, 6], 14),
+        (3, "c", shared + [16, 17], 11), (3, "d", list(range(40, 53)), 13),
+        (9, "e", shared, 10), (12, "f", [1, 2, 3, 4, 5], 17), (12, "g", shared[:8], 12),
+    ]  # fmt: skip
+    settings = EngineSettings(rank=0, num_clients=1, output_token_chunk_size=chunk, prefix_caching=True, kv_events=True,
+                              block_size=block_size, num_gpu_blocks=capacity, reuse_outputs=reuse, wire=protocol.Wire(layout))  # fmt: skip
+    gmock = EngineCore(settings, clock=Clock())
+    published = []
+    floor_kv = reference_emitter.FloorKV(capacity, block_size, RandomTokens(32000, 0, 0), chunk, published.append)
+    floor = reference_emitter.Engine(0, chunk, RandomTokens(32000, 0, 0), layout, floor_kv)
+    sock = Socket()
+    floor.outputs.append(sock)
+
+    def canonical(events):
+        return collections.Counter(json.dumps(e, sort_keys=True) for e in events)
+
+    ours, theirs, our_events, their_events = [], [], [], []
+    step = 0
+    while step == 0 or gmock.has_work or floor.busy or any(at >= step for at, *_ in plan):
+        for at, rid, prompt, n in plan:
+            if at == step:
+                gmock.apply(EngineCoreRequest(rid, len(prompt), n, True, prompt_token_ids=list(prompt)))
+                body = [None] * 22
+                body[0], body[1], body[3], body[11] = rid, list(prompt), {"max_tokens": n}, 0
+                floor.add(body)
+        step += 1
+        assert step < 200
+        # through the wire, as the frontend sees both (reused outputs are rewritten by the next step)
+        ours += [msgpack.unpackb(msgpack.packb(m, use_bin_type=True), strict_map_key=False) for _, m in gmock.step()] if gmock.has_work else []
+        our_events.append(canonical(kv_events.encode_events(gmock.take_kv_events(), block_size, kv_events.EventFormat.of(layout))))
+        count = len(sock.messages)
+        if floor.busy:
+            floor.run_step()
+        their_events.append(canonical([e for batch in published for e in batch]))
+        published.clear()
+        theirs += sock.messages[count:]
+
+    for rid, *_ in [p[1:] for p in plan]:
+        assert [without_times(o) for m in ours for o in m[1] if o[0] == rid] == [without_times(o) for m in theirs for o in m[1] if o[0] == rid], rid
+    hits = {o[0]: o[11]["num_cached_tokens"] for m in ours for o in m[1] if len(o) > 11 and o[11]}
+    assert hits["c"] == 8 and hits["e"] == 8 and hits["g"] == 4  # prefixes were hit (a, then c's copies)
+    removed = sum(c for step_events in their_events for e, c in step_events.items() if '"BlockRemoved"' in e)
+    assert removed >= 5  # the pool of 14 blocks was too small: blocks were evicted
+    assert our_events == their_events
+    totals = [collections.Counter(), collections.Counter()]
+    for total, messages in zip(totals, (ours, theirs)):
+        for m in messages:
+            if m[2] is not None:
+                total.update({k: v for k, v in m[2]["prefix_cache_stats"].items() if k != "reset"})
+    assert totals[0] == totals[1] and totals[0]["requests"] == len(plan)
