@@ -58,9 +58,7 @@ import msgpack
 import zmq
 
 from .. import protocol
-from ..cli import GC_THRESHOLD
 from ..logprobs import LogprobModel
-from ..kv_events import offset_endpoint
 from ..outbox import STATS_INTERVAL_S
 from ..prefix_cache import HASH_MASK
 from ..protocol import EngineCoreEventType, FinishReason
@@ -493,6 +491,11 @@ def _logprobs(pool: Any, position: int, n: int, layout: protocol.WireLayout) -> 
 
 pack = msgpack.Packer(use_bin_type=True).pack
 
+#: The young-generation threshold of gmock's entry point (cli.GC_THRESHOLD, a
+#: test holds them equal; not imported: cli imports gevent, which the floor
+#: does without).
+GC_THRESHOLD = 100_000
+
 
 def _publisher(pub: Any, topic: bytes, rank: int) -> Callable[[List[Any]], None]:
     """A step's KV events out on the PUB as vLLM's KVEventBatch
@@ -554,7 +557,11 @@ def main(argv=None) -> int:
             publish = None
             if events is not None:
                 pub = ctx.socket(zmq.PUB)
-                pub.bind(offset_endpoint(events.get("endpoint", "tcp://*:5557"), rank))
+                endpoint = events.get("endpoint", "tcp://*:5557")
+                host, _, port = endpoint.rpartition(":")
+                if endpoint.startswith("tcp://") and port != "0":  # vLLM's offset_endpoint_port: the rank's port
+                    endpoint = f"{host}:{int(port) + rank}"
+                pub.bind(endpoint)
                 publish = _publisher(pub, events.get("topic", "").encode(), rank)
             kv = FloorKV(args.num_gpu_blocks, args.block_size, tokens, args.output_token_chunk_size, publish)
         engine = Engine(rank, args.output_token_chunk_size, tokens, layout, kv)

@@ -138,3 +138,17 @@ def test_the_floor_caches_prefixes_and_publishes_what_gmock_does(chunk, reuse):
             if m[2] is not None:
                 total.update({k: v for k, v in m[2]["prefix_cache_stats"].items() if k != "reset"})
     assert totals[0] == totals[1] and totals[0]["requests"] == len(plan)
+
+
+def test_the_floor_imports_no_gevent_and_collects_as_rarely_as_gmock():
+    """The floor is one thread on plain pyzmq: importing it pulls in neither
+    gevent nor zmq.green (a subprocess: this one has them already); its GC
+    threshold is gmock's entry point's (cli.GC_THRESHOLD)."""
+    import subprocess
+    import sys
+
+    from gmock_engine import cli
+
+    probe = "import sys, gmock_engine.tools.reference_emitter; print(sorted(m for m in ('gevent', 'zmq.green') if m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    assert reference_emitter.GC_THRESHOLD == cli.GC_THRESHOLD
