@@ -11,7 +11,8 @@ timer is used.
 `StepTimer(callback).arm(deadline)` calls `callback()` once at the deadline,
 in the hub; arming again replaces the previous deadline. `TimerFD` is the
 timerfd itself, for a poll loop without gevent (the bench driver's send
-schedule).
+schedule, the reference emitter's paced steps): this module imports gevent
+only when a StepTimer is built.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import ctypes
 import os
 import time
 from typing import Any, Callable, Optional
-
-import gevent
 
 _CLOCK_MONOTONIC = 1  # time.monotonic() is CLOCK_MONOTONIC on Linux
 _TFD_NONBLOCK = 0o4000
@@ -96,6 +95,8 @@ class StepTimer:
     """One-shot wake-up at an absolute monotonic deadline (see module doc)."""
 
     def __init__(self, callback: Callable[[], None]) -> None:
+        import gevent  # here, not at the top: TimerFD's users poll without gevent
+
         self._callback = callback
         self._hub = gevent.get_hub()
         self._fallback: Optional[Any] = None

@@ -430,6 +430,23 @@ def test_run_sh_bench_open_loop_and_paced(tmp_path):
     assert gmock["ttft_count"] > 0 and gmock["lateness_p99_us"] >= gmock["lateness_p50_us"] > 0, gmock
 
 
+def test_run_sh_bench_paces_the_floor_too(tmp_path):
+    # --itl-ms reaches the reference emitter: 8 requests in flight, a step
+    # every 4 ms, so ~2 000 tokens/s (an unpaced floor makes 100 times
+    # that), and it reports its step lateness as gmock does
+    path = tmp_path / "bench.json"
+    result = subprocess.run(
+        [RUN_SH, "bench", "--target", "reference", "--concurrency", "8", "--max-tokens", "16", "--itl-ms", "4",
+         "--duration", "1.5", "--warmup", "0.3", "--idle", "0.1", "--json", str(path)],
+        cwd=REPO_DIR, env=clean_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (row,) = [json.loads(line) for line in path.read_text().splitlines()]
+    (floor,) = row["results"]
+    assert 1500 <= floor["tokens_per_s"] <= 2100, floor
+    assert floor["lateness_p99_us"] >= floor["lateness_p50_us"] > 0, floor
+
+
 def test_run_sh_bench_writes_a_report(tmp_path):
     # `./run.sh bench --report FILE.html`: the run as usual, then one HTML file
     # with its charts embedded as PNG data URIs (tools/report.py, matplotlib).

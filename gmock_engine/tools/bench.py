@@ -10,7 +10,8 @@ summary per target:
 * CPU µs per output token of the engine's processes (utime + stime from
   /proc, summed over the process tree; not wall time);
 * ADD -> first output latency p50/p99, seen by the driver;
-* step lateness p50/p99 (from the engine's own `gmock_stats`, with --itl-ms);
+* step lateness p50/p99 (from the engine's own `gmock_stats`, with --itl-ms;
+  the paced reference emitter answers it too);
 * idle CPU % of the engine in a window with no requests;
 * the driver's own CPU per token, so a driver bottleneck shows.
 
@@ -323,6 +324,8 @@ def engine_command(target: str, args: argparse.Namespace, handshake: str) -> Lis
     if target == "reference":
         # the features the floor does too take gmock's flags of the same names
         floor_args = [a for a in args.engine_arg if a.split("=", 1)[0] in FLOOR_FLAGS]
+        if args.itl_ms:
+            floor_args += ["--itl-ms", str(args.itl_ms)]
         return [sys.executable, "-m", "gmock_engine.tools.reference_emitter", *common, *floor_args]
     command = [sys.executable, "-m", "gmock_engine", *common, "--log-level", "WARNING"]
     if args.itl_ms:
@@ -347,14 +350,16 @@ def run_target(target: str, args: argparse.Namespace) -> Dict[str, Any]:
         driver = Driver(fe, args, pids)
         if args.warmup:
             driver.run(args.warmup, measure=False)
-        if target == "gmock" and args.itl_ms:
+        # step lateness: gmock's, and paced the floor's (both answer gmock_stats)
+        lateness_of = target == "gmock" or bool(args.itl_ms)
+        if lateness_of and args.itl_ms:
             # step lateness over the measured window only: the warm-up's
             # steps (every first output at once) would set its p99
             for rank in range(args.engines):
                 driver.utility(rank, "gmock_stats", (True,))
         rss_before = tree_rss_bytes(pids)
         load = driver.run(args.duration, measure=True)
-        if target == "gmock":
+        if lateness_of:
             stats = [driver.utility(rank, "gmock_stats") for rank in range(args.engines)]
             lateness = [s["step_lateness_us"] for s in stats]
             result["lateness_p50_us"] = max(x["p50"] for x in lateness)
@@ -436,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--eos-token-id", type=int, default=None,
         help="every ADD names this EOS id (_eos_token_id, _all_stop_token_ids), as the real frontends' do; default: none",
     )  # fmt: skip
-    parser.add_argument("--itl-ms", type=float, default=0.0, help="gmock --itl-ms (fixed step interval)")
+    parser.add_argument("--itl-ms", type=float, default=0.0, help="gmock --itl-ms (fixed step interval); the reference emitter paces the same way")
     parser.add_argument("--duration", type=float, default=5.0, help="measured window, seconds")
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured load before the window, seconds")
     parser.add_argument("--idle", type=float, default=2.0, help="idle window after the load, seconds")

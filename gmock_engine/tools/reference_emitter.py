@@ -35,12 +35,20 @@ the least a Python engine has to spend to send the messages gmock sends
   logging, no token budget, KV blocks enforced or latency model, no replay
   of KV events. Bad input crashes it.
 
-It answers get_supported_tasks with ["generate"], every other utility call
-with nil, and an ABORT with an ABORT output.
+Paced (`--itl-ms`, as gmock's flag) every engine steps at that interval,
+counted from the actual start of the step before (a step that starts late
+does not make the next one come sooner), the first step after idle at once;
+it sleeps in its poll until then, woken by a timerfd at the deadline (as
+gmock's steptimer.py), and keeps the step lateness for `gmock_stats`.
+
+It answers get_supported_tasks with ["generate"], gmock_stats with the step
+lateness (`step_lateness_us`, the window restarted by gmock_stats(True), as
+gmock's), every other utility call with nil, and an ABORT with an ABORT
+output.
 
     python -m gmock_engine.tools.reference_emitter --handshake-address tcp://127.0.0.1:29550 \\
         [--engine-count N] [--output-token-chunk-size K] [--vocab-size V] [--seed S] \\
-        [--prefix-caching] [--kv-events-config JSON] [--num-gpu-blocks B] [--block-size S]
+        [--itl-ms MS] [--prefix-caching] [--kv-events-config JSON] [--num-gpu-blocks B] [--block-size S]
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import signal
 import sys
 import time
@@ -61,6 +70,8 @@ from .. import protocol
 from ..logprobs import LogprobModel
 from ..outbox import STATS_INTERVAL_S
 from ..prefix_cache import HASH_MASK
+from ..stats import Samples
+from ..steptimer import TimerFD
 from ..protocol import EngineCoreEventType, FinishReason
 from ..tokens import POOL_PAD, RandomTokens
 
@@ -519,6 +530,7 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--seed", type=int, default=0)
     # gmock's flags of the same names (bench.py passes them to both)
+    parser.add_argument("--itl-ms", type=float, default=0.0)
     parser.add_argument("--prefix-caching", action="store_true")
     parser.add_argument("--kv-events-config", type=json.loads, default=None, metavar="JSON")
     parser.add_argument("--num-gpu-blocks", type=int, default=65536)
@@ -580,31 +592,90 @@ def main(argv=None) -> int:
         engines.append(engine)
     owner = {sock: e for e in engines for sock in e.inputs}
 
+    lateness = Samples()
+    take = _input_handler(owner, lateness)
+    if args.itl_ms > 0:
+        _serve_paced(engines, poller, take, args.itl_ms / 1e3, lateness)
     while True:
         busy = any(e.busy for e in engines)
         for sock, _ in poller.poll(0 if busy else None):
-            engine = owner[sock]
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                kind, body = frames[0], msgpack.unpackb(frames[1], strict_map_key=False)
-                if kind == b"\x00":
-                    engine.add(body)
-                elif kind == b"\x01":
-                    for rid in body:
-                        engine.abort(rid)
-                elif kind == b"\x03":
-                    client, call_id, method = body[0], body[1], body[2]
-                    # get_supported_tasks is the one answer a real frontend cannot do without
-                    result = ["generate"] if method == "get_supported_tasks" else None
-                    reply = [engine.rank, [], None, time.monotonic(), [call_id, None, [None, result]]]
-                    engine.outputs[client].send(pack(reply))
+            take(sock)
         for engine in engines:
             if engine.busy:
                 engine.run_step()
 
+
+def _input_handler(owner: Dict[Any, Engine], lateness: Samples) -> Callable[[Any], None]:
+    """What to do with a readable input socket: every message it holds."""
+
+    def take(sock: Any) -> None:
+        engine = owner[sock]
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind, body = frames[0], msgpack.unpackb(frames[1], strict_map_key=False)
+            if kind == b"\x00":
+                engine.add(body)
+            elif kind == b"\x01":
+                for rid in body:
+                    engine.abort(rid)
+            elif kind == b"\x03":
+                client, call_id, method = body[0], body[1], body[2]
+                # get_supported_tasks is the one answer a real frontend cannot do without
+                result: Any = None
+                if method == "get_supported_tasks":
+                    result = ["generate"]
+                elif method == "gmock_stats":  # the bench driver's step lateness, as gmock answers it
+                    result = {"step_lateness_us": lateness.summary(scale=1e6)}
+                    if body[3][:1] == [True]:
+                        lateness.restart()
+                reply = [engine.rank, [], None, time.monotonic(), [call_id, None, [None, result]]]
+                engine.outputs[client].send(pack(reply))
+
+    return take
+
+
+def _serve_paced(engines: List[Engine], poller: Any, take: Callable[[Any], None], interval: float, lateness: Samples) -> None:
+    """The loop with --itl-ms: a step of every busy engine each `interval`
+    from the start of the one before; none while idle (then the next work
+    steps at once). Never returns."""
+    timer = TimerFD.create()
+    timer_fd = None
+    if timer is not None:
+        timer_fd = timer.fileno()
+        poller.register(timer_fd, zmq.POLLIN)
+    due: Optional[float] = None
+    while True:
+        busy = any(e.busy for e in engines)
+        if not busy:
+            due, timeout = None, None
+        elif due is None:
+            timeout = 0
+        else:
+            wait = due - time.monotonic()
+            # the timerfd (armed at `due`) wakes the poll; without one, whole milliseconds
+            timeout = 0 if wait <= 0 else (None if timer is not None else math.ceil(wait * 1e3))
+        for sock, _ in poller.poll(timeout):
+            if sock == timer_fd:
+                timer.consume()  # type: ignore[union-attr]
+            else:
+                take(sock)
+        started = time.monotonic()
+        if due is not None:
+            if started < due:
+                continue
+            lateness.add(started - due)
+        stepped = False
+        for engine in engines:
+            if engine.busy:
+                engine.run_step()
+                stepped = True
+        if stepped:
+            due = started + interval
+            if timer is not None:
+                timer.arm(due)
 
 if __name__ == "__main__":
     sys.exit(main())
