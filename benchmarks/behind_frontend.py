@@ -12,7 +12,9 @@ frontend's (API server + its helper processes), from /proc, over the bench.
 
 `--engine reference` puts the floor (tools/reference_emitter.py) in the
 mock's place under the same load, so the fraction has a yardstick: what the
-least a Python engine has to do costs behind this frontend.
+least a Python engine has to do costs behind this frontend. The floor takes
+the `--engine-arg` flags it knows (`--prefix-caching`, `--kv-events-config`,
+`--num-gpu-blocks`, `--block-size`, `--itl-ms`, each as `--flag=value`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 
 import e2e_harness as h  # noqa: E402
 
+from gmock_engine.tools.bench import FLOOR_FLAGS  # noqa: E402
 from gmock_engine.tools.procfs import tree_cpu_seconds  # noqa: E402
 
 
@@ -58,8 +61,10 @@ def main() -> int:
                     with_engine=options.engine == "gmock", engine_args=options.engine_arg, log_requests=options.log_requests)
     stack.start()
     if options.engine == "reference":
+        # the --engine-arg flags the floor takes too (bench.FLOOR_FLAGS: prefix caching, KV events; --itl-ms)
+        floor_args = [a for a in options.engine_arg if a.split("=", 1)[0] in (*FLOOR_FLAGS, "--itl-ms")]
         floor = [sys.executable, "-m", "gmock_engine.tools.reference_emitter",
-                 "--handshake-address", f"tcp://127.0.0.1:{stack.hs_port}", "--engine-count", str(options.dp)]
+                 "--handshake-address", f"tcp://127.0.0.1:{stack.hs_port}", "--engine-count", str(options.dp), *floor_args]
         stack.engine = h.ProcessGroup("reference-emitter", floor, work / "engine.log", env=dict(os.environ), cwd=ROOT)
         stack.engines.append(stack.engine)
         stack.wait_healthy()
