@@ -60,3 +60,37 @@ def test_timerfd_turns_readable_at_its_deadline_and_rearming_resets_it():
         assert not poll.poll(0) and not timer.consume()
     finally:
         timer.close()
+
+
+def test_arming_the_deadline_it_waits_for_again_costs_nothing_and_a_fired_one_rearms():
+    """A paced stepper woken by input re-arms the deadline it already waits
+    for: no second timerfd_settime; once that deadline has fired, arming it
+    again (a step that is still due) fires again."""
+    fired = []
+    done = gevent.event.Event()
+
+    def callback():
+        fired.append(time.monotonic())
+        done.set()
+
+    timer = StepTimer(callback)
+    settimes = []
+    real_arm = timer._timer.arm
+    timer._timer.arm = lambda deadline: settimes.append(deadline) or real_arm(deadline)
+    try:
+        deadline = time.monotonic() + 0.03
+        for _ in range(5):
+            timer.arm(deadline)
+        assert settimes == [deadline]
+        assert done.wait(5) and len(fired) == 1
+        done.clear()
+        timer.arm(deadline)  # fired already: armed again, fires at once
+        assert done.wait(5) and len(fired) == 2
+        assert settimes == [deadline, deadline]
+        done.clear()
+        later = time.monotonic() + 0.02
+        timer.arm(later)
+        timer.arm(later + 10)  # another deadline: replaces it
+        assert settimes[-1] == later + 10 and not done.wait(0.1)
+    finally:
+        timer.close()
