@@ -69,7 +69,7 @@ import zmq
 from .. import protocol
 from ..logprobs import LogprobModel
 from ..outbox import STATS_INTERVAL_S
-from ..prefix_cache import HASH_MASK
+from ..prefix_cache import block_hash, block_hashes
 from ..stats import Samples
 from ..steptimer import TimerFD
 from ..protocol import EngineCoreEventType, FinishReason
@@ -133,11 +133,7 @@ class FloorKV:
         prompt tokens that were cached."""
         size, cached = self.block_size, self.cached
         full = len(prompt) // size
-        hashes: List[int] = []
-        parent = 0
-        for j in range(full):
-            parent = hash((parent, tuple(prompt[j * size : (j + 1) * size]))) & HASH_MASK
-            hashes.append(parent)
+        hashes = list(block_hashes(prompt, size))
         blocks: List[_Block] = []
         for value in hashes[: (len(prompt) - 1) // size]:  # never the whole prompt: one token is computed
             holders = cached.get(value)
@@ -251,7 +247,7 @@ class FloorKV:
                 block_tokens = ids[at : at + size]  # the pool is padded: no wrap inside a block
             else:
                 block_tokens = prompt[j * size :] + ids[position : position + size + offset]
-            parent = hash((parent, tuple(block_tokens))) & HASH_MASK
+            parent = block_hash(parent, block_tokens)
             hashes.append(parent)
             block = blocks[j]
             block.hash = parent
@@ -676,6 +672,7 @@ def _serve_paced(engines: List[Engine], poller: Any, take: Callable[[Any], None]
             due = started + interval
             if timer is not None:
                 timer.arm(due)
+
 
 if __name__ == "__main__":
     sys.exit(main())
