@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 
 import e2e_harness as h  # noqa: E402
 
-from gmock_engine.tools.bench import FLOOR_FLAGS  # noqa: E402
+from gmock_engine.tools.bench import floor_engine_args  # noqa: E402
 from gmock_engine.tools.procfs import tree_cpu_seconds  # noqa: E402
 
 
@@ -61,8 +61,7 @@ def main() -> int:
                     with_engine=options.engine == "gmock", engine_args=options.engine_arg, log_requests=options.log_requests)
     stack.start()
     if options.engine == "reference":
-        # the --engine-arg flags the floor takes too (bench.FLOOR_FLAGS: prefix caching, KV events; --itl-ms)
-        floor_args = [a for a in options.engine_arg if a.split("=", 1)[0] in (*FLOOR_FLAGS, "--itl-ms")]
+        floor_args = floor_engine_args(options.engine_arg)  # the --engine-arg flags the floor takes too
         floor = [sys.executable, "-m", "gmock_engine.tools.reference_emitter",
                  "--handshake-address", f"tcp://127.0.0.1:{stack.hs_port}", "--engine-count", str(options.dp), *floor_args]
         stack.engine = h.ProcessGroup("reference-emitter", floor, work / "engine.log", env=dict(os.environ), cwd=ROOT)

@@ -308,8 +308,13 @@ class Driver:
 
 
 #: --engine-arg flags the reference emitter takes as well, as `--flag` or
-#: `--flag=value` (its features: prefix caching and KV events).
-FLOOR_FLAGS = ("--prefix-caching", "--kv-events-config", "--num-gpu-blocks", "--block-size")
+#: `--flag=value` (its features: prefix caching, KV events, pacing).
+FLOOR_FLAGS = ("--prefix-caching", "--kv-events-config", "--num-gpu-blocks", "--block-size", "--itl-ms")
+
+
+def floor_engine_args(engine_args: Sequence[str]) -> List[str]:
+    """The gmock flags among `engine_args` that the reference emitter takes too."""
+    return [a for a in engine_args if a.split("=", 1)[0] in FLOOR_FLAGS]
 
 
 def engine_command(target: str, args: argparse.Namespace, handshake: str) -> List[str]:
@@ -323,7 +328,7 @@ def engine_command(target: str, args: argparse.Namespace, handshake: str) -> Lis
     ]
     if target == "reference":
         # the features the floor does too take gmock's flags of the same names
-        floor_args = [a for a in args.engine_arg if a.split("=", 1)[0] in FLOOR_FLAGS]
+        floor_args = floor_engine_args(args.engine_arg)
         if args.itl_ms:
             floor_args += ["--itl-ms", str(args.itl_ms)]
         return [sys.executable, "-m", "gmock_engine.tools.reference_emitter", *common, *floor_args]
@@ -450,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--target", choices=("both", "gmock", "reference"), default="both", help="what to run (both: gmock, then reference)"
     )
     parser.add_argument("--engine-arg", action="append", default=[], help="extra gmock flag (repeatable), e.g. --engine-arg=--seed=3; the reference emitter takes "
-                        "the ones it knows too (--prefix-caching, --kv-events-config, --num-gpu-blocks, --block-size)")
+                        "the ones it knows too (bench.FLOOR_FLAGS: --prefix-caching, --kv-events-config, --num-gpu-blocks, --block-size, --itl-ms)")
     parser.add_argument("--json", metavar="FILE", help="also append the results as one JSON line to FILE")
     parser.add_argument(
         "--report", metavar="FILE.html", help="also write a self-contained HTML report with charts (needs the `report` extra: matplotlib)"
