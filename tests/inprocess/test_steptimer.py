@@ -8,7 +8,8 @@ import gevent.event
 from gmock_engine.steptimer import StepTimer
 
 
-def test_fires_once_not_before_the_deadline_and_rearm_replaces():
+def _recording_timer():
+    """A StepTimer whose callback records when it ran: (timer, times, event set on each)."""
     fired = []
     done = gevent.event.Event()
 
@@ -16,7 +17,11 @@ def test_fires_once_not_before_the_deadline_and_rearm_replaces():
         fired.append(time.monotonic())
         done.set()
 
-    timer = StepTimer(callback)
+    return StepTimer(callback), fired, done
+
+
+def test_fires_once_not_before_the_deadline_and_rearm_replaces():
+    timer, fired, done = _recording_timer()
     try:
         assert timer.precise  # Linux: timerfd
         start = time.monotonic()
@@ -66,14 +71,7 @@ def test_arming_the_deadline_it_waits_for_again_costs_nothing_and_a_fired_one_re
     """A paced stepper woken by input re-arms the deadline it already waits
     for: no second timerfd_settime; once that deadline has fired, arming it
     again (a step that is still due) fires again."""
-    fired = []
-    done = gevent.event.Event()
-
-    def callback():
-        fired.append(time.monotonic())
-        done.set()
-
-    timer = StepTimer(callback)
+    timer, fired, done = _recording_timer()
     settimes = []
     real_arm = timer._timer.arm
     timer._timer.arm = lambda deadline: settimes.append(deadline) or real_arm(deadline)
