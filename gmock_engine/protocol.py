@@ -399,6 +399,10 @@ class Wire:
         self.settled = self.fixed
         self.report = report
         self._mismatch_said = False
+        #: The shape (length, types of elements 5 and 6: all `fingerprint`
+        #: reads) of the last ADD found to be of the settled era: an ADD of
+        #: the same shape is of it too, without asking `fingerprint` again.
+        self._shape_seen: Any = None
 
     @classmethod
     def from_setting(cls, setting: str, report: Callable[[str], None] = lambda line: None) -> "Wire":
@@ -408,6 +412,9 @@ class Wire:
     def for_add(self, payload: Any) -> WireLayout:
         """The layout to decode this ADD with (and to answer in)."""
         if self._mismatch_said:
+            return self.layout
+        shape = (len(payload), type(payload[5]), type(payload[6])) if type(payload) is list and len(payload) >= 7 else None
+        if shape is not None and shape == self._shape_seen:
             return self.layout
         found = fingerprint(payload)
         if found is None:
@@ -421,6 +428,8 @@ class Wire:
             self._mismatch_said = True
             self.report(f"protocol: an ADD of {len(payload)} elements has the shape of vLLM {found[0].versions}, "
                         f"but this engine speaks {self.layout.versions}; decoded as {self.layout.versions} (said once)")
+        else:
+            self._shape_seen = shape
         return self.layout
 
 
@@ -672,7 +681,7 @@ def _cut(value: Any, limit: int = 60) -> str:
 
 def _int_list(sampling: Dict[str, Any], key: str) -> Tuple[int, ...]:
     value = sampling.get(key)
-    if value is None:
+    if value is None or value == []:  # (stop_token_ids of nearly every ADD)
         return ()
     if type(value) is not list or not _all_ints(value):
         raise BadValue(f"{key} is not an array of ints")

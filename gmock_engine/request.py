@@ -223,7 +223,8 @@ def plan(
     # bans only after their prefix); +100 forces its ids; allowed_token_ids
     # is the pool everything else is drawn from.
     bias = core_request.logit_bias
-    banned = {word[-1] for word in core_request.bad_words_token_ids}
+    bad_words = core_request.bad_words_token_ids
+    banned = {word[-1] for word in bad_words} if bad_words else set()
     forced: List[int] = []
     if bias:
         banned.update(t for t, b in bias.items() if b <= -100)

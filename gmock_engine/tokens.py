@@ -26,7 +26,7 @@ and a request repeats its ids only after RANDOM_POOL_SIZE tokens.
 from __future__ import annotations
 
 import hashlib
-from typing import AbstractSet, List, Optional, Sequence, Tuple, Union
+from typing import AbstractSet, Any, List, Optional, Sequence, Tuple, Union
 
 from .protocol import TOKEN_ID_LIMIT
 
@@ -35,10 +35,23 @@ _LCG_MUL = 6364136223846793005
 _LCG_INC = 1442695040888963407
 
 
+#: blake2b states that have hashed `f"{seed}\0{rank}\0"`, per (seed, rank):
+#: a request's seed copies one and adds its id, instead of formatting and
+#: hashing the whole string (~0.25 µs instead of ~0.6 an ADD, issue 17).
+_seed_prefixes: "dict[Tuple[int, int], Any]" = {}
+
+
 def request_seed(seed: int, rank: int, request_id: str) -> int:
-    """A stable 64-bit seed for one request (Python's hash() is salted per process)."""
-    digest = hashlib.blake2b(f"{seed}\0{rank}\0{request_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+    """A stable 64-bit seed for one request (Python's hash() is salted per
+    process): blake2b of `f"{seed}\0{rank}\0{request_id}"`, 8 bytes."""
+    prefix = _seed_prefixes.get((seed, rank))
+    if prefix is None:
+        if len(_seed_prefixes) >= 4096:
+            _seed_prefixes.clear()
+        prefix = _seed_prefixes[seed, rank] = hashlib.blake2b(f"{seed}\0{rank}\0".encode(), digest_size=8)
+    state = prefix.copy()
+    state.update(request_id.encode())
+    return int.from_bytes(state.digest(), "little")
 
 
 #: Ids in the random pool; a request's ids repeat after this many tokens.

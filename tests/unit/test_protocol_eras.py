@@ -116,6 +116,23 @@ def test_a_later_add_of_another_era_is_said_once_and_the_layout_stays():
     assert len(said) == 2 and "has the shape of vLLM 0.17–0.20.0" in said[1]
 
 
+@pytest.mark.parametrize("settled, other", [("0.15", "0.17"), ("0.17", "0.15"), ("0.16", "0.20.1"), ("0.33", "0.28")])
+def test_an_add_of_another_era_after_many_of_the_settled_one_is_still_said(settled, other):
+    # Wire.for_add skips `fingerprint` for an ADD shaped as the last one of
+    # the settled era; 0.15 and 0.17 (0.16 and 0.20.1) have the same length
+    # and differ only in the types of elements 5 and 6
+    said = []
+    wire = Wire(report=said.append)
+    for _ in range(3):
+        protocol.decode_add(era_add(WIRE_LAYOUTS[settled]), wire)
+    assert len(said) == 1
+    detected = wire.layout
+    payload = era_add(WIRE_LAYOUTS[other])
+    protocol.decode_add(payload, wire)
+    assert len(said) == 2 and f"has the shape of vLLM {protocol.fingerprint(payload)[0].versions}" in said[1]
+    assert wire.layout is detected
+
+
 def test_an_explicit_version_always_wins_and_a_mismatch_is_said_once():
     said = []
     wire = Wire.from_setting("0.25.1", said.append)

@@ -12,6 +12,20 @@ def test_seed_is_stable_and_depends_on_every_part():
     assert len({request_seed(0, 0, "a"), request_seed(1, 0, "a"), request_seed(0, 1, "a"), request_seed(0, 0, "b")}) == 4
 
 
+@pytest.mark.parametrize("seed, rank, request_id", [(0, 0, "a"), (7, 3, "cmpl-1f-0"), (-5, -1, "token-pool"), (0, 0, ""), (1, 2, "é\0x")])
+def test_seed_is_blake2b_of_seed_rank_and_id_whatever_was_asked_before(seed, rank, request_id):
+    # request_seed hashes `seed\0rank\0` once per (seed, rank) and copies that
+    # state: the seed stays the hash of the whole string, call after call (a
+    # state updated in place instead of copied would move on each call)
+    import hashlib
+
+    expected = int.from_bytes(hashlib.blake2b(f"{seed}\0{rank}\0{request_id}".encode(), digest_size=8).digest(), "little")
+    for other in ("x", request_id, "y"):
+        request_seed(seed, rank, other)
+    assert request_seed(seed, rank, request_id) == expected
+    assert request_seed(seed, rank, request_id) == expected
+
+
 def test_draw_is_uniform_enough_and_resumable():
     source = RandomTokens(vocab_size=10, seed=3, rank=0)
     state = source.initial_state("r")
