@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import gevent
 from loguru import logger
 
-from . import __version__, kv_events
+from . import __version__, kv_event_publisher
 from .config import ConfigError, format_config, parse_config
 from .logs import setup_logging
 from .runtime import App
@@ -145,7 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        except kv_events.BindError as exc:  # the KV event PUB / replay ROUTER (issue 15)
+        except kv_event_publisher.BindError as exc:  # the KV event PUB / replay ROUTER (issue 15)
             print(f"gmock-engine: error: argument --kv-events-config: {exc}", file=sys.stderr)
             return 2
         app.supervisor.spawn("no-frontend-hint", _hint_if_no_frontend, app, config)

@@ -122,7 +122,7 @@ class EngineSettings:
     #: Prefix caching: prompt blocks seen before are not prefilled again.
     prefix_caching: bool = False
     #: KV events (--kv-events-config): the prefix cache records what it
-    #: stores, evicts and clears, for `take_kv_events` (kv_events.py publishes).
+    #: stores, evicts and clears, for `take_kv_events` (kv_event_publisher.py publishes).
     kv_events: bool = False
     #: Synthetic logprobs (logprobs.py): the top-1 token's mean probability,
     #: and how often the sampled token is the top-1.

@@ -51,7 +51,7 @@ class EngineCollector(Collector):
         generation = GaugeMetricFamily(
             "gmock_engine_config_generation", "configuration generation the engine runs with (its stepper took it)", labels=["engine"]
         )
-        # KV-cache events (kv_events.py): published batches and events, batches
+        # KV-cache events (kv_event_publisher.py): published batches and events, batches
         # dropped at a full queue, replay requests served, batches replayed,
         # malformed replay requests ignored; the kv-* faults count in gmock_faults_injected
         kv_events = CounterMetricFamily("gmock_kv_events", "KV-cache event publisher counters, by name", labels=["engine", "counter"])

@@ -57,7 +57,7 @@ import gevent.queue
 import zmq.green as zmq
 from loguru import logger
 
-from . import fault_injection, faults, kv_events, kv_transfer, lengths, logs, protocol, reload, tokens, transport
+from . import fault_injection, faults, kv_event_publisher, kv_events, kv_transfer, lengths, logs, protocol, reload, tokens, transport
 from .engine import Drain, EngineCore, EngineSettings, LedgerViolation, Outbound
 from .faults import FaultSpec
 from .latency import LatencyModel
@@ -198,12 +198,12 @@ class EngineRunner:
         self.generation = 1
         #: A reload waiting for the stepper (taken between two steps).
         self._pending: Optional[Reconfiguration] = None
-        # -- KV-cache events (kv_events.py): None unless --kv-events-config enables them --
-        self.kv_events: Optional[kv_events.KVEventPublisher] = None
+        # -- KV-cache events (kv_event_publisher.py): None unless --kv-events-config enables them --
+        self.kv_events: Optional[kv_event_publisher.KVEventPublisher] = None
         events_config = getattr(config, "kv_events_config", None)
         if events_config is not None and events_config.enabled:
             # the format of the frontend's era, read per batch: `auto` learns it from the first ADD
-            self.kv_events = kv_events.KVEventPublisher(
+            self.kv_events = kv_event_publisher.KVEventPublisher(
                 ctx, events_config, rank, config.block_size, self.log, self.throttle, lambda: self.faults,
                 lambda: kv_events.EventFormat.of(self.wire.layout),
             )
@@ -221,7 +221,7 @@ class EngineRunner:
     # -- startup ---------------------------------------------------------------
 
     def start(self) -> None:
-        """Bind the KV event sockets (kv_events.BindError if they cannot be),
+        """Bind the KV event sockets (kv_event_publisher.BindError if they cannot be),
         then spawn the handshake; it spawns the serving greenlets when done."""
         if self.kv_events is not None:
             self.kv_events.bind()  # before the handshake: the ready response names the endpoints

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import signal
 import sys
@@ -66,7 +65,7 @@ from typing import Any, Callable, Dict, List, Optional
 import msgpack
 import zmq
 
-from .. import protocol
+from .. import kv_events, protocol
 from ..logprobs import LogprobModel
 from ..outbox import STATS_INTERVAL_S
 from ..prefix_cache import block_hash, block_hashes
@@ -511,7 +510,7 @@ def _publisher(pub: Any, topic: bytes, rank: int) -> Callable[[List[Any]], None]
 
     def publish(events: List[Any]) -> None:
         nonlocal seq
-        pub.send_multipart((topic, seq.to_bytes(8, "big"), pack([time.time(), events, rank])), zmq.NOBLOCK)
+        pub.send_multipart((topic, kv_events.seq_bytes(seq), pack(kv_events.batch_payload(time.time(), events, rank))), zmq.NOBLOCK)
         seq += 1
 
     return publish
@@ -528,11 +527,11 @@ def main(argv=None) -> int:
     # gmock's flags of the same names (bench.py passes them to both)
     parser.add_argument("--itl-ms", type=float, default=0.0)
     parser.add_argument("--prefix-caching", action="store_true")
-    parser.add_argument("--kv-events-config", type=json.loads, default=None, metavar="JSON")
+    parser.add_argument("--kv-events-config", type=kv_events.parse_config, default=None, metavar="JSON")
     parser.add_argument("--num-gpu-blocks", type=int, default=65536)
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args(argv)
-    events = args.kv_events_config if args.kv_events_config and args.kv_events_config.get("enable_kv_cache_events") else None
+    events = args.kv_events_config if args.kv_events_config is not None and args.kv_events_config.enabled else None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     # As gmock's entry point (cli.py): the cyclic GC runs rarely. A step's
     # lists are acyclic and freed by reference counting; with the default
@@ -565,12 +564,9 @@ def main(argv=None) -> int:
             publish = None
             if events is not None:
                 pub = ctx.socket(zmq.PUB)
-                endpoint = events.get("endpoint", "tcp://*:5557")
-                host, _, port = endpoint.rpartition(":")
-                if endpoint.startswith("tcp://") and port != "0":  # vLLM's offset_endpoint_port: the rank's port
-                    endpoint = f"{host}:{int(port) + rank}"
-                pub.bind(endpoint)
-                publish = _publisher(pub, events.get("topic", "").encode(), rank)
+                mine = events.for_rank(rank)  # vLLM's offset_endpoint_port: the rank's port
+                pub.bind(mine.endpoint)
+                publish = _publisher(pub, mine.topic.encode(), rank)
             kv = FloorKV(args.num_gpu_blocks, args.block_size, tokens, args.output_token_chunk_size, publish)
         engine = Engine(rank, args.output_token_chunk_size, tokens, layout, kv)
         for address in addresses["inputs"]:
