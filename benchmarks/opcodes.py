@@ -14,8 +14,9 @@ C, msgpack and list methods, is not counted; the timed benches are for that).
     .venv/bin/python benchmarks/opcodes.py                       # 2 ADDs a step: ~128 running, 2 ending each step
     .venv/bin/python benchmarks/opcodes.py --adds-every 20 --adds 1   # ~3 running: a step behind vllm serve
 
-Prints opcodes per request and per step for both, the ratio, and gmock's
-most expensive functions.
+Prints opcodes per request and per step for both, the ratio, each one's
+opcodes a request by module (the layer that pays), and gmock's most
+expensive functions.
 """
 
 from __future__ import annotations
@@ -150,6 +151,14 @@ def main() -> int:
     gmock_total = sum(results["gmock"][0].values())
     floor_total = sum(results["floor"][0].values())
     print(f"ratio gmock/floor opcodes: {gmock_total / floor_total:.2f}")
+    # by module: which layer a request's price is paid in (the floor is one
+    # module and what it calls of protocol.py and tokens.py)
+    for name in ("gmock", "floor"):
+        modules: Counter[str] = collections.Counter()
+        for (filename, _), count in results[name][0].items():
+            modules[filename] += count
+        print(f"{name}'s modules, opcodes a request: "
+              + ", ".join(f"{filename} {count / args.requests:,.0f}" for filename, count in modules.most_common()))
     print(f"gmock's functions, opcodes a request (of {gmock_total / args.requests:,.0f}):")
     for (filename, function), count in results["gmock"][0].most_common(args.top):
         print(f"  {count / args.requests:8,.1f}  {filename}:{function}")
