@@ -13,6 +13,7 @@ C, msgpack and list methods, is not counted; the timed benches are for that).
 
     .venv/bin/python benchmarks/opcodes.py                       # 2 ADDs a step: ~128 running, 2 ending each step
     .venv/bin/python benchmarks/opcodes.py --adds-every 20 --adds 1   # ~3 running: a step behind vllm serve
+    .venv/bin/python benchmarks/opcodes.py --requests 4000 --timed 3  # and CPU µs a request, untraced
 
 Prints opcodes per request and per step for both, the ratio, each one's
 opcodes a request by module (the layer that pays), and gmock's most
@@ -26,6 +27,7 @@ import collections
 import gc
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Counter, List, Tuple
 
@@ -136,6 +138,9 @@ def main() -> int:
     parser.add_argument("--adds", type=int, default=2, help="ADDs before a step that takes any")
     parser.add_argument("--adds-every", type=int, default=1, help="ADDs before every Nth step only")
     parser.add_argument("--top", type=int, default=12, help="gmock's functions listed")
+    parser.add_argument("--timed", type=int, default=0, metavar="N",
+                        help="also N timed runs of each, untraced: CPU µs a request (process_time; noisy on a shared VM, "
+                             "the opcodes are not)")
     args = parser.parse_args()
     if min(args.requests, args.max_tokens, args.adds, args.adds_every) < 1:
         parser.error("--requests, --max-tokens, --adds and --adds-every must be at least 1")
@@ -159,7 +164,20 @@ def main() -> int:
             modules[filename] += count
         print(f"{name}'s modules, opcodes a request: "
               + ", ".join(f"{filename} {count / args.requests:,.0f}" for filename, count in modules.most_common()))
-    print(f"gmock's functions, opcodes a request (of {gmock_total / args.requests:,.0f}):")
+    for run in range(args.timed):
+        # the same drive without the tracer, each engine fresh and warmed
+        # as above; CPU time, so a descheduled moment does not count
+        line = []
+        for name, make in (("gmock", gmock_loop), ("floor", floor_loop)):
+            loop = make()
+            drive(loop, frames[: args.requests], args.adds, args.adds_every, None)
+            started = time.process_time()
+            drive(loop, frames[args.requests :], args.adds, args.adds_every, None)
+            line.append((name, (time.process_time() - started) / args.requests * 1e6))
+        print(f"timed run {run + 1}: " + ", ".join(f"{name} {us:.1f} µs a request" for name, us in line)
+              + f", ratio {line[0][1] / line[1][1]:.2f}")
+    if args.top:
+        print(f"gmock's functions, opcodes a request (of {gmock_total / args.requests:,.0f}):")
     for (filename, function), count in results["gmock"][0].most_common(args.top):
         print(f"  {count / args.requests:8,.1f}  {filename}:{function}")
     return 0
