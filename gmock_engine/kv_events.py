@@ -170,42 +170,54 @@ def encode_events(events: Sequence[Tuple[Any, ...]], block_size: int, fmt: Event
     (omit_defaults: lora_id/lora_name/parent are always there, maybe nil;
     extra_keys and the later optional fields only when set: never here)."""
     out: List[Any] = []
-    group = 0 if fmt.group_idx else None
     for event in events:
         tag = event[0]
         if tag == STORED:
             _, hashes, parent, token_ids = event[:4]
             lora_id, lora_name = (event[4], event[5]) if len(event) > 5 else (None, None)
-            if fmt.tagged_maps:
-                item: Any = {
-                    "type": STORED,
-                    "block_hashes": hashes,
-                    "parent_block_hash": parent,
-                    "token_ids": token_ids,
-                    "block_size": block_size,
-                    "lora_id": lora_id,
-                    "medium": MEDIUM_GPU,
-                    "lora_name": lora_name,
-                }
-                if group is not None:
-                    item["group_idx"] = group
-            else:
-                item = [STORED, hashes, parent, token_ids, block_size, lora_id, MEDIUM_GPU, lora_name]
-                if group is not None:
-                    item += [None, group]  # extra_keys (default, but not trailing), group_idx
+            out.append(block_stored(hashes, parent, token_ids, block_size, fmt, lora_id, lora_name))
         elif tag == REMOVED:
-            if fmt.tagged_maps:
-                item = {"type": REMOVED, "block_hashes": event[1], "medium": MEDIUM_GPU}
-                if group is not None:
-                    item["group_idx"] = group
-            else:
-                item = [REMOVED, event[1], MEDIUM_GPU] + ([group] if group is not None else [])
+            out.append(block_removed(event[1], fmt))
         elif tag == CLEARED:
-            item = {"type": CLEARED} if fmt.tagged_maps else [CLEARED]
+            out.append({"type": CLEARED} if fmt.tagged_maps else [CLEARED])
         else:
             raise ValueError(f"not a KV event: {event!r}")
-        out.append(item)
     return out
+
+
+def block_stored(
+    hashes: List[int], parent: Optional[int], token_ids: List[int], block_size: int, fmt: EventFormat,
+    lora_id: Optional[int] = None, lora_name: Optional[str] = None,
+) -> Any:
+    """One BlockStored as `fmt`'s vLLM encodes it (the floor, reference_emitter.py, makes its events with it too)."""
+    if fmt.tagged_maps:
+        item: Any = {
+            "type": STORED,
+            "block_hashes": hashes,
+            "parent_block_hash": parent,
+            "token_ids": token_ids,
+            "block_size": block_size,
+            "lora_id": lora_id,
+            "medium": MEDIUM_GPU,
+            "lora_name": lora_name,
+        }
+        if fmt.group_idx:
+            item["group_idx"] = 0
+        return item
+    item = [STORED, hashes, parent, token_ids, block_size, lora_id, MEDIUM_GPU, lora_name]
+    if fmt.group_idx:
+        item += [None, 0]  # extra_keys (default, but not trailing), group_idx
+    return item
+
+
+def block_removed(hashes: List[int], fmt: EventFormat) -> Any:
+    """One BlockRemoved as `fmt`'s vLLM encodes it."""
+    if fmt.tagged_maps:
+        item: Any = {"type": REMOVED, "block_hashes": hashes, "medium": MEDIUM_GPU}
+        if fmt.group_idx:
+            item["group_idx"] = 0
+        return item
+    return [REMOVED, hashes, MEDIUM_GPU] + ([0] if fmt.group_idx else [])
 
 
 def batch_payload(ts: float, encoded: List[Any], data_parallel_rank: int) -> List[Any]:

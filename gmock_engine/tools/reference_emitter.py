@@ -76,6 +76,8 @@ from ..tokens import POOL_PAD, RandomTokens
 
 #: EngineCoreRequest fields read here (the 0.33 layout the bench driver sends).
 _PROMPT, _SAMPLING, _CLIENT = 1, 3, 11
+#: KV events as the floor's era (the layout it speaks: protocol.DEFAULT_PROTOCOL_VERSION) encodes them
+_EVENT_FORMAT = kv_events.EventFormat.of(protocol.layout_for_version(protocol.DEFAULT_PROTOCOL_VERSION))
 
 
 class _Block:
@@ -103,8 +105,8 @@ class FloorKV:
     its length and the chunk, and it is looked at in those steps only
     (`at`, as the finish buckets). A full block's tokens are sliced out of
     its prompt and the token pool at its position, which is where its
-    output came from. The events are made as vLLM encodes them (0.33:
-    tagged maps) and sent as one KVEventBatch per step (`publish`); none
+    output came from. The events are made as vLLM encodes them
+    (kv_events.block_stored / block_removed, 0.33: tagged maps) and sent as one KVEventBatch per step (`publish`); none
     are kept when nothing publishes them.
     """
 
@@ -273,17 +275,14 @@ class FloorKV:
                 block.hash = None
                 block.ref = 1
                 if self.events is not None:
-                    self.events.append({"type": "BlockRemoved", "block_hashes": [value], "medium": "GPU", "group_idx": 0})
+                    self.events.append(kv_events.block_removed([value], _EVENT_FORMAT))
             else:
                 block = _Block()
             self.held += 1
             blocks.append(block)
 
     def _stored(self, hashes: List[int], parent: Optional[int], tokens: List[int]) -> None:
-        self.events.append({  # type: ignore[union-attr]
-            "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-            "block_size": self.block_size, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0,
-        })  # fmt: skip
+        self.events.append(kv_events.block_stored(hashes, parent, tokens, self.block_size, _EVENT_FORMAT))  # type: ignore[union-attr]
 
 
 class Engine:
