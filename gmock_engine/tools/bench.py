@@ -357,7 +357,7 @@ def run_target(target: str, args: argparse.Namespace) -> Dict[str, Any]:
             driver.run(args.warmup, measure=False)
         # step lateness: gmock's, and paced the floor's (both answer gmock_stats)
         lateness_of = target == "gmock" or bool(args.itl_ms)
-        if lateness_of and args.itl_ms:
+        if args.itl_ms:
             # step lateness over the measured window only: the warm-up's
             # steps (every first output at once) would set its p99
             for rank in range(args.engines):
