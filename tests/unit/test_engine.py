@@ -1,27 +1,14 @@
 """The pure engine: step, finish, determinism, aborts, utilities (no sockets)."""
 
-import itertools
-
 import pytest
 
 from gmock_engine.engine import EngineCore, EngineSettings
 from gmock_engine.protocol import AbortRequests, EngineCoreRequest, FinishReason, StartDPWave, UtilityCall
-from engine_steps import outputs_of, run, tokens_of
-
-
-class Clock:
-    def __init__(self):
-        self.ticks = itertools.count(1)
-
-    def __call__(self):
-        return float(next(self.ticks))
+from engine_steps import TickClock, engine_with, outputs_of, run, tokens_of
 
 
 def make(chunk=1, clients=2, seed=0, rank=0, vocab=32000):
-    return EngineCore(
-        EngineSettings(rank=rank, num_clients=clients, output_token_chunk_size=chunk, seed=seed, vocab_size=vocab),
-        clock=Clock(),
-    )
+    return engine_with(TickClock(), rank=rank, num_clients=clients, output_token_chunk_size=chunk, seed=seed, vocab_size=vocab)
 
 
 def add(rid, max_tokens=16, client=0, sampling=True, **kw):
@@ -298,7 +285,7 @@ RS_FE_REQUIRED_STATS = {
 
 
 def test_scheduler_stats_follow_running_and_drop_to_zero():
-    engine = EngineCore(EngineSettings(rank=2, num_clients=2, num_gpu_blocks=10, block_size=16), clock=Clock())
+    engine = EngineCore(EngineSettings(rank=2, num_clients=2, num_gpu_blocks=10, block_size=16), clock=TickClock())
     engine.apply(add("a", 3, client=1))
     engine.apply(add("b", 2, client=0))
     first = engine.step()
@@ -317,7 +304,7 @@ def test_scheduler_stats_follow_running_and_drop_to_zero():
 
 
 def test_stats_also_go_to_the_coordinator():
-    engine = EngineCore(EngineSettings(rank=1, num_clients=1, has_coordinator=True), clock=Clock())
+    engine = EngineCore(EngineSettings(rank=1, num_clients=1, has_coordinator=True), clock=TickClock())
     engine.apply(add("a", 2))
     sent = engine.step()
     coordinator = [m for c, m in sent if c == -1]
@@ -363,7 +350,7 @@ def test_a_one_token_request_gets_events_and_finish_in_one_output():
 def test_echo_source_through_the_engine():
     from gmock_engine.tokens import EchoTokens
 
-    engine = EngineCore(EngineSettings(rank=0, num_clients=1, token_source=EchoTokens()), clock=Clock())
+    engine = EngineCore(EngineSettings(rank=0, num_clients=1, token_source=EchoTokens()), clock=TickClock())
     engine.apply(EngineCoreRequest("e", 3, 5, True, prompt_token_ids=[7, 8, 9]))
     assert tokens_of(run(engine), "e") == [7, 8, 9, 7, 8]
 

@@ -6,50 +6,20 @@ import msgpack
 import pytest
 
 from gmock_engine import protocol
-from gmock_engine.engine import EngineCore, EngineSettings
 from gmock_engine.ledger import Ledger
 from gmock_engine.logs import Throttle, short
 from gmock_engine.protocol import EngineCoreRequest, FinishReason, InvalidRequest, UtilityCall
 from gmock_engine.tokens import EchoTokens, FileTokens, RandomTokens
+from engine_steps import Clock, engine_with, outputs_of, run
 
 ERROR_AT = protocol.WIRE_LAYOUTS["0.33"].output_position("error")
 EOS = 31999
-
-
-class Clock:
-    def __init__(self, now=100.0):
-        self.now = now
-
-    def __call__(self):
-        return self.now
-
-
-def engine(clock=None, **settings):
-    return EngineCore(EngineSettings(rank=0, num_clients=1, **settings), clock=clock or Clock())
 
 
 def req(rid="r", max_tokens=10, prompt_len=4, **kw):
     kw.setdefault("eos_token_id", EOS)
     kw.setdefault("all_stop_token_ids", (EOS,))
     return EngineCoreRequest(rid, prompt_len, max_tokens, True, **kw)
-
-
-def run(e, clock=None, limit=10_000):
-    """Step until idle; every message must pack. Returns the messages."""
-    sent = []
-    for _ in range(limit):
-        if not e.has_work:
-            return sent
-        for _, message in e.step():
-            msgpack.packb(message, use_bin_type=True)
-            sent.append(message)
-        if clock is not None:
-            clock.now += 0.01
-    raise AssertionError("never idle")
-
-
-def outputs_of(messages, rid):
-    return [o for m in messages for o in m[1] if o[0] == rid]
 
 
 # -- vllm_xargs: taken strictly, refused with a message naming key and value --
@@ -85,9 +55,10 @@ BAD_XARGS = [
 def test_a_bad_vllm_xargs_value_ends_that_request_with_an_error_naming_it(xargs, reason):
     import re
 
-    e = engine()
-    sent = [m for _, m in e.apply(req(extra_args=xargs))]
-    [output] = outputs_of(sent, "r")
+    e = engine_with(Clock())
+    out = e.apply(req(extra_args=xargs))
+    sent = [m for _, m in out]
+    [output] = outputs_of(out, "r")
     assert output[5] == FinishReason.ERROR and sent[0][5] == ["r"]
     assert output[ERROR_AT]["code"] == "validation_error"
     assert re.search(reason, output[ERROR_AT]["message"]), output[ERROR_AT]["message"]
@@ -112,16 +83,16 @@ def test_a_bad_vllm_xargs_value_ends_that_request_with_an_error_naming_it(xargs,
 )
 def test_good_vllm_xargs_values_still_work(xargs, tokens, finish):
     clock = Clock()
-    e = engine(clock)
+    e = engine_with(clock)
     e.apply(req(extra_args=xargs))
-    outputs = outputs_of(run(e, clock), "r")
+    outputs = outputs_of(run(e, clock, tick=0.01), "r")
     assert sum(len(o[1]) for o in outputs) == tokens and outputs[-1][5] == finish
     if "mock_stop_token_id" in xargs:
         assert outputs[-1][6] == 2**32 - 1 and outputs[-1][1][-1] == 2**32 - 1
 
 
 def test_an_invalid_request_from_the_decoder_is_answered_once():
-    e = engine()
+    e = engine_with(Clock())
     out = e.apply(InvalidRequest("bad", 0, "priority 'x' is not an int"))
     [(client, message)] = out
     assert client == 0 and message[5] == ["bad"]
@@ -132,13 +103,13 @@ def test_an_invalid_request_from_the_decoder_is_answered_once():
 
 
 def test_a_prompt_longer_than_max_model_len_is_refused():
-    e = engine(max_model_len=100)
+    e = engine_with(max_model_len=100)
     [(_, message)] = e.apply(req(prompt_len=101))
     assert message[1][0][5] == FinishReason.ERROR and "max_model_len 100" in message[1][0][ERROR_AT]["message"]
 
 
 def test_utility_calls_with_wrong_arguments_fail_that_call_only():
-    e = engine()
+    e = engine_with(Clock())
     for call_id, (method, args) in enumerate(
         [("sleep", [[1, 2]]), ("sleep", [2**64 - 1, {"m": 1}]), ("pause_generation", [{"a": 1}]), ("set_weight_version", [5]), ("x" * 10_000, [])]
     ):
@@ -156,7 +127,7 @@ def test_utility_calls_with_wrong_arguments_fail_that_call_only():
 
 
 def test_stop_ids_covering_the_vocabulary_stop_on_the_first_token():
-    e = engine(vocab_size=50)
+    e = engine_with(vocab_size=50)
     e.apply(req(max_tokens=20, eos_token_id=None, all_stop_token_ids=(), stop_token_ids=tuple(range(50))))
     outputs = outputs_of(run(e), "r")
     assert sum(len(o[1]) for o in outputs) == 1
@@ -165,7 +136,7 @@ def test_stop_ids_covering_the_vocabulary_stop_on_the_first_token():
 
 
 def test_covering_with_eos_reports_no_stop_reason_and_honours_min_tokens():
-    e = engine(vocab_size=50)
+    e = engine_with(vocab_size=50)
     e.apply(req(max_tokens=20, eos_token_id=7, all_stop_token_ids=(7,), stop_token_ids=tuple(i for i in range(50) if i != 7), min_tokens=3))
     outputs = outputs_of(run(e), "r")
     tokens = [t for o in outputs for t in o[1]]
@@ -174,13 +145,13 @@ def test_covering_with_eos_reports_no_stop_reason_and_honours_min_tokens():
 
 
 def test_covering_stops_even_on_the_last_allowed_token():
-    e = engine(vocab_size=10)
+    e = engine_with(vocab_size=10)
     e.apply(req(max_tokens=1, eos_token_id=None, all_stop_token_ids=(), stop_token_ids=tuple(range(10))))
     assert outputs_of(run(e), "r")[-1][5] == FinishReason.STOP  # vLLM checks stops before length
 
 
 def test_ignore_eos_leaves_the_eos_out_of_the_covering_set():
-    e = engine(vocab_size=10)
+    e = engine_with(vocab_size=10)
     e.apply(req(max_tokens=6, eos_token_id=3, all_stop_token_ids=(3,), ignore_eos=True, stop_token_ids=tuple(i for i in range(10) if i != 3)))
     outputs = outputs_of(run(e), "r")
     assert sum(len(o[1]) for o in outputs) == 6 and outputs[-1][5] == FinishReason.LENGTH
@@ -212,9 +183,9 @@ def test_a_request_is_never_preempted_by_its_own_first_step():
     It was admitted, preempted and re-admitted 16 steps in a row without a
     token; now it cannot fit (prompt + first token > 5 blocks): one ERROR."""
     clock = Clock()
-    e = engine(clock, kv_blocks=5, block_size=16)
+    e = engine_with(clock, kv_blocks=5, block_size=16)
     e.apply(EngineCoreRequest("big", 80, 20, True))
-    sent = run(e, clock)
+    sent = run(e, clock, tick=0.01)
     outputs = outputs_of(sent, "big")
     assert [o[5] for o in outputs] == [FinishReason.ERROR] and outputs[0][ERROR_AT]["code"] == "kv_cache_too_small"
     assert e.counters["preemptions"] == 0
@@ -222,10 +193,10 @@ def test_a_request_is_never_preempted_by_its_own_first_step():
 
 def test_under_kv_pressure_no_request_is_preempted_in_the_step_that_admitted_it():
     clock = Clock()
-    e = engine(clock, kv_blocks=6, block_size=4, prefix_caching=True)
+    e = engine_with(clock, kv_blocks=6, block_size=4, prefix_caching=True)
     for i in range(6):
         e.apply(EngineCoreRequest(f"r{i}", 3 + i % 3, 12, True, prompt_token_ids=[i] * (3 + i % 3)))
-    sent = run(e, clock)
+    sent = run(e, clock, tick=0.01)
     assert e.counters["preemptions"] > 0  # the pressure is real
     for i in range(6):
         rid = f"r{i}"
@@ -241,11 +212,11 @@ def test_no_admission_in_a_step_that_preempted():
     """Seen on the wire: no request is SCHEDULED at the time of a step in
     which any request was PREEMPTED (each step has its own time here)."""
     clock = Clock()
-    e = engine(clock, kv_blocks=4, block_size=4)
+    e = engine_with(clock, kv_blocks=4, block_size=4)
     e.apply(EngineCoreRequest("a", 3, 6, True))
     e.apply(EngineCoreRequest("b", 3, 6, True))
     e.apply(EngineCoreRequest("c", 1, 6, True))  # fits only when something leaves
-    sent = run(e, clock)
+    sent = run(e, clock, tick=0.01)
     events = [event for rid in "abc" for event in events_of(sent, rid)]
     preempted_at = {t for kind, t in events if kind == 3}
     scheduled_at = {t for kind, t in events if kind == 2}
@@ -259,7 +230,7 @@ def test_no_admission_in_a_step_that_preempted():
 
 def test_stats_follow_the_kv_usage_of_a_long_request():
     clock = Clock()
-    e = engine(clock, num_gpu_blocks=10, block_size=16)
+    e = engine_with(clock, num_gpu_blocks=10, block_size=16)
     e.apply(req(max_tokens=140, prompt_len=4))
     usages = []
     while e.has_work:

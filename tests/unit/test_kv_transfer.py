@@ -11,7 +11,7 @@ from gmock_engine.engine import EngineCore, EngineSettings
 from gmock_engine.faults import parse_spec
 from gmock_engine.kv_transfer import KVTransferSettings, parse_kv_transfer_config
 from gmock_engine.protocol import EngineCoreRequest, FinishReason
-from engine_steps import outputs_of, tokens_of
+from engine_steps import Clock, outputs_of, run_due, tokens_of
 
 #: What vLLM's disaggregated-serving proxy sends the prefill server (toy_proxy_server.py).
 PROXY_PREFILL_PARAMS = {
@@ -24,16 +24,6 @@ PROXY_PREFILL_PARAMS = {
 }
 
 
-class Clock:
-    """A clock the test moves."""
-
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
-
-
 def make(role="both", clock=None, **kw):
     settings = None if role is None else KVTransferSettings(role=role, **kw)
     clock = clock or Clock()
@@ -42,18 +32,6 @@ def make(role="both", clock=None, **kw):
 
 def add(rid, max_tokens=8, prompt_len=40, **extra_args):
     return EngineCoreRequest(request_id=rid, prompt_len=prompt_len, max_tokens=max_tokens, has_sampling_params=True, extra_args=extra_args)
-
-
-def run(engine, limit=1000):
-    """Step until idle, moving the clock to each step's due time."""
-    sent = []
-    for _ in range(limit):
-        if not engine.has_work:
-            return sent
-        due = engine.next_step_time(engine.clock.now)
-        engine.clock.now = max(engine.clock.now, due)
-        sent.extend(engine.step())
-    raise AssertionError("engine never went idle")
 
 
 def decode_params(**over):
@@ -78,7 +56,7 @@ def decode_params(**over):
 def test_producer_ends_after_the_first_token_with_the_params_the_decode_side_needs():
     engine, _ = make("producer", engine_id="eng-a", host="10.0.0.1", port=7000)
     engine.apply(add("p-1", max_tokens=50, prompt_len=40, kv_transfer_params=PROXY_PREFILL_PARAMS))
-    sent = run(engine)
+    sent = run_due(engine)
     outs = outputs_of(sent, "p-1")
     assert len(outs) == 1 and len(outs[0][1]) == 1
     assert outs[0][5] == FinishReason.LENGTH
@@ -99,7 +77,7 @@ def test_producer_block_ids_differ_between_requests_and_dp_ranks_get_their_own_e
     engine = EngineCore(EngineSettings(rank=1, num_clients=1, kv_transfer=settings, num_gpu_blocks=100), clock=Clock())
     engine.apply(add("a", kv_transfer_params={"do_remote_decode": True}))
     engine.apply(add("b", kv_transfer_params={"do_remote_decode": True}))
-    sent = run(engine)
+    sent = run_due(engine)
     a, b = outputs_of(sent, "a")[-1][8], outputs_of(sent, "b")[-1][8]
     assert a["remote_engine_id"] == "e_dp1" and a["remote_port"] == 5601
     assert not set(a["remote_block_ids"][0]) & set(b["remote_block_ids"][0])
@@ -115,7 +93,7 @@ def test_kv_transfer_params_sit_at_index_8_in_every_era(era):
 def test_a_producer_request_that_errors_returns_no_params():
     engine, _ = make("producer")
     engine.apply(add("p", kv_transfer_params={"do_remote_decode": True}, mock_finish="error"))
-    out = outputs_of(run(engine), "p")[-1]
+    out = outputs_of(run_due(engine), "p")[-1]
     assert out[5] == FinishReason.ERROR and (len(out) <= 8 or out[8] is None)
 
 
@@ -133,7 +111,7 @@ def test_consumer_waits_the_transfer_time_then_decodes_without_prefill():
     clock.now += 0.69
     assert tokens_of(engine.step(), "d") == []
     clock.now += 0.02
-    sent = run(engine)
+    sent = run_due(engine)
     outs = outputs_of(sent, "d")
     assert len(tokens_of(sent, "d")) == 5 and outs[-1][5] == FinishReason.LENGTH
     stats = outs[0][11]  # 0.33: prefill_stats at 11; the loaded tokens are external hits
@@ -156,7 +134,7 @@ def test_consumer_failed_load_ends_with_error_and_no_tokens():
     engine, _ = make("consumer", ms_per_token=1.0)
     engine.apply(add("d", kv_transfer_params=decode_params(), mock_kv_load="fail"))
     engine.apply(add("ok", kv_transfer_params=decode_params()))
-    sent = run(engine)
+    sent = run_due(engine)
     out = outputs_of(sent, "d")
     assert tokens_of(sent, "d") == [] and out[-1][5] == FinishReason.ERROR
     assert out[-1][18]["code"] == "kv_load_failed"  # 0.33: RequestError at 18
@@ -167,7 +145,7 @@ def test_consumer_failed_load_ends_with_error_and_no_tokens():
 def test_consumer_failed_load_with_recompute_policy_prefills_itself():
     engine, _ = make("consumer", load_failure_policy="recompute")
     engine.apply(add("d", kv_transfer_params=decode_params(), mock_kv_load="fail"))
-    sent = run(engine)
+    sent = run_due(engine)
     assert len(tokens_of(sent, "d")) == 8 and outputs_of(sent, "d")[-1][5] == FinishReason.LENGTH
 
 
@@ -198,7 +176,7 @@ def test_a_direction_the_role_does_not_serve_and_pd_off_run_plain_requests():
     for role, params in (("consumer", {"do_remote_decode": True}), ("producer", decode_params()), (None, {"do_remote_decode": True})):
         engine, _ = make(role, ms_per_token=1000.0)
         engine.apply(add("r", max_tokens=4, kv_transfer_params=params))
-        sent = run(engine)
+        sent = run_due(engine)
         assert len(tokens_of(sent, "r")) == 4, role
         assert all(len(o) <= 8 or o[8] is None for o in outputs_of(sent, "r")), role
 
@@ -221,7 +199,7 @@ def test_bad_params_end_that_request_with_error_only(params, needle):
     engine, _ = make("both")
     sent = engine.apply(add("bad", kv_transfer_params=params))
     sent += engine.apply(add("good", max_tokens=3))
-    sent += run(engine)
+    sent += run_due(engine)
     out = outputs_of(sent, "bad")
     assert len(out) == 1 and out[0][5] == FinishReason.ERROR
     assert needle in out[0][18]["message"] and out[0][18]["code"] == "validation_error"
@@ -352,7 +330,7 @@ def test_random_hostile_params_never_stop_the_engine():
             params = rng.choice(junk)
         ids.append(f"r{i}")
         sent += engine.apply(add(f"r{i}", max_tokens=3, kv_transfer_params=params))
-    sent += run(engine)
+    sent += run_due(engine)
     ended = {o[0] for _, m in sent for o in m[1] if len(o) > 5 and o[5] is not None}
     assert ended == set(ids)
     summary = engine.ledger.summary()
@@ -373,7 +351,7 @@ def test_a_consumer_caches_the_loaded_blocks_and_loads_only_the_rest_next_time()
                                        has_sampling_params=True, extra_args={"kv_transfer_params": decode_params()}))
         engine.step()
         waits = engine.next_step_time(clock.now) - clock.now
-        sent = run(engine)
+        sent = run_due(engine)
         assert len(tokens_of(sent, rid)) == 2
         if rid == "first":
             assert waits == pytest.approx(0.4)  # all 40 tokens loaded

@@ -12,6 +12,7 @@ from gmock_engine import logprobs, protocol, tokens
 from gmock_engine.engine import EngineCore, EngineSettings
 from gmock_engine.logprobs import LogprobModel
 from gmock_engine.protocol import EngineCoreRequest, FinishReason, InvalidRequest
+from engine_steps import engine_with, run
 
 SIZES = {"<i4": 4, "int32": 4, "<i8": 8, "int64": 8, "<f4": 4, "float32": 4}
 FORMATS = {"<i4": "i", "int32": "i", "<i8": "q", "int64": "q", "<f4": "f", "float32": "f"}
@@ -54,24 +55,16 @@ def check_row(ids, lps, rank):
         assert sampled not in top_ids and (not top_lps or lps[0] <= top_lps[-1])
 
 
-def engine(**settings):
-    return EngineCore(EngineSettings(rank=0, num_clients=1, **settings))
-
-
-def run(e):
-    outputs = []
-    while e.has_work:
-        for _, message in e.step():
-            msgpack.packb(message, use_bin_type=True)
-            outputs += message[1]
-    return outputs
+def all_outputs(e):
+    """Every EngineCoreOutput until idle, in order (each message packs: engine_steps.run)."""
+    return [o for _, message in run(e) for o in message[1]]
 
 
 @pytest.mark.parametrize("k,chunk", [(0, 1), (1, 1), (5, 1), (20, 4), (3, 3)])
 def test_every_row_is_self_consistent_and_matches_the_tokens(k, chunk):
-    e = engine(output_token_chunk_size=chunk)
+    e = engine_with(output_token_chunk_size=chunk)
     e.apply(EngineCoreRequest("r", 4, 40, True, logprobs=k))
-    outputs = run(e)
+    outputs = all_outputs(e)
     assert sum(len(o[1]) for o in outputs) == 40
     for output in outputs:
         rows, ranks = decode_lists(output[2])
@@ -114,7 +107,7 @@ def test_logprobs_are_deterministic_per_seed_rank_and_request():
     def first_rows(seed, rank, rid):
         e = EngineCore(EngineSettings(rank=rank, num_clients=1, seed=seed))
         e.apply(EngineCoreRequest(rid, 4, 5, True, logprobs=3))
-        return [decode_lists(o[2]) for o in run(e)]
+        return [decode_lists(o[2]) for o in all_outputs(e)]
 
     assert first_rows(1, 0, "a") == first_rows(1, 0, "a")
     assert first_rows(1, 0, "a") != first_rows(1, 0, "b") != first_rows(2, 0, "b")
@@ -122,10 +115,10 @@ def test_logprobs_are_deterministic_per_seed_rank_and_request():
 
 
 def test_prompt_logprobs_once_with_the_first_output():
-    e = engine()
+    e = engine_with()
     prompt = [11, 12, 13, 14, 15]
     e.apply(EngineCoreRequest("p", 5, 3, True, prompt_token_ids=prompt, prompt_logprobs=2))
-    outputs = run(e)
+    outputs = all_outputs(e)
     first, later = outputs[0], outputs[1:]
     rows, ranks = decode_lists(first[3], tensor=True)
     assert [ids[0] for ids, _ in rows] == prompt[1:]  # one row per position after the first
@@ -136,9 +129,9 @@ def test_prompt_logprobs_once_with_the_first_output():
 
 
 def test_requests_that_ask_for_nothing_get_nothing():
-    e = engine()
+    e = engine_with()
     e.apply(EngineCoreRequest("plain", 4, 5, True))
-    outputs = run(e)
+    outputs = all_outputs(e)
     assert all(o[2] is None for o in outputs if len(o) > 2) and len(outputs[1]) == 2  # running shape [id, tokens]
 
 
@@ -155,7 +148,7 @@ def test_bad_logprob_counts_are_refused():
     assert isinstance(message, InvalidRequest) and "logprobs -1" in message.reason
     frames = [b"\x00", msgpack.packb(["r", [1], None, {"prompt_logprobs": 5000}, None] + [None] * 6 + [0])]
     assert "prompt_logprobs 5000" in protocol.decode_input(frames, protocol.WIRE_LAYOUTS["0.33"]).reason
-    e = engine(vocab_size=10)
+    e = engine_with(vocab_size=10)
     [(_, message)] = e.apply(EngineCoreRequest("big", 4, 5, True, logprobs=10))
     assert message[1][0][5] == FinishReason.ERROR and "only 10 distinct token ids" in message[1][0][18]["message"]
 
@@ -164,9 +157,9 @@ def test_bad_logprob_counts_are_refused():
 
 
 def tokens_and_rows(request, **settings):
-    e = engine(**settings)
+    e = engine_with(**settings)
     e.apply(request)
-    outputs = run(e)
+    outputs = all_outputs(e)
     tokens = [t for o in outputs for t in o[1]]
     rows = [r for o in outputs if len(o) > 2 and o[2] for r in zip(*decode_lists(o[2]))]
     return tokens, rows, outputs
@@ -287,15 +280,15 @@ def test_an_engine_takes_pooled_rows_and_draws_those_the_pool_does_not_hold(monk
         return rows(self, state, sampled, k, *args, **kwargs)
 
     monkeypatch.setattr(LogprobModel, "rows", counting)
-    e = engine(output_token_chunk_size=2)
+    e = engine_with(output_token_chunk_size=2)
     e.apply(EngineCoreRequest("r", 4, 40, True, logprobs=3))
-    outputs = run(e)
+    outputs = all_outputs(e)
     # the pool's blocks (ROW_BLOCK positions each) and nothing per token
     assert drawn and all(n == logprobs.ROW_BLOCK for n in drawn)
     # the EOS planned as its last token is not the pool's id there: that chunk is drawn
     drawn.clear()
     e.apply(EngineCoreRequest("s", 4, 40, True, logprobs=3, eos_token_id=1, all_stop_token_ids=(1,), extra_args={"mock_output_len": 9}))
-    stopped = run(e)
+    stopped = all_outputs(e)
     assert stopped[-1][5] == FinishReason.STOP and stopped[-1][1][-1] == 1
     # its last chunk (chunk 2, 9 tokens: the EOS alone) drawn; before it, at most a block of its offset
     assert drawn[-1] == 1 and all(n == logprobs.ROW_BLOCK for n in drawn[:-1])

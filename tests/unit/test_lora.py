@@ -10,16 +10,7 @@ from gmock_engine.engine import EngineCore, EngineSettings
 from gmock_engine.latency import LatencyModel
 from gmock_engine.lora import AdapterRegistry, LoRAError, LoRARequest, decode_lora_request
 from gmock_engine.protocol import BadValue, EngineCoreRequest, FinishReason, UtilityCall, Wire, decode_add, pack, unpack
-from engine_steps import outputs_of, run
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        self.now += 1.0
-        return self.now
+from engine_steps import TickClock, outputs_of, run
 
 
 def add(rid, max_tokens=16, **kw):
@@ -174,7 +165,7 @@ def make(max_loras=1, max_cpu=None, enable=True, check=False, **kw):
     settings = EngineSettings(
         rank=0, num_clients=1, enable_lora=enable, max_loras=max_loras, max_cpu_loras=max_cpu, lora_check_adapter_dir=check, **kw
     )
-    return EngineCore(settings, clock=Clock())
+    return EngineCore(settings, clock=TickClock())
 
 
 def call(engine, method, *args):

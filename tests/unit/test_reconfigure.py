@@ -6,12 +6,13 @@ import pytest
 from loguru import logger
 
 from gmock_engine import fault_injection
-from gmock_engine.engine import RELOADABLE_SETTINGS, EngineCore, EngineSettings
+from gmock_engine.engine import RELOADABLE_SETTINGS, EngineSettings
 from gmock_engine.faults import Faults, parse_spec
 from gmock_engine.latency import LatencyModel
 from gmock_engine.lengths import OutputLengths
 from gmock_engine.protocol import EngineCoreRequest, FinishReason
 from gmock_engine.tokens import EchoTokens, RandomTokens
+from engine_steps import Clock, engine_with, run, run_steps, tokens_of
 
 
 def test_the_reloadable_settings_are_engine_settings_and_the_fixed_ones_are_not():
@@ -23,16 +24,8 @@ def test_the_reloadable_settings_are_engine_settings_and_the_fixed_ones_are_not(
 # -- the engine takes it between steps ------------------------------------------------------
 
 
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
 def make(**kw):
-    return EngineCore(EngineSettings(rank=0, num_clients=1, **kw), clock=Clock())
+    return engine_with(Clock(0.0), **kw)
 
 
 def add(rid, max_tokens=8, prompt=(1, 2, 3), **kw):
@@ -42,27 +35,14 @@ def add(rid, max_tokens=8, prompt=(1, 2, 3), **kw):
     )  # fmt: skip
 
 
-def tokens_of(sent, rid):
-    return [t for _, m in sent for o in m[1] if o[0] == rid for t in o[1]]
-
-
-def run(engine, steps=None):
-    sent = []
-    n = 0
-    while engine.has_work and (steps is None or n < steps):
-        sent.extend(engine.step())
-        n += 1
-    return sent
-
-
 def test_latency_applies_from_the_next_step_and_back_to_unpaced():
     engine = make()
     engine.apply(add("a", max_tokens=100))
-    run(engine, 2)
+    run_steps(engine, 2)
     assert engine.next_step_time(1.0) == 1.0  # unpaced: back to back
     engine.reconfigure(EngineSettings(rank=0, num_clients=1, latency=LatencyModel(itl_ms=20)))
     assert engine.next_step_time(1.0) == pytest.approx(1.02)  # the very next step is paced
-    run(engine, 1)
+    run_steps(engine, 1)
     assert engine.step_delay == pytest.approx(0.02)
     engine.reconfigure(EngineSettings(rank=0, num_clients=1))
     assert engine.step_delay == 0.0 and engine.next_step_time(1.0) == 1.0
@@ -71,7 +51,7 @@ def test_latency_applies_from_the_next_step_and_back_to_unpaced():
 def test_a_new_token_source_is_for_new_requests_and_a_running_stream_stays_exact():
     engine = make()
     engine.apply(add("old", max_tokens=10, prompt=(7, 8, 9)))
-    sent = run(engine, 4)
+    sent = run_steps(engine, 4)
     engine.reconfigure(EngineSettings(rank=0, num_clients=1, token_source=EchoTokens()))
     engine.apply(add("new", max_tokens=5, prompt=(7, 8, 9)))
     sent += run(engine)
@@ -106,7 +86,7 @@ def test_a_tighter_batch_limit_admits_nothing_until_below_it_and_preempts_nobody
     engine = make()
     for i in range(4):
         engine.apply(add(f"r{i}", max_tokens=4 + i))
-    run(engine, 1)
+    run_steps(engine, 1)
     engine.reconfigure(EngineSettings(rank=0, num_clients=1, max_num_seqs=2))
     for i in range(4, 6):
         engine.apply(add(f"r{i}", max_tokens=50))
@@ -124,10 +104,10 @@ def test_a_tighter_batch_limit_admits_nothing_until_below_it_and_preempts_nobody
 def test_a_lifted_token_budget_finishes_the_chunked_prefills():
     engine = make(max_num_batched_tokens=8)
     engine.apply(add("long", max_tokens=3, prompt=list(range(100))))
-    run(engine, 2)  # 16 of 100 prompt tokens prefilled
+    run_steps(engine, 2)  # 16 of 100 prompt tokens prefilled
     assert engine.scheduler.chunking
     engine.reconfigure(EngineSettings(rank=0, num_clients=1))
-    sent = run(engine, 10)
+    sent = run_steps(engine, 10)
     assert not engine.scheduler.chunking and len(tokens_of(sent, "long")) == 3 and not engine.has_work
 
 

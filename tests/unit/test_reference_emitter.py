@@ -80,7 +80,7 @@ def test_the_floor_caches_prefixes_and_publishes_what_gmock_does(chunk, reuse):
     from gmock_engine import kv_events
     from gmock_engine.engine import EngineCore, EngineSettings
     from gmock_engine.protocol import EngineCoreRequest
-    from test_engine import Clock
+    from engine_steps import TickClock
 
     layout = protocol.layout_for_version("0.33")
     block_size, capacity = 4, 14
@@ -94,7 +94,7 @@ def test_the_floor_caches_prefixes_and_publishes_what_gmock_does(chunk, reuse):
     ]  # fmt: skip
     settings = EngineSettings(rank=0, num_clients=1, output_token_chunk_size=chunk, prefix_caching=True, kv_events=True,
                               block_size=block_size, num_gpu_blocks=capacity, reuse_outputs=reuse, wire=protocol.Wire(layout))  # fmt: skip
-    gmock = EngineCore(settings, clock=Clock())
+    gmock = EngineCore(settings, clock=TickClock())
     published = []
     floor_kv = reference_emitter.FloorKV(capacity, block_size, RandomTokens(32000, 0, 0), chunk, published.append)
     floor = reference_emitter.Engine(0, chunk, RandomTokens(32000, 0, 0), layout, floor_kv)

@@ -2,42 +2,13 @@
 
 import pytest
 
-from gmock_engine.engine import EngineCore, EngineSettings
 from gmock_engine.latency import LatencyModel
 from gmock_engine.protocol import AbortRequests, EngineCoreRequest, FinishReason, UtilityCall
-
-
-class VirtualClock:
-    def __init__(self, now=1000.0):
-        self.now = now
-
-    def __call__(self):
-        return self.now
+from engine_steps import Clock, drive, engine_with
 
 
 def request(rid, max_tokens=4, prompt_len=8, priority=0):
     return EngineCoreRequest(rid, prompt_len, max_tokens, True, priority=priority)
-
-
-def engine_with(clock, **settings):
-    latency = settings.pop("latency", LatencyModel())
-    return EngineCore(EngineSettings(rank=0, num_clients=1, latency=latency, **settings), clock=clock)
-
-
-def drive(engine, clock, limit=10000):
-    """Run steps at the times the engine asks for; return (time, message) pairs."""
-    sent, step_started = [], clock.now
-    for _ in range(limit):
-        if not engine.has_work:
-            return sent
-        step_started = clock.now
-        for _, message in engine.step():
-            sent.append((clock.now, message))
-        due = engine.next_step_time(step_started)
-        if due is None:
-            return sent
-        clock.now = max(clock.now, due)
-    raise AssertionError("never idle")
 
 
 def first_token_times(sent):
@@ -50,7 +21,7 @@ def first_token_times(sent):
 
 
 def test_max_num_seqs_keeps_the_rest_waiting_fcfs():
-    clock = VirtualClock()
+    clock = Clock(1000.0)
     engine = engine_with(clock, max_num_seqs=2)
     for i in range(5):
         engine.apply(request(f"r{i}", max_tokens=3))
@@ -67,7 +38,7 @@ def test_max_num_seqs_keeps_the_rest_waiting_fcfs():
 
 
 def test_priority_policy_admits_lower_priority_values_first():
-    clock = VirtualClock()
+    clock = Clock(1000.0)
     engine = engine_with(clock, max_num_seqs=1, scheduling_policy="priority")
     for rid, priority in [("late-low", 5), ("urgent", -1), ("mid-a", 2), ("mid-b", 2)]:
         engine.apply(request(rid, max_tokens=1, priority=priority))
@@ -76,7 +47,7 @@ def test_priority_policy_admits_lower_priority_values_first():
 
 
 def test_abort_of_a_waiting_request_with_priority_policy():
-    clock = VirtualClock()
+    clock = Clock(1000.0)
     engine = engine_with(clock, max_num_seqs=1, scheduling_policy="priority")
     engine.apply(request("a", 2))
     engine.apply(request("b", 2, priority=-3))
@@ -86,7 +57,7 @@ def test_abort_of_a_waiting_request_with_priority_policy():
 
 
 def test_ttft_prefill_and_itl_on_the_engine_clock():
-    clock = VirtualClock(1000.0)
+    clock = Clock(1000.0)
     latency = LatencyModel(itl_ms=10, ttft_ms=100, prefill_ms_per_token=1)
     engine = engine_with(clock, latency=latency)
     engine.apply(EngineCoreRequest("r", 50, 4, True))
@@ -100,7 +71,7 @@ def test_ttft_prefill_and_itl_on_the_engine_clock():
 
 
 def test_prefill_lengthens_the_step_for_the_running_batch():
-    clock = VirtualClock(0.0)
+    clock = Clock(0.0)
     engine = engine_with(clock, latency=LatencyModel(itl_ms=10, prefill_ms_per_token=2))
     engine.apply(EngineCoreRequest("old", 0, 100, True))
     engine.step()  # t=0: "old" admitted (no prompt) and emits
@@ -112,7 +83,7 @@ def test_prefill_lengthens_the_step_for_the_running_batch():
 
 
 def test_batch_size_load_and_time_scale():
-    clock = VirtualClock(0.0)
+    clock = Clock(0.0)
     engine = engine_with(clock, latency=LatencyModel(itl_ms=10, itl_ms_per_request=2, time_scale=0.5))
     for i in range(5):
         engine.apply(EngineCoreRequest(f"r{i}", 0, 100, True))
@@ -122,7 +93,7 @@ def test_batch_size_load_and_time_scale():
 
 def test_jitter_is_bounded_and_seeded():
     def delays(seed):
-        clock = VirtualClock(0.0)
+        clock = Clock(0.0)
         engine = engine_with(clock, seed=seed, latency=LatencyModel(itl_ms=10, jitter=0.2))
         engine.apply(EngineCoreRequest("r", 0, 50, True))
         out = []
@@ -138,7 +109,7 @@ def test_jitter_is_bounded_and_seeded():
 
 def test_no_busy_steps_while_everything_prefills():
     """Only a long TTFT pending: the next step is when it is ready, not now."""
-    clock = VirtualClock(0.0)
+    clock = Clock(0.0)
     engine = engine_with(clock, latency=LatencyModel(ttft_ms=500))
     engine.apply(EngineCoreRequest("slow", 4, 2, True))
     assert engine.step() == []  # admitted, prefilling, nothing to send
@@ -150,7 +121,7 @@ def test_no_busy_steps_while_everything_prefills():
 
 
 def test_pause_keeps_waiting_requests_waiting():
-    clock = VirtualClock()
+    clock = Clock(1000.0)
     engine = engine_with(clock, max_num_seqs=1)
     engine.apply(request("a", 50))
     engine.apply(request("b", 50))
@@ -176,7 +147,7 @@ def outputs_by_request(sent):
 
 
 def test_kv_blocks_limit_admission_and_usage():
-    clock = VirtualClock()
+    clock = Clock(1000.0)
     # 4 blocks of 16 tokens; prompts of 20 tokens need 2 blocks each
     engine = engine_with(clock, kv_blocks=4, block_size=16)
     for i in range(3):
@@ -190,7 +161,7 @@ def test_kv_blocks_limit_admission_and_usage():
 
 
 def test_running_out_of_blocks_preempts_the_newest_and_it_recomputes():
-    clock = VirtualClock()
+    clock = Clock(1000.0)
     # 4 blocks of 4 tokens. a and b: prompt 3 + first token = 1 block each at
     # admission; both grow to 9 tokens (3 blocks each): b must make room
     engine = engine_with(clock, kv_blocks=4, block_size=4)
@@ -211,7 +182,7 @@ def test_running_out_of_blocks_preempts_the_newest_and_it_recomputes():
 
 
 def test_a_prompt_larger_than_the_cache_fails_instead_of_waiting_forever():
-    clock = VirtualClock()
+    clock = Clock(1000.0)
     engine = engine_with(clock, kv_blocks=2, block_size=4)
     engine.apply(request("huge", max_tokens=2, prompt_len=100))
     sent = engine.step()
@@ -221,7 +192,7 @@ def test_a_prompt_larger_than_the_cache_fails_instead_of_waiting_forever():
 
 
 def test_chunked_prefill_within_the_token_budget():
-    clock = VirtualClock(0.0)
+    clock = Clock(0.0)
     engine = engine_with(clock, max_num_batched_tokens=10, latency=LatencyModel(itl_ms=10, prefill_ms_per_token=1))
     engine.apply(EngineCoreRequest("long", 25, 3, True))
     delays, firsts = [], []
@@ -237,7 +208,7 @@ def test_chunked_prefill_within_the_token_budget():
 
 
 def test_decodes_take_the_budget_before_new_prefills():
-    clock = VirtualClock()
+    clock = Clock(1000.0)
     engine = engine_with(clock, max_num_batched_tokens=4)
     for i in range(3):
         engine.apply(request(f"d{i}", max_tokens=50, prompt_len=1))
@@ -250,7 +221,7 @@ def test_decodes_take_the_budget_before_new_prefills():
 
 
 def test_xargs_ttft_delays_one_request_without_pacing_the_engine():
-    clock = VirtualClock(0.0)
+    clock = Clock(0.0)
     engine = engine_with(clock)  # unpaced
     engine.apply(EngineCoreRequest("fast", 4, 3, True))
     engine.apply(EngineCoreRequest("slow", 4, 3, True, extra_args={"mock_ttft_ms": 250}))
@@ -262,7 +233,7 @@ def test_xargs_ttft_delays_one_request_without_pacing_the_engine():
 
 
 def test_no_busy_steps_while_the_queue_waits_for_blocks_and_the_batch_prefills():
-    clock = VirtualClock(0.0)
+    clock = Clock(0.0)
     engine = engine_with(clock, kv_blocks=2, block_size=4)
     engine.apply(EngineCoreRequest("slow", 7, 2, True, extra_args={"mock_ttft_ms": 300}))  # 7 + its first token: both blocks
     engine.apply(EngineCoreRequest("next", 4, 2, True))  # must wait for a block

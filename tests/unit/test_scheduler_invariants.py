@@ -14,26 +14,15 @@ inside takes.
 
 import pytest
 
-from gmock_engine.engine import Drain, EngineCore, EngineSettings
+from gmock_engine.engine import Drain
 from gmock_engine.protocol import EngineCoreEventType, EngineCoreRequest, FinishReason, UtilityCall
-from engine_steps import outputs_of, run
+from engine_steps import TickClock, engine_with, outputs_of, run
 
 SCHEDULED, PREEMPTED = EngineCoreEventType.SCHEDULED, EngineCoreEventType.PREEMPTED
 
 
-class StepClock:
-    """A clock that moves by one at every read: each step has its own time."""
-
-    def __init__(self, now: float = 100.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
-
-
 def engine(**settings):
-    return EngineCore(EngineSettings(rank=0, num_clients=1, block_size=16, **settings), clock=StepClock())
+    return engine_with(TickClock(), block_size=16, **settings)
 
 
 def events_of(sent, rid):

@@ -4,15 +4,11 @@ import random
 
 import pytest
 
-from gmock_engine.engine import EngineCore, EngineSettings
 from gmock_engine.lengths import OutputLengths, from_config
 from gmock_engine.protocol import EngineCoreRequest, FinishReason
+from engine_steps import engine_with
 
 EOS = 31999
-
-
-def engine(**settings):
-    return EngineCore(EngineSettings(rank=0, num_clients=1, **settings))
 
 
 def req(rid="r", max_tokens=10, prompt_len=4, **kw):
@@ -34,14 +30,14 @@ def finish(e, request):
 
 
 def test_default_ends_by_length_and_random_tokens_avoid_stop_ids():
-    e = engine(vocab_size=4)
+    e = engine_with(vocab_size=4)
     tokens, last, _ = finish(e, req(max_tokens=400, stop_token_ids=(2,), eos_token_id=3, all_stop_token_ids=(3,)))
     assert len(tokens) == 400 and last[5] == FinishReason.LENGTH
     assert set(tokens) == {0, 1}  # 2 and 3 would have stopped a real engine
 
 
 def test_eos_length_ends_with_stop_and_the_eos_token():
-    e = engine(output_lengths=OutputLengths.parse("fixed:5"))
+    e = engine_with(output_lengths=OutputLengths.parse("fixed:5"))
     tokens, last, _ = finish(e, req(max_tokens=10))
     assert len(tokens) == 5 and tokens[-1] == EOS and EOS not in tokens[:-1]
     assert last[5] == FinishReason.STOP and len(last) == 6  # no stop_reason for EOS (nil)
@@ -57,24 +53,24 @@ def test_eos_length_ends_with_stop_and_the_eos_token():
     ],
 )
 def test_min_tokens_ignore_eos_and_max_tokens(kw, expected_len, expected_finish):
-    e = engine(output_lengths=OutputLengths.parse("fixed:5"))
+    e = engine_with(output_lengths=OutputLengths.parse("fixed:5"))
     tokens, last, _ = finish(e, req(**kw))
     assert len(tokens) == expected_len and last[5] == expected_finish
 
 
 def test_max_model_len_caps_prompt_plus_output():
-    e = engine(max_model_len=10)
+    e = engine_with(max_model_len=10)
     tokens, last, _ = finish(e, req(max_tokens=50, prompt_len=8))
     assert len(tokens) == 2 and last[5] == FinishReason.LENGTH
 
 
 def test_xargs_output_len_applies_even_with_ignore_eos():
-    tokens, last, _ = finish(engine(), req(ignore_eos=True, extra_args={"mock_output_len": 3}))
+    tokens, last, _ = finish(engine_with(), req(ignore_eos=True, extra_args={"mock_output_len": 3}))
     assert len(tokens) == 3 and last[5] == FinishReason.STOP and tokens[-1] == EOS
 
 
 def test_xargs_fail_after_errors_mid_stream():
-    e = engine()
+    e = engine_with()
     tokens, last, message = finish(e, req(extra_args={"mock_fail_after": 2}))
     assert len(tokens) == 2 and last[5] == FinishReason.ERROR
     assert last[18]["code"] == "mock_failure"
@@ -82,16 +78,16 @@ def test_xargs_fail_after_errors_mid_stream():
 
 
 def test_xargs_finish_modes_and_stop_token():
-    _, last, _ = finish(engine(), req("e", extra_args={"mock_finish": "error"}))
+    _, last, _ = finish(engine_with(), req("e", extra_args={"mock_finish": "error"}))
     assert last[5] == FinishReason.ERROR
-    tokens, last, _ = finish(engine(), req("s", extra_args={"mock_output_len": 4, "mock_stop_token_id": 77}))
+    tokens, last, _ = finish(engine_with(), req("s", extra_args={"mock_output_len": 4, "mock_stop_token_id": 77}))
     assert len(tokens) == 4 and tokens[-1] == 77 and last[5] == FinishReason.STOP and last[6] == 77
-    tokens, last, _ = finish(engine(), req("l", extra_args={"mock_finish": "stop"}))
+    tokens, last, _ = finish(engine_with(), req("l", extra_args={"mock_finish": "stop"}))
     assert len(tokens) == 10 and last[5] == FinishReason.STOP and tokens[-1] == EOS
 
 
 def test_bad_xargs_get_an_error_finish_not_a_crash():
-    e = engine()
+    e = engine_with()
     [(_, message)] = e.apply(req(extra_args={"mock_finish": "maybe"}))
     assert message[1][0][5] == FinishReason.ERROR and "mock_finish" in message[1][0][18]["message"]
     [(_, message)] = e.apply(req("n", extra_args={"mock_output_len": "many"}))
@@ -101,7 +97,7 @@ def test_bad_xargs_get_an_error_finish_not_a_crash():
 
 def test_length_model_is_deterministic_per_request():
     def lengths(seed):
-        e = engine(seed=seed, output_lengths=OutputLengths.parse("uniform:2:40"))
+        e = engine_with(seed=seed, output_lengths=OutputLengths.parse("uniform:2:40"))
         return [len(finish(e, req(f"r{i}", max_tokens=100))[0]) for i in range(30)]
 
     first = lengths(1)
