@@ -23,6 +23,11 @@ PURE = [
     "latency",
     "lengths",
     "reload",
+    "config",
+    "options",
+    "validators",
+    "tools.serve_config",
+    "tools.config_reference",
 ]
 
 
