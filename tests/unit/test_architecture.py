@@ -26,6 +26,7 @@ PURE = [
     "config",
     "options",
     "validators",
+    "settings",
     "tools.serve_config",
     "tools.config_reference",
 ]
