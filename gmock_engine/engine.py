@@ -39,6 +39,7 @@ from loguru import logger
 
 from . import protocol
 from . import kv_transfer
+from . import options
 from .kv_cache_manager import KVCacheManager
 from .latency import LatencyModel
 from .ledger import CHECKED_MEMORY, Ledger
@@ -151,18 +152,9 @@ class EngineSettings:
 
 
 #: The EngineSettings a reload (SIGHUP, reload.py) may change while requests
-#: run (`EngineCore.reconfigure`); every other one is fixed at start.
-RELOADABLE_SETTINGS = (
-    "latency",
-    "output_lengths",
-    "token_source",
-    "logprobs_top1",
-    "logprobs_sampled_top1",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "log_requests",
-    "strict_ledger",
-)
+#: run (`EngineCore.reconfigure`); every other one is fixed at start. The
+#: options declare which field they feed (options.py, Option.setting).
+RELOADABLE_SETTINGS = options.RELOADABLE_SETTINGS
 
 
 @dataclass

@@ -6,7 +6,7 @@ its precedence, the environment and the --config file (command line >
 environment > config file > default). `check(current, load)` compares what
 it reads with the configuration in force and returns a `Reload`:
 
-* `changes`: the options in RELOADABLE whose value changed, each with
+* `changes`: the options in RELOADABLE (declared so in options.py) whose value changed, each with
   old -> new and the source of the new value;
 * `config`: the configuration from now on: the current one with the
   reloadable options as read (every other option as it was);
@@ -28,21 +28,15 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, List, Optional
 
-from .config import ConfigError, Source, _long_flag, build_parser
+from . import options
+from .config import ConfigError, Source
 from .faults import KINDS
 
-#: The latency model (latency.py): from each engine's next step.
-LATENCY = ("itl_ms", "itl_ms_per_request", "ttft_ms", "prefill_ms_per_token", "jitter", "time_scale", "lora_load_ms")
-#: How requests end, where tokens and logprobs come from: for new requests.
-GENERATION = ("output_len_dist", "eos_probability", "token_source", "token_id_range", "logprobs_top1", "logprobs_sampled_top1")
-#: The scheduler's limits, enforced from the next step (READY keeps what it said).
-LIMITS = ("max_num_seqs", "max_num_batched_tokens")
 #: --fault-*: each engine's fault layer is rebuilt (fault_injection.rebuild).
-FAULTS = tuple("fault_" + kind.replace("-", "_") for kind in KINDS)
-#: Logging, the books and how the process stops.
-PROCESS = ("log_level", "log_json", "log_requests", "summary_interval", "strict_ledger", "on_stop", "drain_timeout", "send_dead_on_exit")
-#: Every option a reload applies; any other option is fixed while the process runs.
-RELOADABLE = frozenset(LATENCY + GENERATION + LIMITS + FAULTS + PROCESS)
+FAULTS = options.reloading(options.FAULT_LAYER)
+#: Every option a reload applies (each says so where it is declared, options.py,
+#: with when it applies); any other option is fixed while the process runs.
+RELOADABLE = options.RELOADABLE
 
 #: Limits enforced only when given (runtime.py): in effect the value, or
 #: unlimited when it comes from the default (then it is only reported).
@@ -156,9 +150,8 @@ def check(current: argparse.Namespace, load: Callable[[], argparse.Namespace]) -
     merged = argparse.Namespace(**vars(current))
     merged.sources = dict(current.sources)
     result = Reload(merged)
-    for action in build_parser()._actions:
-        dest = action.dest
-        if not action.option_strings or dest in ("help", "version") or dest in NOT_COMPARED or not hasattr(new, dest):
+    for dest, option in options.OPTIONS.items():
+        if dest in NOT_COMPARED or not hasattr(new, dest):
             continue
         old_value, new_value = _effective(current, dest), _effective(new, dest)
         change = None
@@ -166,7 +159,7 @@ def check(current: argparse.Namespace, load: Callable[[], argparse.Namespace]) -
             source = new.sources[dest]
             if dest == "data_parallel_size" and source.kind == "default":
                 source = Source("default", "= start rank + engine count")
-            change = Change(dest, _long_flag(action), _show_effective(dest, old_value), _show_effective(dest, new_value), source)
+            change = Change(dest, option.flag, _show_effective(dest, old_value), _show_effective(dest, new_value), source)
         if dest in RELOADABLE:
             # the value and its source as read (a source may move, e.g. from
             # the file to the environment, without a change of value)

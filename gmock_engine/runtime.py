@@ -57,10 +57,10 @@ import gevent.queue
 import zmq.green as zmq
 from loguru import logger
 
-from . import fault_injection, faults, kv_event_publisher, kv_events, kv_transfer, lengths, logs, protocol, reload, tokens, transport
+from . import fault_injection, faults, kv_event_publisher, kv_events, logs, protocol, reload, tokens, transport
+from . import settings as parts
 from .engine import Drain, EngineCore, EngineSettings, LedgerViolation, Outbound
 from .faults import FaultSpec
-from .latency import LatencyModel
 from .logs import Throttle
 from .protocol import InitMessage
 from .stats import Samples
@@ -276,59 +276,10 @@ class EngineRunner:
         self, c: Any, num_clients: int, has_coordinator: bool, token_source: Optional[tokens.TokenSource] = None
     ) -> EngineSettings:
         """The engine's settings from configuration `c` (at the handshake, and
-        for a reload); `token_source` given: that one, else made from `c`
-        (a token file is read here: OSError or ValueError if it cannot be)."""
-
-        def enforced(name: str) -> bool:
-            return c.sources[name].kind != "default"
-
-        if token_source is None:
-            id_range = (c.token_id_range.low, c.token_id_range.high) if c.token_id_range else None
-            token_source = tokens.make_source(c.token_source, c.vocab_size, c.seed, self.rank, id_range)
-        return EngineSettings(
-            rank=self.rank,
-            num_clients=num_clients,
-            output_token_chunk_size=c.output_token_chunk_size,
-            vocab_size=c.vocab_size,
-            seed=c.seed,
-            log_requests=c.log_requests,
-            supported_tasks=tuple(c.supported_tasks),
-            num_gpu_blocks=c.num_gpu_blocks,
-            block_size=c.block_size,
-            has_coordinator=has_coordinator,
-            # A limit is enforced only when configured (default: only reported).
-            max_num_seqs=c.max_num_seqs if enforced("max_num_seqs") else None,
-            kv_blocks=c.num_gpu_blocks if enforced("num_gpu_blocks") else None,
-            max_num_batched_tokens=c.max_num_batched_tokens if enforced("max_num_batched_tokens") else None,
-            scheduling_policy=c.scheduling_policy,
-            prefix_caching=c.prefix_caching,
-            kv_events=self.kv_events is not None,
-            reuse_outputs=True,  # _emit encodes each message as it is made
-            kv_transfer=kv_transfer.settings_from(
-                c.kv_role, c.kv_transfer_config, c.kv_transfer_ms_per_token, c.kv_transfer_ms_per_block, c.data_parallel_size
-            ),
-            strict_ledger=c.strict_ledger,
-            output_lengths=lengths.from_config(c.output_len_dist, c.eos_probability),
-            logprobs_top1=c.logprobs_top1,
-            logprobs_sampled_top1=c.logprobs_sampled_top1,
-            token_source=token_source,
-            max_model_len=c.max_model_len,
-            latency=LatencyModel(
-                itl_ms=c.itl_ms,
-                itl_ms_per_request=c.itl_ms_per_request,
-                ttft_ms=c.ttft_ms,
-                prefill_ms_per_token=c.prefill_ms_per_token,
-                jitter=c.jitter,
-                time_scale=c.time_scale,
-                lora_load_ms=c.lora_load_ms,
-            ),
-            enable_lora=c.enable_lora,
-            max_loras=c.max_loras,
-            max_cpu_loras=c.max_cpu_loras,
-            max_lora_rank=c.max_lora_rank,
-            lora_check_adapter_dir=c.lora_check_adapter_dir,
-            wire=self.wire,
-        )
+        for a reload), through the typed parts of settings.py; `token_source`
+        given: that one, else made from `c` (a token file is read here:
+        OSError or ValueError if it cannot be)."""
+        return parts.engine_settings(parts.from_config(c), self.rank, num_clients, has_coordinator, self.wire, token_source)
 
     def _handshake(self) -> None:
         self.sockets, init = transport.join_frontend(

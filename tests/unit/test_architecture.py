@@ -23,6 +23,12 @@ PURE = [
     "latency",
     "lengths",
     "reload",
+    "config",
+    "options",
+    "validators",
+    "settings",
+    "tools.serve_config",
+    "tools.config_reference",
 ]
 
 

@@ -6,7 +6,9 @@ import os
 
 import pytest
 
+from gmock_engine import reload
 from gmock_engine.config import ConfigError, build_parser, format_config, options_template, parse_config
+from gmock_engine.tools.config_reference import REFERENCE_COMMAND, reference_page
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -150,6 +152,17 @@ def test_all_options_file_lists_every_option():
     for action in build_parser()._actions:
         if action.option_strings and action.dest not in ("help", "version", "config"):
             assert f";{action.option_strings[0][2:]} =" in text, action.option_strings[0]
+
+
+def test_configuration_reference_page_is_current_and_lists_every_option():
+    text = open(os.path.join(REPO, "docs", "configuration.md")).read()
+    assert text == reference_page(), f"regenerate: {REFERENCE_COMMAND}"
+    assert REFERENCE_COMMAND in text
+    rows = {line.split(" | ", 1)[0][2:]: line for line in text.splitlines() if line.startswith("| `--")}
+    for action in build_parser()._actions:
+        if action.option_strings and action.dest not in ("help", "version"):
+            row = next(line for flags, line in rows.items() if f"`{action.option_strings[0]}`" in flags.split(" / "))
+            assert ("| yes, " in row) == (action.dest in reload.RELOADABLE), row
 
 
 # -- issue 11: each option group declared once, in the README's order --------------

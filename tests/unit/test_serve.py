@@ -1,4 +1,4 @@
-"""`./run.sh serve`'s configuration and plan (tools/serve.py, config.parse_serve_config),
+"""`./run.sh serve`'s configuration and plan (tools/serve.py, serve_config.parse_serve_config),
 without starting anything: every bad value stops at start naming the flag and its
 source, with exit status 2. The running pair: tests/e2e/test_serve_e2e.py."""
 
@@ -9,6 +9,7 @@ import socket
 import pytest
 
 from gmock_engine import config as cfg
+from gmock_engine.tools import serve_config
 from gmock_engine.tools import serve
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,7 +32,7 @@ def env(tmp_path):
 
 def test_precedence_command_line_env_file_default(tmp_path, env):
     path = ini(tmp_path, "[serve]\nport = 8001\ndp = 3\nfrontend = python\n")
-    args, rest = cfg.parse_serve_config(["--config", path, "--port", "8003"], {**env, "GMOCK_SERVE_DP": "2"})
+    args, rest = serve_config.parse_serve_config(["--config", path, "--port", "8003"], {**env, "GMOCK_SERVE_DP": "2"})
     assert (args.port, args.dp, args.frontend, args.host) == (8003, 2, "python", "127.0.0.1")
     assert str(args.sources["port"]) == "command line"
     assert str(args.sources["dp"]) == "environment GMOCK_SERVE_DP"
@@ -41,7 +42,7 @@ def test_precedence_command_line_env_file_default(tmp_path, env):
 
 def test_the_config_file_may_also_come_from_gmock_config(tmp_path, env):
     path = ini(tmp_path, "[serve]\nport = 8005\n")
-    args, _ = cfg.parse_serve_config([], {**env, "GMOCK_CONFIG": path})
+    args, _ = serve_config.parse_serve_config([], {**env, "GMOCK_CONFIG": path})
     assert args.port == 8005 and args.config == path
 
 
@@ -62,7 +63,7 @@ def test_bad_serve_values_name_flag_and_source(tmp_path, env, argv, extra_env, b
     if body is not None:
         argv = ["--config", ini(tmp_path, body), *argv]
     with pytest.raises(cfg.ConfigError, match=pattern):
-        cfg.parse_serve_config(argv, {**env, **extra_env})
+        serve_config.parse_serve_config(argv, {**env, **extra_env})
 
 
 def test_one_file_for_both_the_engine_reads_its_own_section(tmp_path):
@@ -72,7 +73,7 @@ def test_one_file_for_both_the_engine_reads_its_own_section(tmp_path):
     only_serve = ini(tmp_path, "[serve]\ndp = 2\n", "only.ini")
     assert cfg.parse_config(["--config", only_serve], env={}).itl_ms == 0
     with pytest.raises(cfg.ConfigError, match=r"has no \[serve\] section"):
-        cfg.parse_serve_config(["--config", ini(tmp_path, "[other]\n", "o.ini")], {})
+        serve_config.parse_serve_config(["--config", ini(tmp_path, "[other]\n", "o.ini")], {})
 
 
 # -- the plan: the engine's options, the ports, the paths -----------------------------
@@ -164,7 +165,7 @@ def test_the_ready_line_names_url_model_frontend_and_dp(env):
 def test_conf_serve_ini_lists_every_serve_option_and_parses_for_both(env):
     path = os.path.join(REPO, "conf", "serve.ini")
     text = open(path).read()
-    for action in cfg.build_serve_parser()._actions:
+    for action in serve_config.build_serve_parser()._actions:
         if action.option_strings and action.dest not in ("help", "config", "print_config"):
             assert re.search(rf"^;?{action.option_strings[0][2:]} =", text, re.M), action.option_strings[0]
     p = serve.plan(["--config", path, "--port", "0"], env)
@@ -175,13 +176,13 @@ def test_readme_serve_table_lists_the_options_in_the_parsers_order():
     text = open(os.path.join(REPO, "README.md")).read()
     table = text[text.index("| serve flag | env | `[serve]` key | default | meaning |") :].split("\n\n", 1)[0]
     readme = re.findall(r"^\| `(--[a-z0-9-]+)`", table, re.M)
-    parser = [a.option_strings[0] for a in cfg.build_serve_parser()._actions if a.option_strings and a.dest != "help"]
+    parser = [a.option_strings[0] for a in serve_config.build_serve_parser()._actions if a.option_strings and a.dest != "help"]
     assert readme == parser
 
 
 def test_exit_statuses_are_documented_alike():
     # the module docstring, --help and the README say the same numbers
-    help_text = cfg.build_serve_parser().format_help()
+    help_text = serve_config.build_serve_parser().format_help()
     readme = open(os.path.join(REPO, "README.md")).read()
     for status in (serve.EXIT_STOPPED, serve.EXIT_KILLED, serve.EXIT_CONFIG, serve.EXIT_INSTALL,
                    serve.EXIT_FRONTEND_EXITED, serve.EXIT_ENGINE_EXITED, serve.EXIT_STARTUP_TIMEOUT):  # fmt: skip

@@ -1,0 +1,217 @@
+"""The typed path from flag to part: the parsed configuration as one frozen
+dataclass per part of the engine, built in one place.
+
+`from_config(c)` reads the Namespace of config.parse_config (or of a reload,
+reload.py) once and returns `Settings`: the latency model, generation, the
+scheduler's limits, the KV cache, LoRA, P/D, faults and logging, each typed.
+`engine_settings` gives one engine its EngineSettings from those parts (at
+the handshake and for a reload: runtime.EngineRunner.engine_settings).
+
+A limit is in effect only when configured: `--max-num-seqs`,
+`--max-num-batched-tokens` and `--num-gpu-blocks` from their default are
+only reported in READY, so their enforced value here is None (unlimited).
+
+Pure: neither gevent nor zmq.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+from . import kv_transfer, lengths, protocol, tokens
+from .engine import EngineSettings
+from .faults import FaultSpec
+from .latency import LatencyModel
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """Which tokens a request gets and how it ends (--vocab-size ... --logprobs-*, --output-len-dist)."""
+
+    output_token_chunk_size: int
+    vocab_size: int
+    seed: int
+    supported_tasks: Tuple[str, ...]
+    max_model_len: int
+    #: --token-source as given (random | echo | file:PATH); the source is made per rank
+    token_source: str
+    #: [low, high) of random ids; None: [0, vocab_size)
+    token_id_range: Optional[Tuple[int, int]]
+    #: tokens until EOS; None: requests end by max_tokens only
+    output_lengths: Optional[lengths.OutputLengths]
+    logprobs_top1: float
+    logprobs_sampled_top1: float
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """The waiting queue's order and the limits enforced (None: only reported)."""
+
+    scheduling_policy: str
+    max_num_seqs: Optional[int]
+    max_num_batched_tokens: Optional[int]
+
+
+@dataclass(frozen=True)
+class KVSettings:
+    """The KV cache: blocks reported and enforced, prefix caching, its events."""
+
+    num_gpu_blocks: int
+    block_size: int
+    #: blocks enforced; None: only reported
+    kv_blocks: Optional[int]
+    prefix_caching: bool
+    #: --kv-events-config enables them: the prefix cache records its events
+    kv_events: bool
+
+
+@dataclass(frozen=True)
+class LoRASettings:
+    """vLLM's LoRAConfig flags (lora.py)."""
+
+    enable_lora: bool
+    max_loras: int
+    #: None: = max_loras, as vLLM
+    max_cpu_loras: Optional[int]
+    max_lora_rank: int
+    lora_check_adapter_dir: bool
+
+
+@dataclass(frozen=True)
+class LoggingSettings:
+    """Logging and the books."""
+
+    log_level: str
+    log_json: bool
+    log_requests: bool
+    summary_interval: float
+    strict_ledger: bool
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every part's settings, from one parsed configuration."""
+
+    latency: LatencyModel
+    generation: GenerationSettings
+    scheduler: SchedulerSettings
+    kv: KVSettings
+    lora: LoRASettings
+    #: P/D disaggregation; None: off
+    pd: Optional[kv_transfer.KVTransferSettings]
+    #: every configured --fault-*, in faults.KINDS order
+    faults: Tuple[FaultSpec, ...]
+    logging: LoggingSettings
+
+
+def from_config(c: Any) -> Settings:
+    """The parts' settings from a parsed configuration (config.parse_config's
+    Namespace, with `sources` and `faults`)."""
+
+    def enforced(name: str) -> Optional[int]:
+        return getattr(c, name) if c.sources[name].kind != "default" else None
+
+    events = getattr(c, "kv_events_config", None)
+    return Settings(
+        latency=LatencyModel(
+            itl_ms=c.itl_ms,
+            itl_ms_per_request=c.itl_ms_per_request,
+            ttft_ms=c.ttft_ms,
+            prefill_ms_per_token=c.prefill_ms_per_token,
+            jitter=c.jitter,
+            time_scale=c.time_scale,
+            lora_load_ms=c.lora_load_ms,
+        ),
+        generation=GenerationSettings(
+            output_token_chunk_size=c.output_token_chunk_size,
+            vocab_size=c.vocab_size,
+            seed=c.seed,
+            supported_tasks=tuple(c.supported_tasks),
+            max_model_len=c.max_model_len,
+            token_source=c.token_source,
+            token_id_range=(c.token_id_range.low, c.token_id_range.high) if c.token_id_range else None,
+            output_lengths=lengths.from_config(c.output_len_dist, c.eos_probability),
+            logprobs_top1=c.logprobs_top1,
+            logprobs_sampled_top1=c.logprobs_sampled_top1,
+        ),
+        scheduler=SchedulerSettings(
+            scheduling_policy=c.scheduling_policy,
+            max_num_seqs=enforced("max_num_seqs"),
+            max_num_batched_tokens=enforced("max_num_batched_tokens"),
+        ),
+        kv=KVSettings(
+            num_gpu_blocks=c.num_gpu_blocks,
+            block_size=c.block_size,
+            kv_blocks=enforced("num_gpu_blocks"),
+            prefix_caching=c.prefix_caching,
+            kv_events=events is not None and events.enabled,
+        ),
+        lora=LoRASettings(
+            enable_lora=c.enable_lora,
+            max_loras=c.max_loras,
+            max_cpu_loras=c.max_cpu_loras,
+            max_lora_rank=c.max_lora_rank,
+            lora_check_adapter_dir=c.lora_check_adapter_dir,
+        ),
+        pd=kv_transfer.settings_from(
+            c.kv_role, c.kv_transfer_config, c.kv_transfer_ms_per_token, c.kv_transfer_ms_per_block, c.data_parallel_size
+        ),
+        faults=tuple(getattr(c, "faults", ())),
+        logging=LoggingSettings(
+            log_level=c.log_level,
+            log_json=c.log_json,
+            log_requests=c.log_requests,
+            summary_interval=c.summary_interval,
+            strict_ledger=c.strict_ledger,
+        ),
+    )
+
+
+def engine_settings(
+    parts: Settings,
+    rank: int,
+    num_clients: int,
+    has_coordinator: bool,
+    wire: protocol.Wire,
+    token_source: Optional[tokens.TokenSource] = None,
+) -> EngineSettings:
+    """One engine's EngineSettings from the parts; `token_source` given: that
+    one, else made for this rank (a token file is read here: OSError or
+    ValueError if it cannot be)."""
+    gen, sched, kv, lora = parts.generation, parts.scheduler, parts.kv, parts.lora
+    if token_source is None:
+        token_source = tokens.make_source(gen.token_source, gen.vocab_size, gen.seed, rank, gen.token_id_range)
+    return EngineSettings(
+        rank=rank,
+        num_clients=num_clients,
+        output_token_chunk_size=gen.output_token_chunk_size,
+        vocab_size=gen.vocab_size,
+        seed=gen.seed,
+        log_requests=parts.logging.log_requests,
+        supported_tasks=gen.supported_tasks,
+        num_gpu_blocks=kv.num_gpu_blocks,
+        block_size=kv.block_size,
+        has_coordinator=has_coordinator,
+        max_num_seqs=sched.max_num_seqs,
+        kv_blocks=kv.kv_blocks,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        scheduling_policy=sched.scheduling_policy,
+        prefix_caching=kv.prefix_caching,
+        kv_events=kv.kv_events,
+        reuse_outputs=True,  # the runtime encodes each message as it is made
+        kv_transfer=parts.pd,
+        strict_ledger=parts.logging.strict_ledger,
+        output_lengths=gen.output_lengths,
+        logprobs_top1=gen.logprobs_top1,
+        logprobs_sampled_top1=gen.logprobs_sampled_top1,
+        token_source=token_source,
+        max_model_len=gen.max_model_len,
+        latency=parts.latency,
+        enable_lora=lora.enable_lora,
+        max_loras=lora.max_loras,
+        max_cpu_loras=lora.max_cpu_loras,
+        max_lora_rank=lora.max_lora_rank,
+        lora_check_adapter_dir=lora.lora_check_adapter_dir,
+        wire=wire,
+    )
