@@ -10,7 +10,7 @@
 #   ./run.sh bench [options]      the load driver (gmock-engine bench --help)
 #   ./run.sh soak [options]       a real frontend + the engine under steady load, with a verdict
 #   ./run.sh compat [options]     install frontend versions, run a short scenario against each,
-#                                 write README.md's compatibility table (./run.sh compat --help)
+#                                 write docs/wire-versions.md's compatibility table (./run.sh compat --help)
 #
 # The first use creates a virtualenv in .venv inside the checkout and installs
 # the package into it (plus the `test` extra for `./run.sh test`); later uses

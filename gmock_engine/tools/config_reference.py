@@ -75,7 +75,7 @@ def reference_page() -> str:
         "",
         f"## The engine: section `[{CONFIG_SECTION}]`, variables `{ENV_PREFIX}<FLAG>`",
         "",
-        "`kill -HUP <pid>` reads the configuration again ([README, Live reconfiguration](../README.md#live-reconfiguration)): an option "
+        "`kill -HUP <pid>` reads the configuration again ([live reconfiguration](reload.md)): an option "
         "marked *reloads* takes its new value, when the column says; any other keeps the value it "
         "started with, named in one warning.",
     ]

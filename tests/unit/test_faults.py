@@ -159,7 +159,7 @@ def test_rewrite_duplicate_and_late_finish():
 
 
 def test_readme_shows_the_checked_reaction_table_and_every_fault_flag():
-    """The README's table is the one test_faults_e2e.py checks against the real frontends."""
+    """docs/faults.md's table is the one test_faults_e2e.py checks against the real frontends."""
     import os
     import sys
 
@@ -167,7 +167,7 @@ def test_readme_shows_the_checked_reaction_table_and_every_fault_flag():
     sys.path.insert(0, os.path.join(root, "tests", "e2e"))
     import fault_reactions
 
-    with open(os.path.join(root, "README.md")) as f:
+    with open(os.path.join(root, "docs", "faults.md")) as f:
         readme = f.read()
     assert fault_reactions.markdown_table() in readme
     for kind in KINDS:

@@ -173,7 +173,7 @@ def test_conf_serve_ini_lists_every_serve_option_and_parses_for_both(env):
 
 
 def test_readme_serve_table_lists_the_options_in_the_parsers_order():
-    text = open(os.path.join(REPO, "README.md")).read()
+    text = open(os.path.join(REPO, "docs", "quickstart.md")).read()
     table = text[text.index("| serve flag | env | `[serve]` key | default | meaning |") :].split("\n\n", 1)[0]
     readme = re.findall(r"^\| `(--[a-z0-9-]+)`", table, re.M)
     parser = [a.option_strings[0] for a in serve_config.build_serve_parser()._actions if a.option_strings and a.dest != "help"]
@@ -181,9 +181,9 @@ def test_readme_serve_table_lists_the_options_in_the_parsers_order():
 
 
 def test_exit_statuses_are_documented_alike():
-    # the module docstring, --help and the README say the same numbers
+    # the module docstring, --help and docs/operations.md say the same numbers
     help_text = serve_config.build_serve_parser().format_help()
-    readme = open(os.path.join(REPO, "README.md")).read()
+    readme = open(os.path.join(REPO, "docs", "operations.md")).read()
     for status in (serve.EXIT_STOPPED, serve.EXIT_KILLED, serve.EXIT_CONFIG, serve.EXIT_INSTALL,
                    serve.EXIT_FRONTEND_EXITED, serve.EXIT_ENGINE_EXITED, serve.EXIT_STARTUP_TIMEOUT):  # fmt: skip
         assert re.search(rf"^  {status}  ", serve.__doc__, re.M)
