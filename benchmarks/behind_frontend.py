@@ -10,7 +10,7 @@ frontend's (API server + its helper processes), from /proc, over the bench.
     .venv/bin/python benchmarks/behind_frontend.py [--frontend python|rust] [--dp N] [--prompts 2000] [--output-len 64]
         [--engine gmock|reference] [--log-requests] [--engine-arg=--output-token-chunk-size=4]
 
-`--engine reference` puts the floor (tools/reference_emitter.py) in the
+`--engine reference` puts the floor (benchmarks/reference_emitter.py) in the
 mock's place under the same load, so the fraction has a yardstick: what the
 least a Python engine has to do costs behind this frontend. The floor takes
 the `--engine-arg` flags it knows (`--prefix-caching`, `--kv-events-config`,
@@ -49,7 +49,7 @@ def main() -> int:
     parser.add_argument("--api-servers", type=int, default=1)
     parser.add_argument("--engine-arg", action="append", default=[])
     parser.add_argument("--engine", choices=("gmock", "reference"), default="gmock",
-                        help="reference: the floor (tools/reference_emitter.py) in the mock's place")
+                        help="reference: the floor (benchmarks/reference_emitter.py) in the mock's place")
     parser.add_argument("--log-requests", action=argparse.BooleanOptionalAction, default=False,
                         help="run gmock with --log-requests, as the e2e tests do (off by default, as in run.sh)")
     options = parser.parse_args()
@@ -62,7 +62,7 @@ def main() -> int:
     stack.start()
     if options.engine == "reference":
         floor_args = floor_engine_args(options.engine_arg)  # the --engine-arg flags the floor takes too
-        floor = [sys.executable, "-m", "gmock_engine.tools.reference_emitter",
+        floor = [sys.executable, str(Path(__file__).resolve().parent / "reference_emitter.py"),
                  "--handshake-address", f"tcp://127.0.0.1:{stack.hs_port}", "--engine-count", str(options.dp), *floor_args]
         stack.engine = h.ProcessGroup("reference-emitter", floor, work / "engine.log", env=dict(os.environ), cwd=ROOT)
         stack.engines.append(stack.engine)

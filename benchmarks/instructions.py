@@ -17,7 +17,7 @@ a yardstick for code paths, not a replacement for the timed benches.
 Every bench option passes through (`--target gmock` for gmock alone; the
 default runs the floor too and prints the ratio). Needs valgrind
 (`callgrind_control` on PATH). Under callgrind the engine runs ~50x
-slower, so the stepper's hub-round interval (runtime.YIELD_INTERVAL_S,
+slower, so the stepper's hub-round interval (runner.YIELD_INTERVAL_S,
 100 µs) is stretched by the same factor (`--yield-interval`), or nearly
 every step would pay a hub round that a real run pays every ~20 steps.
 """
@@ -55,7 +55,7 @@ def main() -> int:
         if command[1:3] == ["-m", "gmock_engine"]:
             # the engine's own entry point, with the stepper's interval stretched
             code = (
-                "from gevent import monkey; monkey.patch_all(); import sys, gmock_engine.runtime as r; "
+                "from gevent import monkey; monkey.patch_all(); import sys, gmock_engine.runner as r; "
                 f"r.YIELD_INTERVAL_S = {ours.yield_interval!r}; from gmock_engine.cli import main; sys.exit(main())"
             )
             command = [command[0], "-c", code, *command[3:]]

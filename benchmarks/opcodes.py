@@ -3,7 +3,7 @@
 A request's whole life without sockets: each ADD frame is decoded, applied,
 stepped to its end and every message packed, for gmock (`protocol.decode_input`,
 `EngineCore.apply`, `EngineCore.step`, msgpack) and for the floor
-(`tools/reference_emitter.Engine`: `msgpack.unpackb`, `add`, `run_step`, which
+(`reference_emitter.Engine`: `msgpack.unpackb`, `add`, `run_step`, which
 packs). Both are fed the same frames, a real frontend's ADD from
 tests/data/frames.json with a fresh request id each. The Python opcodes run in
 a measured window are counted with `sys.settrace` (`f_trace_opcodes`), by
@@ -38,7 +38,7 @@ import msgpack  # noqa: E402
 from gmock_engine import protocol  # noqa: E402
 from gmock_engine.engine import EngineCore, EngineSettings  # noqa: E402
 from gmock_engine.tokens import RandomTokens  # noqa: E402
-from gmock_engine.tools import reference_emitter  # noqa: E402
+import reference_emitter  # noqa: E402  (beside this file: benchmarks/)
 
 FRAMES = Path(__file__).resolve().parent.parent / "tests" / "data" / "frames.json"
 TRACES = {"vllm-serve": "dp1.json", "vllm-rs": "rust_frontend_dp1.json"}

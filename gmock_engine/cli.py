@@ -21,7 +21,7 @@ from loguru import logger
 from . import __version__, kv_event_publisher
 from .config import ConfigError, format_config, parse_config
 from .logs import setup_logging
-from .runtime import App
+from .app import App
 
 #: Allocations (net) between young-generation collections; CPython's default is 700.
 GC_THRESHOLD = 100_000

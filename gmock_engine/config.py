@@ -317,7 +317,7 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
     except ConfigError as exc:
         raise ConfigError(sources.explain(str(exc))) from None
     #: dest -> Source for every option (--print-config, logging, and what
-    #: runtime.py enforces only when given: `sources[name].kind != "default"`).
+    #: settings.py enforces only when given: `sources[name].kind != "default"`).
     args.sources = sources.resolve(args)
     last_rank = args.data_parallel_start_rank + args.engine_count
     if args.data_parallel_size is None:
@@ -353,7 +353,7 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
             f"argument --kv-role: {args.kv_role} (from {sources.of(sources.find('--kv-role'))}) contradicts kv_role "
             f"{role} of --kv-transfer-config (from {sources.of(sources.find('--kv-transfer-config'))})"
         )
-    #: Every configured fault, in KINDS order (runtime.py hands them to each engine).
+    #: Every configured fault, in KINDS order (runner.py hands them to each engine).
     args.faults = [spec for spec in (getattr(args, "fault_" + k.replace("-", "_")) for k in KINDS) if spec is not None]
     _check_kv_events(args, sources)
     return args

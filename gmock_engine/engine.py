@@ -19,7 +19,7 @@ vLLM keeps them:
 * ledger.py: the books on every request, kept from the wire (one book: the
   engine's own counters are steps, tokens and preemptions only).
 
-The greenlet wiring (runtime.py) moves frames in and out; everything that
+The greenlet wiring (runner.py) moves frames in and out; everything that
 decides *what* the engine says lives in these modules and is unit-tested
 without I/O. Behaviour is the Rust mock's (PROTOCOL.md §9.3) plus what the
 real frontends need from an engine: pause/sleep that end in-flight streams

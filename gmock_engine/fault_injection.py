@@ -17,13 +17,13 @@ nothing else about faults:
   wait) and `outputs_flowing` (closed by a stall or a hang: the sender
   waits), and `hung`.
 
-With no fault configured for an engine, `for_engine` gives `NoFaults`, a
+With no fault configured for an engine, `build` gives `NoFaults`, a
 null object whose answers are pass-throughs and whose gates never close,
 so the serving path has no fault branches and pays nothing per token.
 
-A reload (SIGHUP) rebuilds the layer with `rebuild`, between two steps:
-the new specs (faults.Faults carries over the state of the unchanged ones),
-and whatever is under way goes on in the new layer: the same gates (a hang
+A reload (SIGHUP) builds the layer again (`build` with `previous`),
+between two steps: the new specs (faults.Faults carries over the state of
+the unchanged ones), and whatever is under way goes on in the new layer: the same gates (a hang
 or a stall ends when it was due to), the requests marked for a wire fault,
 slow steps.
 
@@ -136,7 +136,7 @@ class FaultInjector:
     @property
     def under_way(self) -> bool:
         """A fault is still acting (a gate closed, a marked request, slow
-        steps): a rebuilt layer must go on with it (`rebuild`)."""
+        steps): a rebuilt layer must go on with it (`build`)."""
         return (
             not self.flowing.is_set()
             or not self.outputs_flowing.is_set()
@@ -293,48 +293,52 @@ class FaultInjector:
 Injector = Union[NoFaults, FaultInjector]
 
 
-def for_engine(
-    specs: Sequence[FaultSpec],
-    rank: int,
-    seed: int,
-    log: Any,
-    spawn: Callable[..., gevent.Greenlet],
-    put: Callable[[Outbound], None],
-    vanish: Callable[[], None],
-) -> Injector:
-    """The fault layer of engine `rank`: a `FaultInjector` when a spec
-    applies to this rank, else `NoFaults` (chosen once, at wiring time)."""
-    decider = Faults(specs, rank, seed)
-    if not decider:
-        return NoFaults(decider)
-    return FaultInjector(decider, rank, log, spawn, put, vanish)
+@dataclasses.dataclass(frozen=True)
+class RuntimeHooks:
+    """What only the runtime can do for the fault layer of engine `rank`
+    (see FaultInjector): `spawn` a supervised timer greenlet, `put` a late
+    output on the output queue, `vanish` (a crash; does not return)."""
+
+    rank: int
+    log: Any
+    spawn: Callable[..., gevent.Greenlet]
+    put: Callable[[Outbound], None]
+    vanish: Callable[[], None]
 
 
-def rebuild(
-    previous: Injector,
+def build(
     specs: Sequence[FaultSpec],
-    rank: int,
     seed: int,
-    log: Any,
-    spawn: Callable[..., gevent.Greenlet],
-    put: Callable[[Outbound], None],
-    vanish: Callable[[], None],
-    now: float,
+    hooks: RuntimeHooks,
+    *,
+    previous: Optional[Injector] = None,
+    now: float = 0.0,
     engine: Optional[EngineCore] = None,
 ) -> Tuple[Injector, Optional[Callable[[], None]]]:
-    """The fault layer of engine `rank` after a reload (SIGHUP), in place of
-    `previous`: the new `specs` (faults.Faults carries over the state of the
-    unchanged ones; a new or changed at= counts from `now`), going on with
-    what `previous` has under way: the same gates, the requests it marked,
-    slow steps. `NoFaults` only when no spec applies and nothing is under
-    way. With `engine` (it joined already) also the loop that fires the
-    timed faults, for the runtime to spawn in place of the previous one
-    (None: no timed fault)."""
+    """The fault layer of engine `hooks.rank`: a `FaultInjector` when a spec
+    applies to this rank (or `previous` has a fault under way), else
+    `NoFaults`; and the loop that fires its timed faults, for the runtime to
+    spawn (None: no timed fault, or `engine` not given).
+
+    Without `previous`: the layer an engine starts with (its timed faults
+    get their loop from `joined`, once the engine joined its frontend).
+    With `previous`: a reload (SIGHUP) puts the new layer in its place, with
+    the new `specs` (faults.Faults carries over the state of the unchanged
+    ones; a new or changed at= counts from `now`), going on with what
+    `previous` has under way: the same gates, the requests it marked, slow
+    steps. With `engine` (it joined already) the new layer answers for it
+    at once and its timer loop replaces the previous one."""
+    rank = hooks.rank
+    if previous is None:
+        decider = Faults(specs, rank, seed)
+        if not decider:
+            return NoFaults(decider), None
+        return FaultInjector(decider, rank, hooks.log, hooks.spawn, hooks.put, hooks.vanish), None
     decider = Faults(specs, rank, seed, previous.faults, now)
     if not decider and not previous.under_way:
         layer: Injector = NoFaults(decider)
     else:
-        layer = FaultInjector(decider, rank, log, spawn, put, vanish)
+        layer = FaultInjector(decider, rank, hooks.log, hooks.spawn, hooks.put, hooks.vanish)
         if isinstance(previous, FaultInjector):
             layer.marked = previous.marked
             layer.slow_factor, layer.slow_until = previous.slow_factor, previous.slow_until

@@ -6,7 +6,7 @@ the KV manager (prefix_cache.py), which records plain event tuples; the
 engine takes them once per step and the runtime hands them to the publisher
 (kv_event_publisher.py: the sockets and their greenlets). This module is
 what both need and nothing that runs: it imports no gevent and no zmq, so
-the reference emitter (tools/reference_emitter.py, the floor of the
+the reference emitter (benchmarks/reference_emitter.py, the floor of the
 benchmarks) shares it too.
 
 * `KVEventsConfig`: vLLM's `--kv-events-config` JSON, checked key by key

@@ -16,7 +16,7 @@ it reads with the configuration in force and returns a `Reload`:
 * `error`: a bad file or value (the ConfigError message, naming the flag
   and its source): then nothing changes at all.
 
-The runtime applies a Reload (runtime.py, `App.reload`): logging and the
+The runtime applies a Reload (app.py, `App.reload`): logging and the
 summary interval at once, each engine's settings through its stepper,
 between two steps. Like the rest of the configuration, this module imports
 neither gevent nor zmq.
@@ -26,19 +26,23 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional
 
 from . import options
 from .config import ConfigError, Source
 from .faults import KINDS
 
-#: --fault-*: each engine's fault layer is rebuilt (fault_injection.rebuild).
+if TYPE_CHECKING:
+    from .engine import EngineSettings
+    from .faults import FaultSpec
+
+#: --fault-*: each engine's fault layer is rebuilt (fault_injection.build).
 FAULTS = options.reloading(options.FAULT_LAYER)
 #: Every option a reload applies (each says so where it is declared, options.py,
 #: with when it applies); any other option is fixed while the process runs.
 RELOADABLE = options.RELOADABLE
 
-#: Limits enforced only when given (runtime.py): in effect the value, or
+#: Limits enforced only when given (runner.py): in effect the value, or
 #: unlimited when it comes from the default (then it is only reported).
 ENFORCED_WHEN_GIVEN = frozenset({"max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks"})
 #: Not options to compare: how the configuration is found, a one-shot action.
@@ -179,3 +183,18 @@ def check(current: argparse.Namespace, load: Callable[[], argparse.Namespace]) -
             f"(from {merged.sources['token_id_range']}), and --vocab-size cannot change while running"
         )
     return result
+
+
+@dataclass
+class Reconfiguration:
+    """One engine's share of a Reload (App.reload hands it to the engine's
+    runner): its stepper takes it between two steps."""
+
+    #: The configuration generation it makes (App.generation).
+    generation: int
+    #: The configuration in force from now on (Reload.config).
+    config: Any
+    #: The engine's new settings (None: not joined yet; its handshake builds them from `config`).
+    settings: Optional["EngineSettings"]
+    #: The new --fault-* specs; None: unchanged (the fault layer stays as it is).
+    faults: Optional[List["FaultSpec"]]

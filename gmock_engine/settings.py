@@ -5,7 +5,7 @@ dataclass per part of the engine, built in one place.
 reload.py) once and returns `Settings`: the latency model, generation, the
 scheduler's limits, the KV cache, LoRA, P/D, faults and logging, each typed.
 `engine_settings` gives one engine its EngineSettings from those parts (at
-the handshake and for a reload: runtime.EngineRunner.engine_settings).
+the handshake and for a reload: runner.EngineRunner.engine_settings).
 
 A limit is in effect only when configured: `--max-num-seqs`,
 `--max-num-batched-tokens` and `--num-gpu-blocks` from their default are

@@ -8,12 +8,13 @@ on each) and one PUSH per output address, passes the coordinator gate when
 INIT names a coordinator (§2.6), sends READY (§2.1) and closes the
 handshake DEALER (the frontend closes its end once every engine is ready).
 
-Then exactly one greenlet owns each socket direction (runtime.py spawns
-them): a `Reader` loop per input socket (frames -> decoded messages -> the
-input queue) and one `Sender` loop for all output sockets (the output queue
--> packed messages -> `outputs[client_index]`). They talk to the stepper only
-through those two bounded queues and the `wake` event, and they stop at the
-gates the fault layer closes (fault_injection.py: hang, stall).
+Then exactly one greenlet owns each socket direction (runner.py spawns
+them): a `Reader` loop per input socket (frames -> decoded messages ->
+`deliver`) and one `Sender` loop for all output sockets (`take_output` ->
+packed messages -> `outputs[client_index]`). They talk to the stepper only
+through the engine's `links.StageLinks` (two bounded queues and the `wake`
+event), and they stop at the gates the fault layer closes there
+(fault_injection.py: hang, stall).
 
 Every wait is a `zmq.green` one: a plain pyzmq call that waits would block
 the whole gevent hub. `RCVTIMEO` does nothing on green sockets, so waits use
@@ -37,6 +38,7 @@ from loguru import logger
 from zmq.backend import Socket as _BackendSocket
 
 from . import protocol
+from .links import StageLinks
 from .logs import Throttle
 from .protocol import InitMessage, ProtocolError
 
@@ -306,23 +308,11 @@ class Reader:
     the only greenlet that receives on its socket (STYLE: one waiter per
     socket direction)."""
 
-    def __init__(
-        self,
-        wire: protocol.Wire,
-        put: Callable[[Any], None],
-        wake: Any,
-        gate: Any,
-        incidents: Incidents,
-        throttle: Throttle,
-        paced: Callable[[], bool] = lambda: False,
-    ) -> None:
+    def __init__(self, links: StageLinks, wire: protocol.Wire, incidents: Incidents, throttle: Throttle) -> None:
+        #: To the stepper: `deliver`, `wake`; the gate a hang closes
+        #: (--fault-hang: the socket is not read): `input_open`; `paced`.
+        self.links = links
         self.wire = wire
-        #: whether the engine steps on a clock (a latency model): then a
-        #: burst of input is read in slices (see `run`)
-        self.paced = paced
-        self.put = put  # the engine's input queue (bounded: a flood waits here)
-        self.wake = wake  # set after each message so the stepper applies it
-        self.gate = gate  # cleared by a hang (--fault-hang): the socket is not read
         self.incidents = incidents
         self.throttle = throttle
 
@@ -339,11 +329,12 @@ class Reader:
             waiter.close()
 
     def _loop(self, sock: Any, where: str, decode: Callable[[Any, protocol.Wire], Any], wait: Callable[[], None]) -> None:
-        wire, put, wake, gate = self.wire, self.put, self.wake, self.gate
+        wire, links = self.wire, self.links
+        deliver, wake, input_open = links.deliver, links.wake, links.input_open
         burst = 0  # messages read since this loop last gave the hub a round
         while True:
-            if not gate.is_set():
-                gate.wait()
+            if not input_open():
+                links.wait_input_open()
             if not readable(sock):
                 # Nothing there: wait for it, then look again. Not a green
                 # recv_multipart, which costs ~9 µs more per message than
@@ -359,9 +350,9 @@ class Reader:
                 # late (4 engines, --itl-ms 5). Unpaced, the stepper yields
                 # between its back-to-back steps, and the whole burst is
                 # better taken in at once: the stepper's input slice grows
-                # with the queue (runtime.INPUT_SLICE_DIVISOR).
+                # with the queue (runner.INPUT_SLICE_DIVISOR).
                 burst = 0
-                if self.paced():
+                if links.paced():
                     gevent.idle()
                     continue  # the gate (a hang may have closed it) and the socket again
             burst += 1
@@ -372,8 +363,8 @@ class Reader:
                 self._drop(where, exc)
                 continue
             if message is not None:
-                put(message)
-                wake.set()
+                deliver(message)  # waits while the input queue is full (back-pressure)
+                wake()
 
     def _drop(self, where: str, error: Exception) -> None:
         """Log a dropped frame; a flood (fuzzing, a broken peer) is summarised
@@ -391,21 +382,14 @@ class Sender:
     """The output side of one engine: `run` is the one place a message
     leaves, the only greenlet that sends on the engine's output sockets."""
 
-    def __init__(
-        self,
-        sockets: EngineSockets,
-        wire: protocol.Wire,
-        get: Callable[[], Any],
-        gate: Any,
-        incidents: Incidents,
-        throttle: Throttle,
-    ) -> None:
+    def __init__(self, links: StageLinks, sockets: EngineSockets, wire: protocol.Wire, incidents: Incidents, throttle: Throttle) -> None:
         # Position = client index (§2.4); index -1 = coordinator_output (§4.1,
         # §6.2), which is None without a coordinator and then never addressed.
         self.outputs = [*sockets.outputs, sockets.coordinator_output]
+        #: From the stepper: `take_output`; the gate a stall or a hang closes
+        #: (--fault-stall-outputs, --fault-hang): `outputs_open`.
+        self.links = links
         self.wire = wire
-        self.get = get  # the engine's output queue
-        self.gate = gate  # cleared by a stall or a hang (--fault-stall-outputs, --fault-hang)
         self.incidents = incidents
         self.throttle = throttle
         #: Request ids this sender ended with ERROR (see protocol.salvage).
@@ -425,17 +409,17 @@ class Sender:
         outputs held back; only a socket failing ends this loop."""
         outputs = self.outputs
         pack = self._pack
-        get, gate, cut = self.get, self.gate, self.cut
+        take_output, outputs_open, cut = self.links.take_output, self.links.outputs_open, self.cut
         while True:
             self.idle = True
-            item = get()
+            item = take_output()
             self.idle = False
-            if not gate.is_set():
-                gate.wait()
+            if not outputs_open():
+                self.links.wait_outputs_open()
             if item is STOP:
                 return
             client, message = item
-            # bytes: encoded by the stepper (EngineRunner._emit); a message:
+            # bytes: encoded by the stepper (runner.EngineRunner._emit); a message:
             # queued unencoded (a late finish's timer), encoded now
             data = message if message.__class__ is bytes else self._encode(message, pack, cut)
             if data is not None:
@@ -468,7 +452,7 @@ class Sender:
         This is the stepper's shortcut when the sender is idle (issue 17):
         it saves a queue put and get and a greenlet switch per step, and a
         message leaves in the step that made it."""
-        if not (self.idle and self.gate.is_set()):
+        if not (self.idle and self.links.outputs_open()):
             return False
         client, data = item
         try:

@@ -358,7 +358,7 @@ def test_every_worker_crashed_exits_70(tmp_path):
 
 def test_run_sh_bench_loads_both_targets():
     # `./run.sh bench` = `gmock-engine bench` (tools/bench.py): it starts gmock
-    # and the reference emitter (python -m gmock_engine.tools.reference_emitter)
+    # and the reference emitter (python benchmarks/reference_emitter.py)
     # as subprocesses and loads each over real sockets.
     result = subprocess.run(
         [RUN_SH, "bench", "--duration", "0.5", "--warmup", "0", "--idle", "0.1", "--concurrency", "4", "--max-tokens", "8"],

@@ -1,11 +1,12 @@
-"""Tools that play the other side: the frontend, a yardstick engine, /proc.
+"""Tools that play the other side: the frontend, the load driver, /proc.
 
 Not on the serving path: no engine module (gmock_engine/*.py) imports this
 package; only __main__ hands `gmock-engine bench` to bench.py. It ships inside the installed package because `gmock-engine bench`
 must work from an installed copy; benchmarks/ and tests/ use it too.
 
 * bench.py: `gmock-engine bench`, the blocking-pyzmq load driver;
-* reference_emitter.py: the bare yardstick engine the driver compares against;
+  its yardstick engine (`--target reference`) is benchmarks/reference_emitter.py,
+  in the source checkout only;
 * frontend.py: the frontend's side of the input socket (EngineCoreRequest
   arrays and the ADD / ABORT / UTILITY frames), pure; tests/fake_frontend.py
   sends with it too;

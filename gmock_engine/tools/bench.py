@@ -16,8 +16,8 @@ summary per target:
 * the driver's own CPU per token, so a driver bottleneck shows.
 
 Targets: `gmock` (this package) and `reference`, the pyzmq + msgpack floor
-of tools/reference_emitter.py (the same wire messages at the least a Python
-loop spends), run under the same load in the same run; gmock's CPU per token
+of benchmarks/reference_emitter.py (the same wire messages at the least a
+Python loop spends; in a source checkout only), run under the same load in the same run; gmock's CPU per token
 and TTFT are reported as ratios to it.
 
 It sends what the frontends send: full 22-element EngineCoreRequests and
@@ -39,6 +39,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import msgpack
@@ -309,6 +310,8 @@ class Driver:
 
 #: --engine-arg flags the reference emitter takes as well, as `--flag` or
 #: `--flag=value` (its features: prefix caching, KV events, pacing).
+#: The floor (target `reference`): a script of the source checkout, not of the package.
+REFERENCE_EMITTER = Path(__file__).resolve().parents[2] / "benchmarks" / "reference_emitter.py"
 FLOOR_FLAGS = ("--prefix-caching", "--kv-events-config", "--num-gpu-blocks", "--block-size", "--itl-ms")
 
 
@@ -331,7 +334,7 @@ def engine_command(target: str, args: argparse.Namespace, handshake: str) -> Lis
         floor_args = floor_engine_args(args.engine_arg)
         if args.itl_ms:
             floor_args += ["--itl-ms", str(args.itl_ms)]
-        return [sys.executable, "-m", "gmock_engine.tools.reference_emitter", *common, *floor_args]
+        return [sys.executable, str(REFERENCE_EMITTER), *common, *floor_args]
     command = [sys.executable, "-m", "gmock_engine", *common, "--log-level", "WARNING"]
     if args.itl_ms:
         command += ["--itl-ms", str(args.itl_ms)]
@@ -505,6 +508,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"gmock-engine bench: error: {problem}", file=sys.stderr)
             return 2
     targets = ["gmock", "reference"] if args.target == "both" else [args.target]
+    if "reference" in targets and not REFERENCE_EMITTER.is_file():
+        print(
+            f"gmock-engine bench: error: the reference emitter ({REFERENCE_EMITTER}) is not there: it is part of the "
+            "source checkout (benchmarks/), not of the installed package; run from a checkout, or pass --target gmock",
+            file=sys.stderr,
+        )
+        return 2
     mode = f"rate {args.rate:g}/s" if args.rate else f"concurrency {args.concurrency}/engine"
     print(
         f"gmock-engine bench: engines {args.engines}, processes {args.processes}, clients {args.clients}, "

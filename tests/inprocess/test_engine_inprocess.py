@@ -15,7 +15,7 @@ from fake_frontend import Collected, FakeFrontend
 from gmock_engine.config import parse_config
 from gmock_engine import protocol
 from gmock_engine.protocol import FinishReason
-from gmock_engine.runtime import App
+from gmock_engine.app import App
 from gmock_engine.tools import frontend as frontend_tools
 
 
@@ -482,7 +482,7 @@ def test_the_input_slice_grows_with_the_running_batch():
     intake grows as the batch does and all are running well before
     3000 / INPUT_SLICE steps (issue 17: at its CPU limit an unpaced engine
     must not leave ADDs queued in front of the scheduler)."""
-    from gmock_engine.runtime import INPUT_SLICE, INPUT_SLICE_DIVISOR
+    from gmock_engine.runner import INPUT_SLICE, INPUT_SLICE_DIVISOR
 
     frontend = FakeFrontend(num_clients=1, dp=1)
     with serving(frontend):
@@ -508,10 +508,10 @@ def test_the_input_slice_grows_with_the_running_batch():
 
 
 def test_a_flood_of_adds_is_admitted_in_slices_between_steps():
-    """2000 ADDs at once: each step admits at most runtime.INPUT_SLICE of
+    """2000 ADDs at once: each step admits at most runner.INPUT_SLICE of
     them (issue 17), so the first ones get their first token while the rest
     are still being taken in, and none is lost."""
-    from gmock_engine.runtime import INPUT_SLICE
+    from gmock_engine.runner import INPUT_SLICE
 
     frontend = FakeFrontend(num_clients=1, dp=1)
     with serving(frontend):

@@ -17,7 +17,7 @@ from zmq.utils.monitor import recv_monitor_message
 from gmock_engine.config import parse_config
 from gmock_engine.kv_events import END_SEQ
 from gmock_engine.prefix_cache import block_hashes
-from gmock_engine.runtime import App
+from gmock_engine.app import App
 from gmock_engine.tools.procgroup import free_ports
 
 EVENTS = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0", "topic": "kv@mock"}'

@@ -8,18 +8,18 @@ import zmq.green as zmq
 from loguru import logger
 
 from gmock_engine import protocol, transport
+from gmock_engine.links import StageLinks
 from gmock_engine.logs import Throttle
 from gmock_engine.tools import frontend as frontend_tools
 
 
 def _reader(put, paced: bool) -> transport.Reader:
     """A Reader as the runtime makes one, its gate open."""
-    gate = gevent.event.Event()
-    gate.set()
+    links = StageLinks()  # its gates open
+    links.deliver = put
+    links.paced = lambda: paced
     layout = protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION]
-    return transport.Reader(
-        protocol.Wire(layout), put, gevent.event.Event(), gate, transport.Incidents(), Throttle(logger), paced=lambda: paced
-    )
+    return transport.Reader(links, protocol.Wire(layout), transport.Incidents(), Throttle(logger))
 
 
 def _burst_then_peek(paced: bool, count: int = 3 * transport.READ_SLICE + 5):

@@ -263,7 +263,7 @@ def test_config_file_source_given_by_cli_or_environment(tmp_path):
 
 @pytest.mark.parametrize("name", ["max_num_seqs", "num_gpu_blocks", "max_num_batched_tokens"])
 def test_a_limit_given_in_any_form_counts_as_given(tmp_path, name):
-    # runtime.py enforces these only when `sources[name].kind != "default"`.
+    # settings.py enforces these only when `sources[name].kind != "default"`.
     flag = "--" + name.replace("_", "-")
     forms = [
         ([flag, "64"], {}),

@@ -43,7 +43,7 @@ class FakeEngine:
 def injector(*specs, rank=0):
     hands = Hands()
     parsed = [parse_spec(kind, text) for kind, text in specs]
-    layer = fault_injection.for_engine(parsed, rank, 0, logger, hands.spawn, hands.put, hands.vanish)
+    layer, _ = fault_injection.build(parsed, 0, fault_injection.RuntimeHooks(rank, logger, hands.spawn, hands.put, hands.vanish))
     layer.joined(FakeEngine(), 0.0)
     return layer, hands
 

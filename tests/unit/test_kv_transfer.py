@@ -266,7 +266,8 @@ class _Engine:
 
 
 def _injector(kind, text, role="consumer"):
-    layer = fault_injection.for_engine([parse_spec(kind, text)], 0, 0, logger, lambda *a: None, lambda item: None, lambda: None)
+    hooks = fault_injection.RuntimeHooks(0, logger, lambda *a: None, lambda item: None, lambda: None)
+    layer, _ = fault_injection.build([parse_spec(kind, text)], 0, hooks)
     layer.joined(_Engine(role), 0.0)
     return layer
 

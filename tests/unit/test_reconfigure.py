@@ -1,6 +1,6 @@
 """How a running engine takes a reload, without sockets: EngineCore.reconfigure
 (between two steps), the fault decider carried over (faults.Faults) and the
-fault layer rebuilt (fault_injection.rebuild)."""
+fault layer rebuilt (fault_injection.build)."""
 
 import pytest
 from loguru import logger
@@ -152,12 +152,13 @@ class Hands:
 
 def rebuild(previous, *pairs, now=0.0, engine=None, hands=None):
     hands = hands or Hands()
-    return fault_injection.rebuild(previous, specs(*pairs), 0, 0, logger, hands.spawn, hands.put, hands.vanish, now, engine)
+    hooks = fault_injection.RuntimeHooks(0, logger, hands.spawn, hands.put, hands.vanish)
+    return fault_injection.build(specs(*pairs), 0, hooks, previous=previous, now=now, engine=engine)
 
 
 def test_rebuild_keeps_the_gates_and_what_is_under_way():
     hands = Hands()
-    layer = fault_injection.for_engine(specs(("drop-finish", "every=1")), 0, 0, logger, hands.spawn, hands.put, hands.vanish)
+    layer, _ = fault_injection.build(specs(("drop-finish", "every=1")), 0, fault_injection.RuntimeHooks(0, logger, hands.spawn, hands.put, hands.vanish))
     layer.joined(object(), 0.0)
     layer.on_input(EngineCoreRequest("marked", 3, 4, True))
     assert "marked" in layer.marked
@@ -174,7 +175,7 @@ def test_rebuild_keeps_the_gates_and_what_is_under_way():
 
 def test_rebuild_from_no_faults_turns_faults_on_and_gives_the_timer_of_the_timed_ones():
     hands = Hands()
-    layer = fault_injection.for_engine([], 0, 0, logger, hands.spawn, hands.put, hands.vanish)
+    layer, _ = fault_injection.build([], 0, fault_injection.RuntimeHooks(0, logger, hands.spawn, hands.put, hands.vanish))
     new, timer = rebuild(layer, ("error-mid-stream", "every=1"), ("hang", "at=5 duration=1s"), now=50.0, engine=object())
     assert isinstance(new, fault_injection.FaultInjector) and timer is not None
     assert new.flowing is layer.flowing

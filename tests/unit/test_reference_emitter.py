@@ -1,12 +1,17 @@
 """The reference emitter is the floor gmock is measured against (bench.py):
 it must send what gmock sends, or the ratio means nothing (issue 17)."""
 
+import sys
+
 import msgpack
 import pytest
 
 from gmock_engine import protocol
 from gmock_engine.tokens import RandomTokens
-from gmock_engine.tools import reference_emitter
+from gmock_engine.tools.bench import REFERENCE_EMITTER
+
+sys.path.insert(0, str(REFERENCE_EMITTER.parent))  # benchmarks/: the floor is a script of the checkout
+import reference_emitter  # noqa: E402
 
 from test_engine import add, make, run
 
@@ -149,6 +154,20 @@ def test_the_floor_imports_no_gevent_and_collects_as_rarely_as_gmock():
 
     from gmock_engine import cli
 
-    probe = "import sys, gmock_engine.tools.reference_emitter; print(sorted(m for m in ('gevent', 'zmq.green') if m in sys.modules))"
+    probe = (
+        f"import sys; sys.path.insert(0, {str(REFERENCE_EMITTER.parent)!r}); import reference_emitter; "
+        "print(sorted(m for m in ('gevent', 'zmq.green') if m in sys.modules))"
+    )
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "[]"
     assert reference_emitter.GC_THRESHOLD == cli.GC_THRESHOLD
+
+
+def test_bench_names_the_missing_floor_outside_a_checkout(monkeypatch, tmp_path, capsys):
+    """Installed without the checkout, benchmarks/ is not there: `bench` says
+    so and how to go on (--target gmock) instead of failing to start it."""
+    from gmock_engine.tools import bench
+
+    monkeypatch.setattr(bench, "REFERENCE_EMITTER", tmp_path / "benchmarks" / "reference_emitter.py")
+    assert bench.main(["--target", "reference", "--join-timeout", "1", "--duration", "0.1", "--warmup", "0", "--idle", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "source checkout" in err and "--target gmock" in err

@@ -2,8 +2,11 @@
 
 `gmock-engine bench` runs this beside gmock_engine under the same load and
 reports gmock's CPU per token as a ratio to it. It is meant as the floor,
-the least a Python engine has to spend to send the messages gmock sends
-(issue 17), so the ratio says how far gmock is from it:
+the least a Python engine has to spend to send the messages gmock sends,
+so the ratio says how far gmock is from it. A yardstick, not a user
+command: it lives beside the benchmarks, outside the package, and bench.py
+runs it by path from the checkout (gmock_engine must be importable). It
+sends:
 
 * the same wire messages: the same token ids (tokens.py's pool, at the
   position gmock seeds per request), a first output carrying the QUEUED and
@@ -46,7 +49,7 @@ lateness (`step_lateness_us`, the window restarted by gmock_stats(True), as
 gmock's), every other utility call with nil, and an ABORT with an ABORT
 output.
 
-    python -m gmock_engine.tools.reference_emitter --handshake-address tcp://127.0.0.1:29550 \\
+    python benchmarks/reference_emitter.py --handshake-address tcp://127.0.0.1:29550 \\
         [--engine-count N] [--output-token-chunk-size K] [--vocab-size V] [--seed S] \\
         [--itl-ms MS] [--prefix-caching] [--kv-events-config JSON] [--num-gpu-blocks B] [--block-size S]
 """
@@ -65,14 +68,14 @@ from typing import Any, Callable, Dict, List, Optional
 import msgpack
 import zmq
 
-from .. import kv_events, protocol
-from ..logprobs import LogprobModel
-from ..outbox import STATS_INTERVAL_S
-from ..prefix_cache import block_hash, block_hashes
-from ..stats import Samples
-from ..steptimer import TimerFD
-from ..protocol import EngineCoreEventType, FinishReason
-from ..tokens import POOL_PAD, RandomTokens
+from gmock_engine import kv_events, protocol
+from gmock_engine.logprobs import LogprobModel
+from gmock_engine.outbox import STATS_INTERVAL_S
+from gmock_engine.prefix_cache import block_hash, block_hashes
+from gmock_engine.stats import Samples
+from gmock_engine.steptimer import TimerFD
+from gmock_engine.protocol import EngineCoreEventType, FinishReason
+from gmock_engine.tokens import POOL_PAD, RandomTokens
 
 #: EngineCoreRequest fields read here (the 0.33 layout the bench driver sends).
 _PROMPT, _SAMPLING, _CLIENT = 1, 3, 11
@@ -516,7 +519,7 @@ def _publisher(pub: Any, topic: bytes, rank: int) -> Callable[[List[Any]], None]
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="gmock_engine.tools.reference_emitter")
+    parser = argparse.ArgumentParser(prog="reference_emitter.py")
     parser.add_argument("--handshake-address", default="tcp://127.0.0.1:29550")
     parser.add_argument("--engine-count", type=int, default=1)
     parser.add_argument("--data-parallel-start-rank", type=int, default=0)
