@@ -5,7 +5,9 @@ the batch limit and the token budget drawn): after every input and every
 step, a request in the running batch is RUNNING (WAITING_FOR_REMOTE_KVS
 while it waits for its KV), one in the waiting queue WAITING or PREEMPTED
 (PREEMPTED only once it was preempted), and one that left both has the
-finished status of the finish reason its terminal output carried."""
+finished status of the finish reason its terminal output carried. A P/D
+consumer's wait for its KV (WAITING_FOR_REMOTE_KVS) is checked on its own
+at the end."""
 
 from typing import Dict, List
 
@@ -82,3 +84,59 @@ def test_status_follows_the_books(scenario):
 def test_status_follows_the_books_with_preemptions(scenario):
     """The same with the KV cache always enforced: preemptions are common."""
     run_scenario(scenario, [StatusObserver()])
+
+
+# -- P/D: the consumer's wait for its KV (not in the random scenarios) ----------
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def _consumer(**kw):
+    from gmock_engine.engine import EngineCore, EngineSettings
+    from gmock_engine.kv_transfer import KVTransferSettings
+
+    clock = _Clock()
+    settings = EngineSettings(rank=0, num_clients=1, kv_transfer=KVTransferSettings(role="consumer", **kw), block_size=16)
+    return EngineCore(settings, clock=clock), clock
+
+
+def _decode_add(rid, **extra):
+    from gmock_engine.protocol import EngineCoreRequest
+
+    params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[0]],
+        "remote_engine_id": "gmock",
+        "remote_request_id": "p-" + rid,
+        "remote_host": "localhost",
+        "remote_port": 5600,
+        "tp_size": 1,
+    }
+    return EngineCoreRequest(request_id=rid, prompt_len=10, max_tokens=4, has_sampling_params=True, extra_args={"kv_transfer_params": params, **extra})
+
+
+def test_a_consumer_waits_for_remote_kvs_then_runs_then_ends():
+    engine, clock = _consumer(ms_per_token=10.0)
+    for rid in ("d", "gone"):
+        engine.apply(_decode_add(rid))
+    engine.apply(_decode_add("bad", mock_kv_load="fail"))
+    assert {r.status for r in engine.scheduler.waiting.requests()} == {RequestStatus.WAITING}
+    engine.step()  # admitted: each waits for its KV
+    held = dict(engine.scheduler.running)
+    assert {rid: r.status for rid, r in held.items()} == dict.fromkeys(("d", "gone", "bad"), RequestStatus.WAITING_FOR_REMOTE_KVS)
+    engine.abort_requests(["gone"])
+    assert held["gone"].status is RequestStatus.FINISHED_ABORTED
+    clock.now += 0.2  # 10 tokens x 10 ms: the KV is here
+    engine.step()
+    assert held["d"].status is RequestStatus.RUNNING
+    assert held["bad"].status is RequestStatus.FINISHED_ERROR  # kv_load_failure_policy "fail"
+    while engine.has_work:
+        engine.step()
+    assert held["d"].status is RequestStatus.FINISHED_LENGTH_CAPPED
