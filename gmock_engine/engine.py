@@ -148,7 +148,7 @@ class EngineSettings:
     #: P/D disaggregation (--kv-role / --kv-transfer-config, kv_transfer.py); None: off.
     kv_transfer: Optional[kv_transfer.KVTransferSettings] = None
     #: The steady state's outputs are lists reused from step to step
-    #: (Scheduler.reuse_outputs): a message `step` returns is only valid
+    #: (OutputProcessor.reuse_outputs): a message `step` returns is only valid
     #: until the next step. The runtime encodes each message as it is made;
     #: off for callers that keep what `step` returned.
     reuse_outputs: bool = False

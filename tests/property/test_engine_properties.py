@@ -29,7 +29,7 @@ another:
 (f) a request whose stop ids (plus EOS) cover every id the engine may emit
     ends with finish_reason STOP on its first token (vLLM's check_stop);
 (g) with outputs reused (as the runtime runs the engine), the steady step
-    (Scheduler.steady_step) sends the same bytes as the general step: each
+    (OutputProcessor.steady_step, lanes.py) sends the same bytes as the general step: each
     scenario runs once as it is and once with that path turned off;
 (h) with outputs reused, every new_logprobs row is self-consistent
     (distinct alternatives, non-increasing logprobs <= 0, the sampled token

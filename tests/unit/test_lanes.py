@@ -1,4 +1,4 @@
-"""The scheduler's lanes (lanes.py): the steady state's short path.
+"""The output processor's lanes (lanes.py): the steady state's short path.
 
 A request past its first output joins a lane and leaves it before its last
 output at a step fixed when it joined; whatever takes it out earlier
