@@ -13,7 +13,9 @@ vLLM keeps them:
 * kv_transfer.py: P/D disaggregation (a producer's kv_transfer_params, a
   consumer's KV transfer wait), every client value checked;
 * scheduler.py: what a step does (running first, admission, preemption,
-  chunked prefill, the tokens of each running request);
+  chunked prefill, LoRA slots, P/D waits), its plan in sched_output.py;
+* output_processor.py (lanes.py its steady path): the tokens of each
+  running request and their outputs, from that plan;
 * outbox.py: per-client batches, the stats cadence, the ledger check;
 * utilities.py: the utility table with the pause/sleep state;
 * ledger.py: the books on every request, kept from the wire (one book: the
@@ -63,7 +65,9 @@ from .protocol import (
 from .prefix_cache import PrefixCache
 from .request import MAX_XARGS_TTFT_MS, MOCK_XARGS, Request, plan
 from .request_queue import FCFSRequestQueue
-from .scheduler import MOCK_FAILURE_MESSAGE, PauseState, Sampler, Scheduler
+from .output_processor import MOCK_FAILURE_MESSAGE, OutputProcessor, Sampler
+from .request import RequestStatus
+from .scheduler import PauseState, Scheduler
 from .tokens import RandomTokens, TokenSource, request_seed
 from .utilities import PAUSE_MODES, SUPPORTED_UTILITIES, Utilities
 
@@ -145,7 +149,7 @@ class EngineSettings:
     #: P/D disaggregation (--kv-role / --kv-transfer-config, kv_transfer.py); None: off.
     kv_transfer: Optional[kv_transfer.KVTransferSettings] = None
     #: The steady state's outputs are lists reused from step to step
-    #: (Scheduler.reuse_outputs): a message `step` returns is only valid
+    #: (OutputProcessor.reuse_outputs): a message `step` returns is only valid
     #: until the next step. The runtime encodes each message as it is made;
     #: off for callers that keep what `step` returned.
     reuse_outputs: bool = False
@@ -201,7 +205,7 @@ class EngineCore:
         self.kv_transfer = kv_transfer.KVTransfer(settings.kv_transfer, settings.rank, settings.num_gpu_blocks) if settings.kv_transfer else None
         self.scheduler = Scheduler(
             self.kv,
-            sampler.tokens,
+            sampler,
             self.latency,
             random.Random(f"{settings.seed}/{settings.rank}/latency"),
             self.wire,
@@ -211,11 +215,11 @@ class EngineCore:
             settings.scheduling_policy,
             on_preempt=self._log_preempted,
             on_reject=lambda request: self._log_end(request.request_id, 0, FinishReason.ERROR),
-            logprob_model=sampler.logprobs,
             lora=self.lora,
             kv_transfer=self.kv_transfer,
         )
-        self.scheduler.reuse_outputs = settings.reuse_outputs
+        #: makes each step's tokens and outputs from the scheduler's plan
+        self.output_processor = OutputProcessor(self.scheduler, settings.reuse_outputs)
         self._cadence = StatsCadence()
         self.outbox = Outbox(self.rank, clock, self.ledger, self._stats_if_due, settings.has_coordinator, settings.strict_ledger, self.log)
         self.utilities = Utilities(
@@ -531,7 +535,7 @@ class EngineCore:
             rid, client = message.request_id, message.client_index
             if not self._valid_client(client, f"ADD {short(rid)}"):
                 return []
-            if self.scheduler.remove(rid) is None and rid not in self.ledger.open:
+            if self.scheduler.remove(rid, RequestStatus.FINISHED_ERROR) is None and rid not in self.ledger.open:
                 self.ledger.started(rid)
             return self._answer_now(client, rid, FinishReason.ERROR, protocol.request_error("internal_error", reason))
         if isinstance(message, UtilityCall) and self._valid_client(message.client_index, f"UTILITY {short(message.method)}"):
@@ -543,7 +547,7 @@ class EngineCore:
         no request is left waiting for tokens that will not come)."""
         error = protocol.request_error("internal_error", reason)
         self.outbox.discard()  # whatever the failed step had gathered
-        for entry in self.scheduler.remove_all():
+        for entry in self.scheduler.remove_all(RequestStatus.FINISHED_ERROR):
             output = protocol.engine_core_output(entry.request_id, [], FinishReason.ERROR, error, self.layout)
             self.outbox.end(entry.client_index, entry.request_id, output)
             self._log_end(entry.request_id, entry.num_output_tokens, FinishReason.ERROR)
@@ -552,16 +556,24 @@ class EngineCore:
     # -- the decode step -------------------------------------------------
 
     def step(self) -> List[Outbound]:
-        """One step (scheduler.py): admissions, preemptions, the tokens of
-        every running request; one EngineCoreOutputs per client."""
-        steady = self.scheduler.steady_step()
+        """One step: the scheduler decides it (admissions, preemptions, the
+        token budget: `Scheduler.schedule`), the output processor makes its
+        tokens and outputs from that plan (`update_from_output`), the
+        scheduler takes out what ended and times the next step
+        (`finish_step`); one EngineCoreOutputs per client. A steady step
+        (lanes.py) takes the lanes' short path."""
+        steady = self.output_processor.steady_step()
         if steady is not None:
             # lanes only: nothing ended (nothing to log), requests still
             # running (no drained reply due: utilities.check_drained)
             return self.outbox.flush_step(*steady)
-        if not self.scheduler.has_work:
+        scheduler = self.scheduler
+        if not scheduler.has_work:
             return []
-        done = self.scheduler.step(self.clock(), self.outbox)
+        now = self.clock()
+        scheduler_output = scheduler.schedule(now)
+        done = self.output_processor.update_from_output(scheduler_output, now, self.outbox)
+        scheduler.finish_step(scheduler_output, done)
         if self.settings.log_requests:
             for entry in done:
                 self._log_end(entry.request_id, entry.num_output_tokens, entry.finish)

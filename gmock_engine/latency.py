@@ -3,7 +3,8 @@
 Pure arithmetic; the engine asks it, the runtime sleeps accordingly. All
 figures are off by default (steps back to back, instant prefill).
 
-* A **step** (every running request advances once) takes
+* A **step** (every running request advances once; `step_time` reads
+  the scheduler's plan of it, sched_output.py) takes
   `itl_ms + itl_ms_per_request × running + prefill_ms_per_token × tokens
   prefilled in that step`: the batch slows down as it grows and while it
   prefills new prompts, as a real engine does.
@@ -22,7 +23,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from .sched_output import SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,11 @@ class LatencyModel:
         ms = (self.itl_ms + self.itl_ms_per_request * running) * self._jitter(rng)
         ms += self.prefill_ms_per_token * prefill_tokens
         return ms * self.time_scale / 1000.0
+
+    def step_time(self, scheduler_output: "SchedulerOutput", rng: random.Random) -> float:
+        """Duration of the step `scheduler_output` planned (sched_output.py):
+        its running batch and the prompt tokens it prefills."""
+        return self.step_seconds(scheduler_output.num_running_reqs, scheduler_output.num_prefill_tokens, rng)
 
     def first_token_seconds(self, prompt_len: int, rng: random.Random, ttft_ms: Optional[float] = None) -> float:
         """Time from scheduling to the earliest first token of a request

@@ -62,7 +62,7 @@ class Ledger:
         #: lengths) is found open by the same check as long as nothing has
         #: ended since, so it is not checked id by id again: a steady
         #: engine's outputs are the same reused lists step after step
-        #: (Scheduler.reuse_outputs). Forgotten whenever a request ends.
+        #: (OutputProcessor.reuse_outputs). Forgotten whenever a request ends.
         self._checked: Dict[int, List[Any]] = {}
         #: 0: nothing remembered (an engine that makes new lists every step
         #: would only keep its last messages alive for nothing).

@@ -112,7 +112,7 @@ class Outbox:
 
     def flush_step(self, client: int, batch: List[List[Any]]) -> List[Outbound]:
         """`flush` of a call whose outputs are `batch`, all for `client`,
-        and which ends nothing (Scheduler.steady_step's)."""
+        and which ends nothing (OutputProcessor.steady_step's, lanes.py)."""
         if self.outputs or self.finished:  # something gathered before it: in order, one message
             self.outputs_for(client).extend(batch)
             return self.flush()

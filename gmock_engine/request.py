@@ -13,6 +13,7 @@ once reached msgpack's packer and stopped the engine).
 
 from __future__ import annotations
 
+import enum
 import random
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -32,6 +33,43 @@ _INT64_MAX = (1 << 63) - 1
 # each on CPython 3.11, issue 17).
 _LENGTH, _STOP, _ERROR = FinishReason.LENGTH, FinishReason.STOP, FinishReason.ERROR
 _MOCK_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "error": FinishReason.ERROR}
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is (vLLM's RequestStatus): the scheduler keeps it in
+    step with its books (waiting queue, running batch, the P/D consumers
+    waiting for their KV); every status after PREEMPTED is a finished one."""
+
+    WAITING = enum.auto()
+    #: a P/D consumer whose prompt's KV is on its way (in the running batch
+    #: here, holding its blocks; counted as waiting, as vLLM counts it)
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    RUNNING = enum.auto()
+    #: back in the waiting queue after a preemption
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    #: never ran: its KV can never fit (vLLM: a prompt over the length cap)
+    FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        """True for the statuses of a request that ended."""
+        return status > RequestStatus.PREEMPTED
+
+
+#: a finished request's status by its finish reason
+FINISHED_STATUS = {
+    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH_CAPPED,
+    FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+    FinishReason.ERROR: RequestStatus.FINISHED_ERROR,
+    # a stop of its own kind on the wire; the request stopped
+    FinishReason.REPETITION: RequestStatus.FINISHED_STOPPED,
+}
+_WAITING = RequestStatus.WAITING
 
 
 class Request:
@@ -79,6 +117,7 @@ class Request:
         "lora_request",
         # P/D disaggregation (kv_transfer.py)
         "kv",
+        "status",
     )
 
     def __init__(
@@ -136,13 +175,13 @@ class Request:
         #: A pool or logprobs: its tokens take the scheduler's slower path.
         self.shaped = False
         #: The scheduler's lane (its key) while the request is in its steady
-        #: state (scheduler._emit: past its first output, nothing pending,
+        #: state (lanes.py: past its first output, nothing pending,
         #: not at its last output), None: its next output takes the full path.
         self.lane: Any = None
-        #: The step (scheduler._emit call) it leaves its lane in.
+        #: The output step (lanes.py) it leaves its lane in.
         self.lane_exit = 0
         #: Its `[request_id, tokens]` output, reused for every output it
-        #: makes in a lane (Scheduler.reuse_outputs), None: a new one each time.
+        #: makes in a lane (OutputProcessor.reuse_outputs), None: a new one each time.
         self.lane_output: Optional[List[Any]] = None
         #: The scheduler's Sampler at its ADD (its token source and logprob
         #: model): a reload changes those for new requests only.
@@ -152,6 +191,8 @@ class Request:
         #: P/D (kv_transfer.KVPlan): it prefills for a decode engine, or
         #: loads its prompt's KV from a prefill engine; None: neither.
         self.kv: Any = None
+        #: Where it is (RequestStatus), kept by the scheduler.
+        self.status = _WAITING
 
     @property
     def num_tokens(self) -> int:

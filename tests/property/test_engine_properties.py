@@ -30,7 +30,7 @@ another:
 (f) a request whose stop ids (plus EOS) cover every id the engine may emit
     ends with finish_reason STOP on its first token (vLLM's check_stop);
 (g) with outputs reused (as the runtime runs the engine), the steady step
-    (Scheduler.steady_step) sends the same bytes as the general step: each
+    (OutputProcessor.steady_step, lanes.py) sends the same bytes as the general step: each
     scenario runs once as it is and once with that path turned off;
 (h) with outputs reused, every new_logprobs row is self-consistent
     (distinct alternatives, non-increasing logprobs <= 0, the sampled token
@@ -970,14 +970,14 @@ class BytesObserver(Observer):
 
 def _steady_counted(run: Run, counts: Counter) -> None:
     """Count the steps `steady_step` took in `run`."""
-    steady_step = run.engine.scheduler.steady_step
+    steady_step = run.engine.output_processor.steady_step
 
     def counted():
         result = steady_step()
         counts["steady" if result is not None else "general"] += 1
         return result
 
-    run.engine.scheduler.steady_step = counted
+    run.engine.output_processor.steady_step = counted
 
 
 class LogprobRowsObserver(Observer):
@@ -1008,7 +1008,7 @@ class LogprobRowsObserver(Observer):
             self.counts["rows checked"] += rows
 
     def after(self, run):
-        if any(key[2] is not None for key in run.engine.scheduler.lanes):
+        if any(key[2] is not None for key in run.engine.output_processor.lanes):
             self.counts["steps with a logprobs lane"] += 1
 
 
@@ -1065,7 +1065,7 @@ def test_the_steady_step_sends_what_the_general_step_sends(focus):
             if steady:
                 _steady_counted(run, totals)
             else:
-                run.engine.scheduler.steady_step = lambda: None
+                run.engine.output_processor.steady_step = lambda: None
             for op in ops:
                 run.do(op)
             run.finish()

@@ -1,4 +1,4 @@
-"""The scheduler's lanes (scheduler._emit): the steady state's short path.
+"""The output processor's lanes (lanes.py): the steady state's short path.
 
 A request past its first output joins a lane and leaves it before its last
 output at a step fixed when it joined; whatever takes it out earlier
@@ -21,7 +21,7 @@ def add(rid, max_tokens, client=0, stop=()):
 
 
 def books(engine):
-    s = engine.scheduler
+    s = engine.output_processor
     return s.lanes, s._lane_exits, s._full
 
 
@@ -73,10 +73,10 @@ def test_an_aborted_lane_member_leaves_no_trace_and_sends_nothing_more():
     engine.apply(add("a", 100))
     engine.apply(add("b", 100))
     sent = engine.step() + engine.step()
-    assert set(engine.scheduler.lanes[(0, False, None)]) == {"a", "b"}
+    assert set(engine.output_processor.lanes[(0, False, None)]) == {"a", "b"}
     sent += engine.apply(AbortRequests(["a"]))
-    assert set(engine.scheduler.lanes[(0, False, None)]) == {"b"}
-    assert [r.request_id for step in engine.scheduler._lane_exits.values() for r in step] == ["b"]
+    assert set(engine.output_processor.lanes[(0, False, None)]) == {"b"}
+    assert [r.request_id for step in engine.output_processor._lane_exits.values() for r in step] == ["b"]
     after = run(engine)
     assert outputs_of(after, "a") == []
     assert tokens_of(sent + after, "b") == expected("b", 100)
@@ -99,9 +99,9 @@ def test_a_reload_with_a_new_source_takes_running_requests_out_of_their_lanes():
     engine = EngineCore(EngineSettings(rank=0, num_clients=1))
     engine.apply(add("old", 30))
     sent = engine.step() + engine.step()
-    assert "old" in engine.scheduler.lanes[(0, False, None)]
+    assert "old" in engine.output_processor.lanes[(0, False, None)]
     engine.reconfigure(EngineSettings(rank=0, num_clients=1, token_source=EchoTokens()))
-    assert engine.scheduler.lanes == {} and "old" in engine.scheduler._full
+    assert engine.output_processor.lanes == {} and "old" in engine.output_processor._full
     engine.apply(add("new", 6))
     sent += run(engine)
     assert tokens_of(sent, "old") == expected("old", 30)  # its own source throughout
@@ -134,7 +134,7 @@ def test_the_second_request_with_a_stop_set_slices_a_stop_free_pool_and_makes_th
     sent = engine.step()
     engine.apply(add("b", 300, stop=sorted(stops)))
     sent += engine.step() + engine.step()
-    lanes = engine.scheduler.lanes
+    lanes = engine.output_processor.lanes
     assert set(lanes[(0, True, None)]) == {"a"}  # the set's first request: the checked loop
     assert set(lanes[(0, stops, None)]) == {"b"}  # its second: the set's own pool
     sent += run(engine)
@@ -160,7 +160,7 @@ def test_a_stop_set_pool_gives_the_checked_ids_at_any_chunk_and_position(chunk):
     for i in range(12):
         engine.apply(add(f"s{i}", 200, client=i % 2, stop=sorted(stops)))
         sent += engine.step()
-    assert any(key[1] == stops for key in engine.scheduler.lanes)
+    assert any(key[1] == stops for key in engine.output_processor.lanes)
     sent += run(engine)
     for i in range(12):
         assert tokens_of(sent, f"s{i}") == source.avoid(expected(f"s{i}", 200), stops)
@@ -178,21 +178,21 @@ def test_ids_avoiding_is_the_avoided_slice_at_every_position_and_is_shared():
 
 
 def test_no_stop_free_pool_beyond_the_limits_and_the_checked_loop_is_right(monkeypatch):
-    import gmock_engine.scheduler as scheduler_module
+    import gmock_engine.lanes as lanes_module
     import gmock_engine.tokens as tokens_module
 
     monkeypatch.setattr(tokens_module, "AVOIDING_POOL_LIMIT", 10)
     assert RandomTokens(32000, 0, 0).ids_avoiding(frozenset({1})) is None  # a pool too long to copy
     monkeypatch.undo()
-    monkeypatch.setattr(scheduler_module, "LANE_POOLS", 1)
+    monkeypatch.setattr(lanes_module, "LANE_POOLS", 1)
     engine = EngineCore(EngineSettings(rank=0, num_clients=1))
     first, second = _stops_in("x", 100, (5,)), _stops_in("y2", 100, (9,))
     sent = []
     for rid, stops in (("x", first), ("x2", first), ("y", second), ("y2", second)):
         engine.apply(add(rid, 100, stop=sorted(stops)))
         sent += engine.step()
-    assert set(engine.scheduler._lane_pools) == {first}  # one set at most
-    assert "y2" in engine.scheduler.lanes[(0, True, None)]
+    assert set(engine.output_processor._lane_pools) == {first}  # one set at most
+    assert "y2" in engine.output_processor.lanes[(0, True, None)]
     sent += run(engine)
     source = RandomTokens(32000, 0, 0)
     for rid, stops in (("x", first), ("x2", first), ("y", second), ("y2", second)):
@@ -204,8 +204,8 @@ def test_a_reload_with_a_new_source_drops_the_stop_free_pools():
     for rid in ("a", "b"):
         engine.apply(add(rid, 50, stop=(5,)))
         engine.step()
-    assert engine.scheduler._lane_pools
+    assert engine.output_processor._lane_pools
     engine.reconfigure(EngineSettings(rank=0, num_clients=1, token_source=FileTokens([1, 2, 5, 3], seed=0, rank=0)))
-    assert engine.scheduler._lane_pools == {} and engine.scheduler.lanes == {}
+    assert engine.output_processor._lane_pools == {} and engine.output_processor.lanes == {}
     engine.apply(add("c", 20, stop=(5,)))
     assert 5 not in tokens_of(run(engine), "c")

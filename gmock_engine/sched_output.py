@@ -1,0 +1,90 @@
+"""The step plan: what `Scheduler.schedule` decided for one step, pure
+(vLLM: `vllm/v1/core/sched/output.py`, `SchedulerOutput`).
+
+The scheduler decides (admission, the token budget, chunked prefill,
+preemption, LoRA slots, P/D waits) and hands this plan to the output
+processor, which makes the step's tokens and outputs from it
+(`OutputProcessor.update_from_output`), and to the latency model, which
+times the step from it (`LatencyModel.step_time`). It is built every step:
+slots, and the shared empty tuple where nothing happened.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence, Tuple
+
+from .request import Request
+
+
+class SchedulerOutput:
+    """One step's plan (vLLM's SchedulerOutput, reduced to what a mock's
+    step reads).
+
+    * `scheduled_new_reqs`: the requests admitted in this step, in
+      admission order (their first step in the running batch).
+    * `num_running_reqs`: the running batch after scheduling (the admitted
+      ones included): every one of them past its prefill is scheduled for
+      its next tokens (`num_scheduled_tokens`).
+    * `num_decode_tokens`, `num_prefill_tokens`: the decode tokens of the
+      running requests past their prefill (a full chunk each, what the token
+      budget reserves) and the prompt tokens prefilled in this step (chunks
+      of running requests, then the admitted ones);
+      `total_num_scheduled_tokens` is their sum.
+    * `preempted_reqs`: the requests preempted in this step (back in the
+      waiting queue; nothing is admitted in such a step).
+    * `rejected_reqs`: (request, error) of requests the scheduler ended
+      without running them (an adapter that cannot be loaded, KV that can
+      never fit); their ids are `finished_req_ids`.
+    """
+
+    __slots__ = (
+        "scheduled_new_reqs",
+        "num_running_reqs",
+        "num_decode_tokens",
+        "num_prefill_tokens",
+        "preempted_reqs",
+        "rejected_reqs",
+        "chunk",
+    )
+
+    def __init__(
+        self,
+        scheduled_new_reqs: Sequence[Request] = (),
+        num_running_reqs: int = 0,
+        num_decode_tokens: int = 0,
+        num_prefill_tokens: int = 0,
+        preempted_reqs: Sequence[Request] = (),
+        rejected_reqs: Sequence[Tuple[Request, Dict[str, Any]]] = (),
+        chunk: int = 1,
+    ) -> None:
+        self.scheduled_new_reqs = scheduled_new_reqs
+        self.num_running_reqs = num_running_reqs
+        self.num_decode_tokens = num_decode_tokens
+        self.num_prefill_tokens = num_prefill_tokens
+        self.preempted_reqs = preempted_reqs
+        self.rejected_reqs = rejected_reqs
+        #: tokens a running request past its prefill is scheduled for (its
+        #: last output: what remains, if fewer)
+        self.chunk = chunk
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        """Decode and prefill tokens of the step."""
+        return self.num_decode_tokens + self.num_prefill_tokens
+
+    @property
+    def finished_req_ids(self) -> List[str]:
+        """Ids of the requests the scheduler ended in this step."""
+        return [request.request_id for request, _ in self.rejected_reqs]
+
+    def num_scheduled_tokens(self, request: Request) -> int:
+        """Decode tokens scheduled for a running request past its prefill."""
+        remaining = request.max_tokens - request.num_output_tokens
+        return self.chunk if self.chunk < remaining else remaining
+
+    def __repr__(self) -> str:
+        return (
+            f"SchedulerOutput(new={[r.request_id for r in self.scheduled_new_reqs]}, running={self.num_running_reqs}, "
+            f"decode={self.num_decode_tokens}, prefill={self.num_prefill_tokens}, "
+            f"preempted={[r.request_id for r in self.preempted_reqs]}, finished={self.finished_req_ids})"
+        )
