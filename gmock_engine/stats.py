@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from array import array
+import math
 from typing import Dict, Iterable, Sequence
 
 
@@ -10,7 +11,9 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile of already sorted values (q in 0..100)."""
     if not sorted_values:
         return 0.0
-    rank = max(0, min(len(sorted_values) - 1, int(round(q / 100.0 * len(sorted_values) + 0.5)) - 1))
+    # the smallest rank k with k >= q% of n; q * n first, so that whole
+    # ranks stay whole (0.07 * 100 is 7.000000000000001, 7 * 100 / 100 is 7.0)
+    rank = max(0, min(len(sorted_values) - 1, math.ceil(q * len(sorted_values) / 100.0) - 1))
     return sorted_values[rank]
 
 

@@ -13,9 +13,8 @@ def test_percentile_is_the_nearest_rank(q, value):
     assert percentile(HUNDRED, q) == value
 
 
-@pytest.mark.xfail(strict=True, reason="round() rounds q/100*n + 0.5 half to even: at an exact rank k with k odd "
-                   "it answers rank k+1 (p99 of 1..100 is 100, p1 is 2, p75 of 4 values the 4th)")
-@pytest.mark.parametrize("values,q,value", [(HUNDRED, 99, 99.0), (HUNDRED, 1, 1.0), ([1.0, 2.0, 3.0, 4.0], 75, 3.0)])
+# an exact rank k is the k-th value, for odd k too (rounding k + 0.5 half to even would give k + 1)
+@pytest.mark.parametrize("values,q,value", [(HUNDRED, 99, 99.0), (HUNDRED, 1, 1.0), (HUNDRED, 7, 7.0), ([1.0, 2.0, 3.0, 4.0], 75, 3.0)])
 def test_percentile_at_an_exact_odd_rank(values, q, value):
     assert percentile(values, q) == value
 
