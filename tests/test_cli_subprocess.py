@@ -443,7 +443,9 @@ def test_run_sh_bench_paces_the_floor_too(tmp_path):
     assert result.returncode == 0, result.stderr
     (row,) = [json.loads(line) for line in path.read_text().splitlines()]
     (floor,) = row["results"]
-    assert 1500 <= floor["tokens_per_s"] <= 2100, floor
+    # paced means at most the pace's ~2 000 (unpaced is ~100 times that); the
+    # floor's share of two loaded cores sets how far below it lands
+    assert 200 <= floor["tokens_per_s"] <= 2100, floor
     assert floor["lateness_p99_us"] >= floor["lateness_p50_us"] > 0, floor
 
 

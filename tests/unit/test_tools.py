@@ -191,4 +191,4 @@ def test_bench_driver_window_ends_on_time_while_outputs_never_stop():
         sender.wait()
         pull.close(0)
     assert load.tokens > 0
-    assert took < 3, took  # the window is 0.2 s; the flood goes on for 10
+    assert took < 8, took  # the window is 0.2 s; the flood goes on for 10 (a loaded machine's start-up stays well under 8)
