@@ -23,8 +23,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import configargparse
 
-from . import __version__, protocol
+from . import __version__
 from .faults import KINDS, parse_spec
+from .wire.eras import AUTO, layout_for_version
 
 ENV_PREFIX = "GMOCK_"
 CONFIG_SECTION = "gmock_engine"
@@ -211,10 +212,10 @@ _kv_transfer_config.__name__ = "JSON"
 def _protocol_version(text: str) -> str:
     """`auto`, or a vLLM version that has a wire layout (kept as given)."""
     value = text.strip().lower()
-    if value == protocol.AUTO:
+    if value == AUTO:
         return value
     try:
-        protocol.layout_for_version(value)
+        layout_for_version(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{exc}; or auto") from None
     return value
@@ -327,7 +328,7 @@ def build_parser() -> configargparse.ArgumentParser:
     conn.add_argument(
         "--protocol-version",
         type=_protocol_version,
-        default=protocol.AUTO,
+        default=AUTO,
         help="the frontend's vLLM version (0.11 to 0.33, e.g. 0.25, 0.25.1, 0.28.0): the wire layout of its era; "
         "auto (default) detects the era from the first request and logs what it found (PROTOCOL.md §8)",
     )

@@ -45,7 +45,7 @@ import gevent.event
 from . import faults, kv_transfer
 from .engine import COORDINATOR, EngineCore, Outbound
 from .faults import FaultSpec, Faults
-from .protocol import EngineCoreRequest, UtilityCall
+from .wire.inputs import EngineCoreRequest, UtilityCall
 
 #: What `on_input` answers for an input it leaves alone: nothing to send.
 NO_OUTPUTS: Tuple[Outbound, ...] = ()

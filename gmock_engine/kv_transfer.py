@@ -32,7 +32,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from .protocol import BadValue
+from .wire.types import BadValue
 
 #: Roles as `--kv-role` spells them, and vLLM's `kv_role` values (config/kv_transfer.py).
 ROLES = ("producer", "consumer", "both")

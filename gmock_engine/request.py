@@ -19,8 +19,9 @@ from typing import Any, Dict, List, Optional, Tuple
 from .kv_transfer import KV_XARGS
 from .lengths import OutputLengths
 from .logs import short
-from .protocol import TOKEN_ID_LIMIT, BadValue, EngineCoreRequest, FinishReason
 from .tokens import TokenSource, request_seed
+from .wire.inputs import EngineCoreRequest
+from .wire.types import TOKEN_ID_LIMIT, BadValue, FinishReason
 
 #: Upper bound of vllm_xargs mock_ttft_ms (one hour): a timer needs a finite time.
 MAX_XARGS_TTFT_MS = 3_600_000

@@ -3,7 +3,7 @@
 Per engine (design card):
 
 * one **reader** greenlet per input DEALER (and one for the coordinator
-  socket): receives `[type, payload, aux...]`, decodes it (protocol.py) and
+  socket): receives `[type, payload, aux...]`, decodes it (wire/inputs.py) and
   puts the message on the engine's input queue. A bad frame is logged and
   dropped; the engine keeps serving. (The loop: `transport.Reader`.)
 * one **stepper** greenlet that owns the `EngineCore`: applies queued input,
@@ -57,14 +57,16 @@ import gevent.queue
 import zmq.green as zmq
 from loguru import logger
 
-from . import fault_injection, faults, kv_event_publisher, kv_events, kv_transfer, lengths, logs, protocol, reload, tokens, transport
+from . import fault_injection, faults, kv_event_publisher, kv_events, kv_transfer, lengths, logs, reload, tokens, transport
 from .engine import Drain, EngineCore, EngineSettings, LedgerViolation, Outbound
 from .faults import FaultSpec
 from .latency import LatencyModel
 from .logs import Throttle
-from .protocol import InitMessage
 from .stats import Samples
 from .steptimer import StepTimer
+from .wire.eras import Wire
+from .wire.handshake import InitMessage, engine_ready_message, engine_ready_response
+from .wire.inputs import decode_coordinator, decode_input
 
 #: Bounds of the queues between the stages (messages, not tokens).
 INPUT_QUEUE_SIZE = 4096
@@ -153,7 +155,7 @@ class EngineRunner:
         supervisor: Supervisor,
         rank: int,
         config: Any,
-        wire: protocol.Wire,
+        wire: Wire,
         on_crash: Callable[["EngineRunner"], None] = lambda runner: None,
     ) -> None:
         self.ctx = ctx
@@ -230,47 +232,12 @@ class EngineRunner:
 
     def ready_response(self, init: InitMessage) -> Dict[str, Any]:
         """The registration map (§2.5): full 0.33 key set, correct types."""
-        c = self.config
-        values = {
-            "max_model_len": c.max_model_len,
-            "num_gpu_blocks": c.num_gpu_blocks,
-            "block_size": c.block_size,
-            # Echo the frontend's own stats address (Py-FE asserts equality).
-            "dp_stats_address": init.frontend_stats_publish_address,
-            "dtype": c.dtype,
-            "vllm_version": c.vllm_version,
-            "world_size": 1,
-            "data_parallel_size": c.data_parallel_size,
-            "tensor_parallel_size": 1,
-            "pipeline_parallel_size": 1,
-            "decode_context_parallel_size": 1,
-            "data_parallel_rank": self.rank,
-            "max_num_seqs": c.max_num_seqs,
-            "max_num_batched_tokens": c.max_num_batched_tokens,
-            "instance_id": f"gmock-{socket.gethostname()}-{os.getpid()}-{self.rank}",
-            # vLLM: supports_lora = lora_config is not None, max_loras 0 without it (core.py)
-            "supports_lora": c.enable_lora,
-            "max_loras": c.max_loras if c.enable_lora else 0,
-            "mamba_block_size": None,
-            "kv_cache_size_tokens": c.num_gpu_blocks * c.block_size,
-            "kv_cache_max_concurrency": None,
-            "kv_events_config": self.kv_events.config.ready_map() if self.kv_events is not None else None,
-            "weight_transfer_backend": None,
-            "enable_sleep_mode": False,
-            "supports_draft_weight_updates": False,
-            "effective_attention_block_size": c.block_size,
-            "coord_store_port": 0,
-            "coordinator_input_address": init.coordinator_input,
-            "coordinator_output_address": init.coordinator_output,
-        }
-        return protocol.ready_response(values, self.wire.layout)
+        instance_id = f"gmock-{socket.gethostname()}-{os.getpid()}-{self.rank}"
+        kv_events_config = self.kv_events.config.ready_map() if self.kv_events is not None else None
+        return engine_ready_response(self.config, init, self.wire.layout, self.rank, instance_id, kv_events_config)
 
     def ready_message(self, init: InitMessage) -> Dict[str, Any]:
-        return protocol.ready_message(
-            num_gpu_blocks=self.config.num_gpu_blocks,
-            dp_stats_address=init.frontend_stats_publish_address,
-            parallel_config_hash=self.config.parallel_config_hash,
-        )
+        return engine_ready_message(self.config, init)
 
     def engine_settings(
         self, c: Any, num_clients: int, has_coordinator: bool, token_source: Optional[tokens.TokenSource] = None
@@ -345,11 +312,11 @@ class EngineRunner:
                                   lambda: self.engine.latency.paced)  # fmt: skip
         for index, sock in enumerate(self.sockets.inputs):
             name = f"engine-{self.rank}-reader-{index}"
-            self.readers.append(spawn(name, reader.run, sock, f"input[{index}]", protocol.decode_input))
+            self.readers.append(spawn(name, reader.run, sock, f"input[{index}]", decode_input))
         if self.sockets.coordinator_input is not None:
             name = f"engine-{self.rank}-coordinator-reader"
             self.readers.append(
-                spawn(name, reader.run, self.sockets.coordinator_input, "coordinator_input", protocol.decode_coordinator)
+                spawn(name, reader.run, self.sockets.coordinator_input, "coordinator_input", decode_coordinator)
             )
         self.stepper = spawn(f"engine-{self.rank}-stepper", self._stepper)
         sender = transport.Sender(self.sockets, self.wire, self.out_queue.get, injector.outputs_flowing, self.incidents, self.throttle)
@@ -602,7 +569,7 @@ class EngineRunner:
             # outputs' lists in the next step (EngineSettings.reuse_outputs).
             data = encode(message)
             if data is None:
-                continue  # it carried only requests the sender cut (protocol.salvage)
+                continue  # it carried only requests the sender cut (wire.outputs.salvage)
             item = (client, data)
             # the sender idle and nothing queued: sent from here, at once
             # (transport.Sender.send_now); else queued, in order
@@ -673,7 +640,7 @@ class App:
         self.config = config
         self.load = load
         #: One layout for all engines of the process: they serve one frontend (§8.2).
-        self.wire = protocol.Wire.from_setting(config.protocol_version, logger.info)
+        self.wire = Wire.from_setting(config.protocol_version, logger.info)
         self.ctx = zmq.Context()
         self.supervisor = Supervisor()
         self.metrics_server: Optional[Any] = None

@@ -27,17 +27,18 @@ from typing import Any, Callable, Dict, List, Optional
 
 import msgpack
 
-from . import protocol
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KV_LOAD_FAILURE_MESSAGE, KVTransfer
 from .latency import LatencyModel
 from .logprobs import ROW_POOL_MAX_K, LogprobModel
 from .lora import AdapterRegistry, LoRAError
 from .outbox import Outbox
-from .protocol import RAW_VIEW_EXT, EngineCoreEventType, FinishReason
 from .request import Request
 from .request_queue import create_request_queue
 from .tokens import POOL_PAD, TokenPool, TokenSource
+from .wire.eras import Wire
+from .wire.outputs import RAW_VIEW_EXT, engine_core_event, engine_core_output, logprobs_lists, prefill_stats, request_error, scheduler_stats
+from .wire.types import EngineCoreEventType, FinishReason
 
 #: Stop sets whose lanes draw from a stop-free copy of the pool
 #: (tokens.TokenPool.ids_avoiding), per scheduler; requests with any other
@@ -145,7 +146,7 @@ class Scheduler:
         tokens: TokenSource,
         latency: LatencyModel,
         rng: random.Random,
-        wire: protocol.Wire,
+        wire: Wire,
         chunk: int,
         max_num_seqs: Optional[int],
         max_num_batched_tokens: Optional[int],
@@ -455,7 +456,7 @@ class Scheduler:
         outputs. Returns the tokens emitted."""
         chunk = self.chunk
         sampler = self.sampler
-        make_output = protocol.engine_core_output
+        make_output = engine_core_output
         prefilling = self.prefilling
         batches = outbox.outputs
         joining: List[Request] = []
@@ -504,7 +505,7 @@ class Scheduler:
                     request.request_id,
                     tokens,
                     finish,
-                    error=protocol.request_error("mock_failure", MOCK_FAILURE_MESSAGE) if finish is _ERROR else None,
+                    error=request_error("mock_failure", MOCK_FAILURE_MESSAGE) if finish is _ERROR else None,
                     stop_reason=request.stop_reason if finish is _STOP else None,
                     layout=self.wire.layout,
                     events=events,
@@ -515,7 +516,7 @@ class Scheduler:
                 )
                 request.pending_events = None
             elif finish is None and new_logprobs is None:
-                # protocol.engine_core_output's running shape, built inline on
+                # engine_core_output's running shape, built inline on
                 # the per-token path (test_engine checks they are the same)
                 output = [request.request_id, tokens]
             else:
@@ -645,7 +646,7 @@ class Scheduler:
             lane[request.request_id] = request
             request.lane = key
             if rows is not None:  # its arrays are swapped in at every step (`_next_pooled_rows`)
-                request.lane_output = [request.request_id, [0], protocol.logprobs_lists(chunk, k + 1, b"", b"", b"", self.wire.layout)]
+                request.lane_output = [request.request_id, [0], logprobs_lists(chunk, k + 1, b"", b"", b"", self.wire.layout)]
             elif self.reuse_outputs:
                 request.lane_output = [request.request_id, [0]]
             # the outputs the lane makes: every one before the last
@@ -748,7 +749,7 @@ class Scheduler:
         """PrefillStats of a request's first output: a consumer's loaded
         prompt tokens are external cache hits, as vLLM counts them."""
         loaded = request.kv.loaded_tokens if request.kv is not None and request.kv.consume else 0
-        return protocol.prefill_stats(request.prompt_len, request.cached_tokens, loaded)
+        return prefill_stats(request.prompt_len, request.cached_tokens, loaded)
 
     def _kv_response(self, request: Request, finish: FinishReason) -> Optional[Dict[str, Any]]:
         """A producer's kv_transfer_params on its terminal output; none for an
@@ -787,8 +788,8 @@ class Scheduler:
             self.prefilling[request.request_id] = request.ready_at
             return True
         request.finish = FinishReason.ERROR
-        error = protocol.request_error("kv_load_failed", KV_LOAD_FAILURE_MESSAGE)
-        output = protocol.engine_core_output(request.request_id, [], FinishReason.ERROR, error, self.wire.layout, events=request.pending_events)
+        error = request_error("kv_load_failed", KV_LOAD_FAILURE_MESSAGE)
+        output = engine_core_output(request.request_id, [], FinishReason.ERROR, error, self.wire.layout, events=request.pending_events)
         outbox.end(request.client_index, request.request_id, output)
         request.pending_events = None
         done.append(request)
@@ -821,11 +822,11 @@ class Scheduler:
             if pool is not None:
                 rows = pool.take(position, tokens)
                 if rows is not None:
-                    return protocol.logprobs_lists(len(tokens), k + 1, rows[0], rows[1], rows[2], self.wire.layout)
+                    return logprobs_lists(len(tokens), k + 1, rows[0], rows[1], rows[2], self.wire.layout)
         width, ids, lps, ranks, request.logprob_state = request.sampler.logprobs.rows(
             request.logprob_state, tokens, request.num_logprobs, request.alternatives, request.banned, request.forced
         )
-        return protocol.logprobs_lists(len(tokens), request.num_logprobs + 1, ids, lps, ranks, self.wire.layout, ids_width=width)
+        return logprobs_lists(len(tokens), request.num_logprobs + 1, ids, lps, ranks, self.wire.layout, ids_width=width)
 
     def _prompt_logprobs(self, request: Request) -> Optional[List[Any]]:
         """new_prompt_logprobs_tensors, once with the first output: a row per
@@ -836,7 +837,7 @@ class Scheduler:
         prompt = request.prompt_token_ids[1:]
         width, ids, lps, ranks, request.logprob_state = request.sampler.logprobs.rows(request.logprob_state, prompt, k, banned=request.banned)
         request.prompt_token_ids = None
-        return protocol.logprobs_lists(len(prompt), k + 1, ids, lps, ranks, self.wire.layout, tensors=True, ids_width=width)
+        return logprobs_lists(len(prompt), k + 1, ids, lps, ranks, self.wire.layout, tensors=True, ids_width=width)
 
     def _admit(self, now: float, budget: Optional[int], outbox: Outbox) -> int:
         """Move waiting requests into the running batch while the batch limit,
@@ -879,7 +880,7 @@ class Scheduler:
             waiting.pop_request()
             request.scheduled_at = now
             events = request.pending_events or []
-            events.append(protocol.engine_core_event(_SCHEDULED, now))
+            events.append(engine_core_event(_SCHEDULED, now))
             request.pending_events = events
             self.running[request.request_id] = request
             self._full[request.request_id] = request  # its next output carries events
@@ -923,8 +924,8 @@ class Scheduler:
         """An adapter that cannot be loaded or activated: where vLLM's worker
         raises (and its engine dies), this request ends with ERROR and
         vLLM's message; the engine goes on."""
-        error = protocol.request_error("lora_load_failed", message)
-        outbox.end(request.client_index, request.request_id, protocol.engine_core_output(request.request_id, [], FinishReason.ERROR, error, self.wire.layout))
+        error = request_error("lora_load_failed", message)
+        outbox.end(request.client_index, request.request_id, engine_core_output(request.request_id, [], FinishReason.ERROR, error, self.wire.layout))
         self._on_reject(request)
 
     def lora_adapters(self) -> "tuple[Dict[str, int], Dict[str, int]]":
@@ -943,8 +944,8 @@ class Scheduler:
 
     def _reject_too_long(self, request: Request, outbox: Outbox) -> None:
         """A request whose KV can never fit: ERROR now, not a queue that never moves."""
-        error = protocol.request_error("kv_cache_too_small", f"needs more than the engine's {self.kv.num_blocks} KV blocks")
-        outbox.end(request.client_index, request.request_id, protocol.engine_core_output(request.request_id, [], FinishReason.ERROR, error, self.wire.layout))
+        error = request_error("kv_cache_too_small", f"needs more than the engine's {self.kv.num_blocks} KV blocks")
+        outbox.end(request.client_index, request.request_id, engine_core_output(request.request_id, [], FinishReason.ERROR, error, self.wire.layout))
         self._on_reject(request)
 
     def _continue_prefills(self, now: float, budget: int) -> "tuple[int, int]":
@@ -1007,7 +1008,7 @@ class Scheduler:
         self._release(request)
         # Events not sent yet (QUEUED, SCHEDULED of a request preempted before
         # its first token) stay: they all ride on its next output, as in vLLM.
-        request.pending_events = (request.pending_events or []) + [protocol.engine_core_event(EngineCoreEventType.PREEMPTED, now)]
+        request.pending_events = (request.pending_events or []) + [engine_core_event(EngineCoreEventType.PREEMPTED, now)]
         self.waiting.prepend_request(request)
         self.counters["preemptions"] += 1
         self._on_preempt(request)
@@ -1021,7 +1022,7 @@ class Scheduler:
     def scheduler_stats(self, prefix_cache_stats: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """The engine's SchedulerStats now (§7.1)."""
         waiting_loras, running_loras = self.lora_adapters()
-        return protocol.scheduler_stats(
+        return scheduler_stats(
             waiting_lora_adapters=waiting_loras,
             running_lora_adapters=running_loras,
             prefix_cache_stats=prefix_cache_stats,

@@ -8,7 +8,12 @@ import sys
 import pytest
 
 PURE = [
-    "protocol",
+    "wire",
+    "wire.types",
+    "wire.eras",
+    "wire.inputs",
+    "wire.handshake",
+    "wire.outputs",
     "engine",
     "request",
     "request_queue",

@@ -4,7 +4,8 @@ import pytest
 
 from gmock_engine.engine import EngineCore, EngineSettings
 from gmock_engine.latency import LatencyModel
-from gmock_engine.protocol import AbortRequests, EngineCoreRequest, FinishReason, UtilityCall
+from gmock_engine.wire.inputs import AbortRequests, EngineCoreRequest, UtilityCall
+from gmock_engine.wire.types import FinishReason
 
 
 class VirtualClock:

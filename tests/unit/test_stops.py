@@ -6,7 +6,8 @@ import pytest
 
 from gmock_engine.engine import EngineCore, EngineSettings
 from gmock_engine.lengths import OutputLengths, from_config
-from gmock_engine.protocol import EngineCoreRequest, FinishReason
+from gmock_engine.wire.inputs import EngineCoreRequest
+from gmock_engine.wire.types import FinishReason
 
 EOS = 31999
 
