@@ -47,11 +47,12 @@ from .logs import Throttle, short
 from .lora import AdapterRegistry, decode_lora_request
 from .outbox import COORDINATOR, STATS_INTERVAL_S, LedgerViolation, Outbound, Outbox, StatsCadence
 from .prefix_cache import PrefixCache
-from .request import MAX_XARGS_TTFT_MS, MOCK_XARGS, Request, plan
+from .request import Request, plan
 from .request_queue import FCFSRequestQueue
 from .scheduler import MOCK_FAILURE_MESSAGE, PauseState, Sampler, Scheduler
 from .tokens import RandomTokens, TokenSource, request_seed
 from .utilities import PAUSE_MODES, SUPPORTED_UTILITIES, Utilities
+from .wire.checks import MAX_XARGS_TTFT_MS, MOCK_XARGS, NO_XARGS, BadXargs, Xargs, check_xargs
 from .wire.eras import Wire, WireLayout
 from .wire.inputs import AbortRequests, EngineCoreRequest, InputMessage, InvalidRequest, StartDPWave, UtilityCall
 from .wire.outputs import engine_core_event, engine_core_output, request_error
@@ -415,14 +416,20 @@ class EngineCore:
         entry.pending_events = [engine_core_event(_QUEUED, entry.queued_at)]
         settings = self.settings
         try:
-            plan(entry, request, sampler.tokens, settings.max_model_len, settings.output_lengths, settings.seed, self.rank)
-        except BadValue as exc:
+            # every vllm_xargs key the engine reads, checked in one place (most requests carry none)
+            xargs = check_xargs(request.extra_args) if request.extra_args else NO_XARGS
+        except BadXargs as exc:
             reason = f"{str(exc):.200}"
             self.throttle.warning("invalid request", "ADD {}: bad vllm_xargs ({}); answered with ERROR", short(rid), reason)
             return self._answer_now(client, rid, FinishReason.ERROR, request_error("validation_error", f"bad vllm_xargs: {reason}"))
+        except BadValue as exc:
+            reason = f"{str(exc):.200}"
+            self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
+            return self._answer_now(client, rid, FinishReason.ERROR, request_error("validation_error", reason))
+        plan(entry, request, xargs, sampler.tokens, settings.max_model_len, settings.output_lengths, settings.seed, self.rank)
         try:
             # (P/D params ride in extra_args: most requests carry none)
-            entry.kv = self._plan_kv_transfer(entry, request) if request.extra_args else None
+            entry.kv = self._plan_kv_transfer(entry, request, xargs) if request.extra_args else None
         except BadValue as exc:
             reason = f"{str(exc):.200}"
             self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
@@ -457,10 +464,10 @@ class EngineCore:
         self.scheduler.add_request(entry)
         return []
 
-    def _plan_kv_transfer(self, entry: Request, request: EngineCoreRequest) -> Optional[kv_transfer.KVPlan]:
+    def _plan_kv_transfer(self, entry: Request, request: EngineCoreRequest, xargs: Xargs) -> Optional[kv_transfer.KVPlan]:
         """P/D (kv_transfer.py): a producer request ends after its first token
         (LENGTH, as vLLM's with the proxy's max_tokens=1); BadValue for bad params."""
-        kv = kv_transfer.plan(self.kv_transfer, request.extra_args)
+        kv = kv_transfer.plan(self.kv_transfer, request.extra_args, xargs)
         if kv is None and self.kv_transfer is None and request.extra_args.get("kv_transfer_params") is not None:
             self.throttle.warning("kv_transfer_params ignored", "ADD {}: kv_transfer_params but no --kv-role; ignored, as vLLM without a KV connector", short(entry.request_id))
         if kv is not None and self.settings.log_requests:

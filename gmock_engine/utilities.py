@@ -17,7 +17,7 @@ from .ledger import Ledger
 from .logs import Throttle, short
 from .lora import AdapterRegistry, LoRAError, decode_lora_request
 from .outbox import Outbound
-from .request import cut
+from .wire.checks import cut
 from .scheduler import PauseState, Scheduler
 from .wire.inputs import UtilityCall
 from .wire.outputs import utility_reply

@@ -7,6 +7,8 @@ Everything here follows docs/protocol.md (cited as §N), one module per part:
 - `eras`: the layout table of the vLLM eras, the ADD fingerprints and
   `Wire`, the layout one engine speaks (§8);
 - `inputs`: decoding and checking what arrives on the input sockets (§3);
+- `checks`: an ADD's vllm_xargs and kv_transfer_params, checked once for
+  the plans that use them (request.plan, kv_transfer.plan);
 - `handshake`: HELLO, INIT, the registration map and READY (§2);
 - `outputs`: building and packing what an engine sends (§4).
 

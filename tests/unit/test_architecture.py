@@ -14,6 +14,7 @@ PURE = [
     "wire.inputs",
     "wire.handshake",
     "wire.outputs",
+    "wire.checks",
     "engine",
     "request",
     "request_queue",

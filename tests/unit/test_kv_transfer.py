@@ -10,6 +10,7 @@ from gmock_engine.config import ConfigError, parse_config
 from gmock_engine.engine import EngineCore, EngineSettings
 from gmock_engine.faults import parse_spec
 from gmock_engine.kv_transfer import KVTransferSettings, parse_kv_transfer_config
+from gmock_engine.wire.checks import check_kv_transfer_params
 from gmock_engine.wire.eras import layout_for_version
 from gmock_engine.wire.inputs import EngineCoreRequest
 from gmock_engine.wire.outputs import engine_core_output
@@ -94,7 +95,7 @@ def test_producer_ends_after_the_first_token_with_the_params_the_decode_side_nee
     assert params["remote_num_tokens"] == 40
     # and the decode side accepts exactly that
     assert kv_transfer.complete(params)
-    kv_transfer.check_params(params)
+    check_kv_transfer_params(params)
 
 
 def test_producer_block_ids_differ_between_requests_and_dp_ranks_get_their_own_engine_id():
