@@ -1,7 +1,7 @@
 """Opcodes per request and per step, in-process: gmock's engine against the floor's.
 
 A request's whole life without sockets: each ADD frame is decoded, applied,
-stepped to its end and every message packed, for gmock (`protocol.decode_input`,
+stepped to its end and every message packed, for gmock (`wire.inputs.decode_input`,
 `EngineCore.apply`, `EngineCore.step`, msgpack) and for the floor
 (`reference_emitter.Engine`: `msgpack.unpackb`, `add`, `run_step`, which
 packs). Both are fed the same frames, a real frontend's ADD from
@@ -35,9 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import msgpack  # noqa: E402
 
-from gmock_engine import protocol  # noqa: E402
 from gmock_engine.engine import EngineCore, EngineSettings  # noqa: E402
 from gmock_engine.tokens import RandomTokens  # noqa: E402
+from gmock_engine.wire.eras import DEFAULT_PROTOCOL_VERSION, layout_for_version  # noqa: E402
+from gmock_engine.wire.inputs import decode_input  # noqa: E402
 import reference_emitter  # noqa: E402  (beside this file: benchmarks/)
 
 FRAMES = Path(__file__).resolve().parent.parent / "tests" / "data" / "frames.json"
@@ -72,7 +73,7 @@ def gmock_loop() -> Tuple[Callable[[List[bytes]], None], Callable[[], bool], Cal
     wire = settings.wire
 
     def add(frames: List[bytes]) -> None:
-        for _, message in engine.apply(protocol.decode_input(frames, wire)):
+        for _, message in engine.apply(decode_input(frames, wire)):
             pack(message)
 
     def step() -> None:
@@ -83,7 +84,7 @@ def gmock_loop() -> Tuple[Callable[[List[bytes]], None], Callable[[], bool], Cal
 
 
 def floor_loop() -> Tuple[Callable[[List[bytes]], None], Callable[[], bool], Callable[[], None]]:
-    engine = reference_emitter.Engine(0, 1, RandomTokens(32000, 0, 0), protocol.layout_for_version(protocol.DEFAULT_PROTOCOL_VERSION))
+    engine = reference_emitter.Engine(0, 1, RandomTokens(32000, 0, 0), layout_for_version(DEFAULT_PROTOCOL_VERSION))
     engine.outputs = [_Discard()]
 
     def add(frames: List[bytes]) -> None:
@@ -157,7 +158,7 @@ def main() -> int:
     floor_total = sum(results["floor"][0].values())
     print(f"ratio gmock/floor opcodes: {gmock_total / floor_total:.2f}")
     # by module: which layer a request's price is paid in (the floor is one
-    # module and what it calls of protocol.py and tokens.py)
+    # module and what it calls of wire/ and tokens.py)
     for name in ("gmock", "floor"):
         modules: Counter[str] = collections.Counter()
         for (filename, _), count in results[name][0].items():

@@ -68,19 +68,21 @@ from typing import Any, Callable, Dict, List, Optional
 import msgpack
 import zmq
 
-from gmock_engine import kv_events, protocol
+from gmock_engine import kv_events
+from gmock_engine.wire.eras import DEFAULT_PROTOCOL_VERSION, layout_for_version, WireLayout  # noqa: E402
+from gmock_engine.wire.outputs import engine_core_event, engine_core_output, logprobs_lists, prefill_stats, scheduler_stats  # noqa: E402
+from gmock_engine.wire.types import EngineCoreEventType, FinishReason  # noqa: E402
 from gmock_engine.logprobs import LogprobModel
 from gmock_engine.outbox import STATS_INTERVAL_S
 from gmock_engine.prefix_cache import block_hash, block_hashes
 from gmock_engine.stats import Samples
 from gmock_engine.steptimer import TimerFD
-from gmock_engine.protocol import EngineCoreEventType, FinishReason
 from gmock_engine.tokens import POOL_PAD, RandomTokens
 
 #: EngineCoreRequest fields read here (the 0.33 layout the bench driver sends).
 _PROMPT, _SAMPLING, _CLIENT = 1, 3, 11
-#: KV events as the floor's era (the layout it speaks: protocol.DEFAULT_PROTOCOL_VERSION) encodes them
-_EVENT_FORMAT = kv_events.EventFormat.of(protocol.layout_for_version(protocol.DEFAULT_PROTOCOL_VERSION))
+#: KV events as the floor's era (the layout it speaks: wire.eras.DEFAULT_PROTOCOL_VERSION) encodes them
+_EVENT_FORMAT = kv_events.EventFormat.of(layout_for_version(DEFAULT_PROTOCOL_VERSION))
 
 
 class _Block:
@@ -291,7 +293,7 @@ class FloorKV:
 class Engine:
     """One DP rank: its sockets, its requests by client, its finish buckets."""
 
-    def __init__(self, rank: int, chunk: int, tokens: RandomTokens, layout: protocol.WireLayout, kv: Optional[FloorKV] = None) -> None:
+    def __init__(self, rank: int, chunk: int, tokens: RandomTokens, layout: WireLayout, kv: Optional[FloorKV] = None) -> None:
         self.rank = rank
         self.chunk = chunk
         self.tokens = tokens
@@ -323,7 +325,7 @@ class Engine:
         """ADD: its generator state, its QUEUED event; its finish step is fixed at its first step."""
         rid, client, sampling = body[0], body[_CLIENT], body[_SAMPLING]
         n = sampling.get("max_tokens", 16)
-        events = [protocol.engine_core_event(EngineCoreEventType.QUEUED, time.monotonic())]
+        events = [engine_core_event(EngineCoreEventType.QUEUED, time.monotonic())]
         state = self.tokens.initial_state(rid)
         pool = None
         k = sampling.get("logprobs")
@@ -354,7 +356,7 @@ class Engine:
         record = self.kv_records.pop(rid, None)
         if record is not None:
             self.kv.free(record)  # type: ignore[union-attr]
-        out = protocol.engine_core_output(rid, [], FinishReason.ABORT, None, self.layout)
+        out = engine_core_output(rid, [], FinishReason.ABORT, None, self.layout)
         self.outputs[client].send(pack([self.rank, [out], None, time.monotonic(), None, [rid]]))
 
     def run_step(self) -> None:
@@ -427,7 +429,7 @@ class Engine:
                 entry[1] = end if end < size else end % size
                 append(out)
         if self.fresh:  # after the draw loop: their next tokens are for the next step
-            scheduled = protocol.engine_core_event(EngineCoreEventType.SCHEDULED, now)
+            scheduled = engine_core_event(EngineCoreEventType.SCHEDULED, now)
             for client, rid, n, state, events, prompt, pool in self.fresh:
                 events.append(scheduled)
                 first_n = chunk if chunk < n else n
@@ -441,9 +443,9 @@ class Engine:
                         self.kv_records[rid] = record
                     else:
                         freeing.append(record)
-                first = protocol.engine_core_output(
+                first = engine_core_output(
                     rid, tokens, None if left else FinishReason.LENGTH, None, self.layout,
-                    events=events, prefill_stats=protocol.prefill_stats(len(prompt), hit),
+                    events=events, prefill_stats=prefill_stats(len(prompt), hit),
                     new_logprobs=None if pool is None else _logprobs(pool, position, first_n, self.layout),
                 )  # fmt: skip
                 batch = batches.get(client) or batches.setdefault(client, ([], []))
@@ -487,14 +489,14 @@ class Engine:
         if counts == self._stats_counts and not pending:
             return None
         self._stats_counts, self._stats_at = counts, now
-        return protocol.scheduler_stats(running, 0, 0.0, self.step, prefix_cache_stats=self.kv.take_stats() if pending else None)
+        return scheduler_stats(running, 0, 0.0, self.step, prefix_cache_stats=self.kv.take_stats() if pending else None)
 
 
-def _logprobs(pool: Any, position: int, n: int, layout: protocol.WireLayout) -> List[Any]:
+def _logprobs(pool: Any, position: int, n: int, layout: WireLayout) -> List[Any]:
     """new_logprobs of the n tokens from pool position `position` on."""
     stride, end = pool.stride, position + n
     ids, lps, ranks = pool.row_ids[position * stride : end * stride], pool.row_lps[position * stride : end * stride], pool.row_ranks[position * 8 : end * 8]
-    return protocol.logprobs_lists(n, pool.k + 1, ids, lps, ranks, layout)
+    return logprobs_lists(n, pool.k + 1, ids, lps, ranks, layout)
 
 
 pack = msgpack.Packer(use_bin_type=True).pack
@@ -543,7 +545,7 @@ def main(argv=None) -> int:
     gc.set_threshold(GC_THRESHOLD, 50, 100)
 
     ctx = zmq.Context()
-    layout = protocol.layout_for_version(protocol.DEFAULT_PROTOCOL_VERSION)
+    layout = layout_for_version(DEFAULT_PROTOCOL_VERSION)
     engines: List[Engine] = []
     poller = zmq.Poller()
     for rank in range(args.data_parallel_start_rank, args.data_parallel_start_rank + args.engine_count):

@@ -26,7 +26,8 @@ import gevent.event
 import zmq.green as zmq
 from loguru import logger
 
-from . import faults, logs, protocol, reload
+from . import faults, logs, reload
+from .wire.eras import Wire
 from .reload import Reconfiguration
 from .runner import KILL_TIMEOUT_S, SENDER_FLUSH_TIMEOUT_S, EngineRunner
 from .supervisor import Supervisor
@@ -48,7 +49,7 @@ class App:
         self.config = config
         self.load = load
         #: One layout for all engines of the process: they serve one frontend (§8.2).
-        self.wire = protocol.Wire.from_setting(config.protocol_version, logger.info)
+        self.wire = Wire.from_setting(config.protocol_version, logger.info)
         self.ctx = zmq.Context()
         self.supervisor = Supervisor()
         self.metrics_server: Optional[Any] = None

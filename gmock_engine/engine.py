@@ -39,7 +39,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from loguru import logger
 
-from . import protocol
 from . import kv_transfer
 from . import options
 from .kv_cache_manager import KVCacheManager
@@ -47,29 +46,22 @@ from .latency import LatencyModel
 from .ledger import CHECKED_MEMORY, Ledger
 from .lengths import OutputLengths
 from .logprobs import LogprobModel
-from .lora import AdapterRegistry, decode_lora_request
 from .logs import Throttle, short
+from .lora import AdapterRegistry, decode_lora_request
 from .outbox import COORDINATOR, STATS_INTERVAL_S, LedgerViolation, Outbound, Outbox, StatsCadence
-from .protocol import (
-    AbortRequests,
-    BadValue,
-    EngineCoreEventType,
-    EngineCoreRequest,
-    FinishReason,
-    InputMessage,
-    InvalidRequest,
-    StartDPWave,
-    UtilityCall,
-    WireLayout,
-)
 from .prefix_cache import PrefixCache
-from .request import MAX_XARGS_TTFT_MS, MOCK_XARGS, Request, plan
+from .request import Request, plan
 from .request_queue import FCFSRequestQueue
 from .output_processor import MOCK_FAILURE_MESSAGE, OutputProcessor, Sampler
 from .request import RequestStatus
 from .scheduler import PauseState, Scheduler
 from .tokens import RandomTokens, TokenSource, request_seed
 from .utilities import PAUSE_MODES, SUPPORTED_UTILITIES, Utilities
+from .wire.checks import MAX_XARGS_TTFT_MS, MOCK_XARGS, NO_XARGS, BadXargs, Xargs, check_xargs
+from .wire.eras import Wire, WireLayout
+from .wire.inputs import AbortRequests, EngineCoreRequest, InputMessage, InvalidRequest, StartDPWave, UtilityCall
+from .wire.outputs import engine_core_event, engine_core_output, request_error
+from .wire.types import BadValue, EngineCoreEventType, FinishReason
 
 __all__ = [
     "COORDINATOR",
@@ -145,7 +137,7 @@ class EngineSettings:
     lora_check_adapter_dir: bool = True
     #: The wire layout of the frontend (fixed by --protocol-version or
     #: detected from the first ADD; shared by the process's engines, §8.2).
-    wire: protocol.Wire = field(default_factory=protocol.Wire)
+    wire: Wire = field(default_factory=Wire)
     #: P/D disaggregation (--kv-role / --kv-transfer-config, kv_transfer.py); None: off.
     kv_transfer: Optional[kv_transfer.KVTransferSettings] = None
     #: The steady state's outputs are lists reused from step to step
@@ -378,7 +370,7 @@ class EngineCore:
         # A duplicate first: even an abort_immediately ADD must not end the original.
         if rid in self.scheduler.running or rid in self.scheduler.waiting:
             self.throttle.warning("duplicate request id", "ADD {}: duplicate of an active request id; answered with ERROR", short(rid))
-            error = protocol.request_error("duplicate_request_id", f"request id {short(rid)} is already active")
+            error = request_error("duplicate_request_id", f"request id {short(rid)} is already active")
             return self._answer_now(client, rid, FinishReason.ERROR, error)
         if request.abort_immediately:
             # §3.2 idx 19: no output, only the id in finished_requests.
@@ -389,14 +381,14 @@ class EngineCore:
             return self._answer_now(client, rid, FinishReason.ABORT)
         if not request.has_sampling_params:
             self.throttle.warning("pooling request", "ADD {}: sampling_params is nil (pooling request); answered with ERROR", short(rid))
-            return self._answer_now(client, rid, FinishReason.ERROR, protocol.request_error("unsupported", "the mock engine only generates"))
+            return self._answer_now(client, rid, FinishReason.ERROR, request_error("unsupported", "the mock engine only generates"))
         if self.utilities.reject_new_requests:
-            error = protocol.request_error("engine_paused", "Generation is paused. Please retry after it resumes.", retryable=True)
+            error = request_error("engine_paused", "Generation is paused. Please retry after it resumes.", retryable=True)
             return self._answer_now(client, rid, FinishReason.ERROR, error)
         if request.prompt_len > self.settings.max_model_len:
             reason = f"the prompt has {request.prompt_len} tokens, more than max_model_len {self.settings.max_model_len}"
             self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
-            return self._answer_now(client, rid, FinishReason.ERROR, protocol.request_error("validation_error", reason))
+            return self._answer_now(client, rid, FinishReason.ERROR, request_error("validation_error", reason))
         lora_request = None
         if request.lora_request is not None:
             # a bad LoRARequest ends this request only (vLLM's would fail in
@@ -407,31 +399,37 @@ class EngineCore:
             except BadValue as exc:
                 reason = f"{str(exc):.200}"
                 self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
-                return self._answer_now(client, rid, FinishReason.ERROR, protocol.request_error("validation_error", reason))
+                return self._answer_now(client, rid, FinishReason.ERROR, request_error("validation_error", reason))
             if self.lora is None:
                 reason = f"Got lora_request {lora_request.lora_name!r} but LoRA is not enabled!"
                 self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
-                return self._answer_now(client, rid, FinishReason.ERROR, protocol.request_error("validation_error", reason))
+                return self._answer_now(client, rid, FinishReason.ERROR, request_error("validation_error", reason))
         max_tokens = request.max_tokens or 0
         sampler = self.scheduler.sampler
         entry = Request(rid, client, max_tokens, sampler.tokens.initial_state(rid, request.prompt_token_ids), request.prompt_len, self.clock())
         entry.sampler = sampler
         entry.lora_request = lora_request
-        entry.pending_events = [protocol.engine_core_event(_QUEUED, entry.queued_at)]
+        entry.pending_events = [engine_core_event(_QUEUED, entry.queued_at)]
         settings = self.settings
         try:
-            plan(entry, request, sampler.tokens, settings.max_model_len, settings.output_lengths, settings.seed, self.rank)
-        except BadValue as exc:
+            # every vllm_xargs key the engine reads, checked in one place (most requests carry none)
+            xargs = check_xargs(request.extra_args) if request.extra_args else NO_XARGS
+        except BadXargs as exc:
             reason = f"{str(exc):.200}"
             self.throttle.warning("invalid request", "ADD {}: bad vllm_xargs ({}); answered with ERROR", short(rid), reason)
-            return self._answer_now(client, rid, FinishReason.ERROR, protocol.request_error("validation_error", f"bad vllm_xargs: {reason}"))
-        try:
-            # (P/D params ride in extra_args: most requests carry none)
-            entry.kv = self._plan_kv_transfer(entry, request) if request.extra_args else None
+            return self._answer_now(client, rid, FinishReason.ERROR, request_error("validation_error", f"bad vllm_xargs: {reason}"))
         except BadValue as exc:
             reason = f"{str(exc):.200}"
             self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
-            return self._answer_now(client, rid, FinishReason.ERROR, protocol.request_error("validation_error", reason))
+            return self._answer_now(client, rid, FinishReason.ERROR, request_error("validation_error", reason))
+        plan(entry, request, xargs, sampler.tokens, settings.max_model_len, settings.output_lengths, settings.seed, self.rank)
+        try:
+            # (P/D params ride in extra_args: most requests carry none)
+            entry.kv = self._plan_kv_transfer(entry, request, xargs) if request.extra_args else None
+        except BadValue as exc:
+            reason = f"{str(exc):.200}"
+            self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
+            return self._answer_now(client, rid, FinishReason.ERROR, request_error("validation_error", reason))
         if settings.log_requests:
             self.log.info(
                 "mock request started engine={} request_id={} prompt_len={} max_tokens={} chunk={}{}",
@@ -452,7 +450,7 @@ class EngineCore:
             if asked + 1 > self._logprob_span:
                 reason = f"{asked} logprobs asked, but the engine makes only {self._logprob_span} distinct token ids"
                 self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
-                return self._answer_now(client, rid, FinishReason.ERROR, protocol.request_error("validation_error", reason))
+                return self._answer_now(client, rid, FinishReason.ERROR, request_error("validation_error", reason))
             entry.num_logprobs = request.logprobs
             entry.num_prompt_logprobs = request.prompt_logprobs
             entry.shaped = True
@@ -462,10 +460,10 @@ class EngineCore:
         self.scheduler.add_request(entry)
         return []
 
-    def _plan_kv_transfer(self, entry: Request, request: EngineCoreRequest) -> Optional[kv_transfer.KVPlan]:
+    def _plan_kv_transfer(self, entry: Request, request: EngineCoreRequest, xargs: Xargs) -> Optional[kv_transfer.KVPlan]:
         """P/D (kv_transfer.py): a producer request ends after its first token
         (LENGTH, as vLLM's with the proxy's max_tokens=1); BadValue for bad params."""
-        kv = kv_transfer.plan(self.kv_transfer, request.extra_args)
+        kv = kv_transfer.plan(self.kv_transfer, request.extra_args, xargs)
         if kv is None and self.kv_transfer is None and request.extra_args.get("kv_transfer_params") is not None:
             self.throttle.warning("kv_transfer_params ignored", "ADD {}: kv_transfer_params but no --kv-role; ignored, as vLLM without a KV connector", short(entry.request_id))
         if kv is not None and self.settings.log_requests:
@@ -490,7 +488,7 @@ class EngineCore:
             return []
         self.ledger.started(rid)
         self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
-        return self._answer_now(client, rid, FinishReason.ERROR, protocol.request_error(code, reason))
+        return self._answer_now(client, rid, FinishReason.ERROR, request_error(code, reason))
 
     def abort_requests(self, request_ids: List[str]) -> List[Outbound]:
         """ABORT (§3.4): end the listed active ids; unknown ids are ignored."""
@@ -537,7 +535,7 @@ class EngineCore:
                 return []
             if self.scheduler.remove(rid, RequestStatus.FINISHED_ERROR) is None and rid not in self.ledger.open:
                 self.ledger.started(rid)
-            return self._answer_now(client, rid, FinishReason.ERROR, protocol.request_error("internal_error", reason))
+            return self._answer_now(client, rid, FinishReason.ERROR, request_error("internal_error", reason))
         if isinstance(message, UtilityCall) and self._valid_client(message.client_index, f"UTILITY {short(message.method)}"):
             return [self.utilities.reply(message, failure=reason)]
         return []
@@ -545,10 +543,10 @@ class EngineCore:
     def fail_all(self, reason: str) -> List[Outbound]:
         """End every running and waiting request with ERROR (a step failed:
         no request is left waiting for tokens that will not come)."""
-        error = protocol.request_error("internal_error", reason)
+        error = request_error("internal_error", reason)
         self.outbox.discard()  # whatever the failed step had gathered
         for entry in self.scheduler.remove_all(RequestStatus.FINISHED_ERROR):
-            output = protocol.engine_core_output(entry.request_id, [], FinishReason.ERROR, error, self.layout)
+            output = engine_core_output(entry.request_id, [], FinishReason.ERROR, error, self.layout)
             self.outbox.end(entry.client_index, entry.request_id, output)
             self._log_end(entry.request_id, entry.num_output_tokens, FinishReason.ERROR)
         return self._flush()
@@ -589,13 +587,13 @@ class EngineCore:
 
     def _answer_now(self, client: int, rid: str, reason: FinishReason, error: Optional[Dict[str, Any]] = None) -> List[Outbound]:
         """A terminal output with no tokens for a request that never ran."""
-        self.outbox.end(client, rid, protocol.engine_core_output(rid, [], reason, error, self.layout))
+        self.outbox.end(client, rid, engine_core_output(rid, [], reason, error, self.layout))
         self._log_end(rid, 0, reason)
         return self._flush()
 
     def _end(self, entry: Request, reason: FinishReason) -> None:
         """A terminal output for a request that was active (already removed)."""
-        self.outbox.end(entry.client_index, entry.request_id, protocol.engine_core_output(entry.request_id, [], reason, None, self.layout))
+        self.outbox.end(entry.client_index, entry.request_id, engine_core_output(entry.request_id, [], reason, None, self.layout))
         self._log_end(entry.request_id, entry.num_output_tokens, reason)
 
     def _log_end(self, rid: str, output_tokens: int, reason: FinishReason) -> None:

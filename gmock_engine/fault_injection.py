@@ -45,7 +45,8 @@ import gevent.event
 from . import faults, kv_transfer
 from .engine import COORDINATOR, EngineCore, Outbound
 from .faults import FaultSpec, Faults
-from .protocol import EngineCoreRequest, UtilityCall
+from .wire.checks import MAX_DELAY_MS
+from .wire.inputs import EngineCoreRequest, UtilityCall
 
 #: What `on_input` answers for an input it leaves alone: nothing to send.
 NO_OUTPUTS: Tuple[Outbound, ...] = ()
@@ -191,7 +192,7 @@ class FaultInjector:
         else:
             previous = xargs.get("mock_kv_transfer_delay_ms")
             own = previous if isinstance(previous, (int, float)) and not isinstance(previous, bool) and previous >= 0 else 0
-            xargs["mock_kv_transfer_delay_ms"] = min(own + spec.delay * 1000.0, kv_transfer.MAX_DELAY_MS)
+            xargs["mock_kv_transfer_delay_ms"] = min(own + spec.delay * 1000.0, MAX_DELAY_MS)
             self.log.warning("injected fault kv-transfer-slow: request {}'s KV transfer takes {}s longer", request.request_id, spec.delay)
         return dataclasses.replace(request, extra_args=xargs)
 

@@ -37,7 +37,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
-from . import protocol
+from .wire.outputs import engine_core_outputs
 
 #: Exit status of a process whose last engine crashed by --fault-crash
 #: (the supervisor of --processes tells it from a real failure by this).
@@ -338,13 +338,13 @@ def rewrite(
     for output in hits:
         spec = marked.pop(output[0])
         if spec.kind == "duplicate-finish":
-            now.append(protocol.engine_core_outputs(engine_index, [output], timestamp, [output[0]]))
+            now.append(engine_core_outputs(engine_index, [output], timestamp, [output[0]]))
             continue
         kept_outputs.remove(output)
         if output[0] in finished:
             finished.remove(output[0])
         if spec.kind == "late-finish":
-            later.append((spec.delay or 0.0, protocol.engine_core_outputs(engine_index, [output], timestamp, [output[0]])))
+            later.append((spec.delay or 0.0, engine_core_outputs(engine_index, [output], timestamp, [output[0]])))
     if kept_outputs or finished or stats is not None:
-        now.insert(0, protocol.engine_core_outputs(engine_index, kept_outputs, timestamp, finished or None, stats))
+        now.insert(0, engine_core_outputs(engine_index, kept_outputs, timestamp, finished or None, stats))
     return now, later

@@ -85,7 +85,7 @@ class KVEventPublisher:
         self.config = config.for_rank(rank)
         self.rank = rank
         self.block_size = block_size
-        #: The format, or what gives it: the era may be detected after start (protocol.Wire).
+        #: The format, or what gives it: the era may be detected after start (wire.eras.Wire).
         self._fmt = fmt
         self.log = log
         self.throttle = throttle

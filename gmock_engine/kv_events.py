@@ -161,7 +161,7 @@ class EventFormat:
 
     @classmethod
     def of(cls, layout: Any) -> "EventFormat":
-        """The format of a protocol.WireLayout's era."""
+        """The format of a wire.eras.WireLayout's era."""
         return cls(layout.kv_events_tagged_maps, layout.kv_events_replay_topic, layout.kv_events_group_idx)
 
 

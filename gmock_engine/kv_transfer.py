@@ -21,8 +21,8 @@ there) and leave in EngineCoreOutput index 8 (§4.3, the same index in every
 era), on the request's terminal output.
 
 This module: the `--kv-transfer-config` JSON and `--kv-role` (`KVTransferSettings`),
-the check of a request's params (`plan`, raising BadValue: an ERROR output
-for that request only), the producer's response params and the consumer's
+the plan of a request's params (`plan`, which has wire.checks check them,
+raising BadValue: an ERROR output for that request only), the producer's response params and the consumer's
 transfer time. The scheduler asks it at admission and at a request's end.
 """
 
@@ -32,7 +32,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from .protocol import BadValue
+from .wire.checks import KV_XARGS, Xargs, check_kv_transfer_params
 
 #: Roles as `--kv-role` spells them, and vLLM's `kv_role` values (config/kv_transfer.py).
 ROLES = ("producer", "consumer", "both")
@@ -60,13 +60,9 @@ KV_TRANSFER_CONFIG_KEYS = (
 #: the port is offset by the DP rank, as NIXL's.
 DEFAULT_HOST = "localhost"
 DEFAULT_PORT = 5600
-#: vllm_xargs keys of the P/D scenarios (README, "Per-request scenarios"): a
-#: failed KV load, and extra transfer time; --fault-kv-transfer-* set them.
-KV_XARGS = ("mock_kv_load", "mock_kv_transfer_delay_ms")
-#: Upper bound of mock_kv_transfer_delay_ms (one hour), as mock_ttft_ms.
-MAX_DELAY_MS = 3_600_000
-#: Upper bound of remote_block_ids entries checked on a consumer (a hostile list is not walked for ever).
-MAX_REMOTE_BLOCKS = 1 << 20
+# KV_XARGS (the P/D scenario keys of vllm_xargs, which --fault-kv-transfer-*
+# set) is wire/checks.py's, which checks them; imported above so that the
+# fault layer finds it here.
 #: The error of a failed KV load (vLLM ends it with FinishReason.ERROR, scheduler.py).
 KV_LOAD_FAILURE_MESSAGE = "KV transfer from the prefill engine failed (mock: vllm_xargs mock_kv_load or --fault-kv-transfer-fail)"
 
@@ -225,50 +221,29 @@ class KVTransfer:
         }
 
 
-def plan(transfer: Optional[KVTransfer], extra_args: Dict[str, Any]) -> Optional[KVPlan]:
-    """A request's P/D plan from its extra_args, or None (a plain request).
+def plan(transfer: Optional[KVTransfer], extra_args: Dict[str, Any], xargs: Xargs) -> Optional[KVPlan]:
+    """A request's P/D plan from its extra_args and their checked P/D
+    scenarios (`xargs`, wire.checks.check_xargs), or None (a plain request).
 
-    Strict as the vllm_xargs: a value of the wrong type raises BadValue
-    naming the key (the request ends with ERROR, §3.3). With P/D off
+    Where P/D is on, kv_transfer_params are checked as strictly as the
+    vllm_xargs (wire.checks.check_kv_transfer_params): a value of the wrong
+    type raises BadValue naming the key (the request ends with ERROR, §3.3). With P/D off
     (`transfer` None), or a direction this engine's role does not serve, or
     consumer params NIXL could not load from, the request runs as a plain
     one, as vLLM's engine without a connector ("Got kv_transfer_params, but
     no KVConnector found", core.py) and NIXL's update_state_after_alloc do.
     A producer request gets one token (vLLM's proxy sends max_tokens=1; the
     mock ends it after its first token whatever max_tokens says)."""
-    fail, delay_s = _scenario(extra_args)
     params = extra_args.get("kv_transfer_params")
     if params is None or transfer is None:
         return None
-    check_params(params)
+    check_kv_transfer_params(params)
     settings = transfer.settings
     if params.get("do_remote_decode") is True and settings.produces:
         return KVPlan(produce=True)
     if params.get("do_remote_prefill") is True and settings.consumes and complete(params):
-        return KVPlan(consume=True, fail=fail, delay_s=delay_s)
+        return KVPlan(consume=True, fail=xargs.kv_load_fails, delay_s=xargs.kv_delay_s)
     return None
-
-
-def check_params(params: Any) -> None:
-    """kv_transfer_params as a connector reads them: a map whose known keys
-    have their types (nil allowed: vLLM's proxy sends `remote_engine_id: null`
-    to the prefill side); BadValue names the first key that has not."""
-    if not isinstance(params, dict):
-        raise BadValue(f"kv_transfer_params must be a map, not {type(params).__name__}")
-    for key in ("do_remote_decode", "do_remote_prefill"):
-        value = params.get(key)
-        if value is not None and not isinstance(value, bool):
-            raise BadValue(f"kv_transfer_params.{key} must be a bool, not {_cut(value)}")
-    if params.get("do_remote_decode") is True and params.get("do_remote_prefill") is True:
-        raise BadValue("kv_transfer_params has both do_remote_decode and do_remote_prefill")
-    for key in ("remote_engine_id", "remote_host", "remote_request_id"):
-        value = params.get(key)
-        if value is not None and not isinstance(value, str):
-            raise BadValue(f"kv_transfer_params.{key} must be a string, not {_cut(value)}")
-    port = params.get("remote_port")
-    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
-        raise BadValue(f"kv_transfer_params.remote_port must be an int in 0..65535, not {_cut(port)}")
-    _check_block_ids(params.get("remote_block_ids"))
 
 
 def complete(params: Dict[str, Any]) -> bool:
@@ -278,35 +253,6 @@ def complete(params: Dict[str, Any]) -> bool:
     return bool(params.get("remote_block_ids")) and all(
         params.get(key) is not None for key in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
     )
-
-
-def _check_block_ids(value: Any) -> None:
-    if value is None:
-        return
-    if not isinstance(value, list):
-        raise BadValue(f"kv_transfer_params.remote_block_ids must be a list, not {_cut(value)}")
-    # a flat list (older NIXL) or one list per KV cache group (0.2x+)
-    groups = value if value and all(isinstance(g, list) for g in value) else [value]
-    count = 0
-    for group in groups:
-        for block in group:
-            count += 1
-            if count > MAX_REMOTE_BLOCKS:
-                raise BadValue(f"kv_transfer_params.remote_block_ids has more than {MAX_REMOTE_BLOCKS} ids")
-            if isinstance(block, bool) or not isinstance(block, int) or block < 0 or block >= 1 << 63:
-                raise BadValue(f"kv_transfer_params.remote_block_ids holds {_cut(block)}, not a block id")
-
-
-def _scenario(extra_args: Dict[str, Any]) -> "tuple[bool, float]":
-    """The P/D vllm_xargs: mock_kv_load = "fail", mock_kv_transfer_delay_ms."""
-    load = extra_args.get("mock_kv_load")
-    if load is not None and load not in ("fail", "ok"):
-        raise BadValue(f"mock_kv_load must be fail or ok, not {_cut(load)}")
-    delay = extra_args.get("mock_kv_transfer_delay_ms")
-    if delay is not None:
-        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay <= MAX_DELAY_MS:
-            raise BadValue(f"mock_kv_transfer_delay_ms must be a number in 0..{MAX_DELAY_MS}, not {_cut(delay)}")
-    return load == "fail", (delay or 0.0) / 1000.0
 
 
 def remote_prefill_requested(extra_args: Dict[str, Any]) -> bool:
@@ -324,11 +270,6 @@ def describe(params: Any, limit: int = 2000) -> str:
     except (TypeError, ValueError):  # keys of mixed types cannot be sorted
         text = repr(params)
     return text[:limit]
-
-
-def _cut(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 __all__: List[str] = [

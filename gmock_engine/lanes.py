@@ -22,10 +22,9 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import msgpack
 
-from . import protocol
+from .wire.outputs import RAW_VIEW_EXT, logprobs_lists
 from .logprobs import ROW_POOL_MAX_K
 from .outbox import Outbox
-from .protocol import RAW_VIEW_EXT
 from .request import Request
 from .scheduler import PauseState
 from .tokens import POOL_PAD, TokenPool
@@ -299,7 +298,7 @@ class LaneBooks:
             lane[request.request_id] = request
             request.lane = key
             if rows is not None:  # its arrays are swapped in at every step (`_next_pooled_rows`)
-                request.lane_output = [request.request_id, [0], protocol.logprobs_lists(chunk, k + 1, b"", b"", b"", self.wire.layout)]
+                request.lane_output = [request.request_id, [0], logprobs_lists(chunk, k + 1, b"", b"", b"", self.wire.layout)]
             elif self.reuse_outputs:
                 request.lane_output = [request.request_id, [0]]
             # the outputs the lane makes: every one before the last

@@ -24,7 +24,7 @@ from collections import Counter, OrderedDict
 from typing import Any, Dict, List, Optional
 
 from .logs import short as _short
-from .protocol import FinishReason
+from .wire.types import FinishReason
 
 _NONE: frozenset = frozenset()
 #: wire finish_reason -> the name its counter is kept under (a dict lookup,

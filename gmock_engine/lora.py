@@ -23,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Set
 
-from .protocol import BadValue
+from .wire.types import BadValue
 
 #: LoRARequest fields in msgspec array order (vllm/lora/request.py, 0.32/0.33:
 #: array_like=True, omit_defaults=True, so trailing defaults are absent).

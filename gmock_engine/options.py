@@ -19,7 +19,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Callable, FrozenSet, Optional, Tuple
 
-from . import protocol
+from .wire.eras import AUTO
 from .faults import KINDS
 from .validators import (
     choice,
@@ -159,7 +159,7 @@ CONNECTION = Group(
             "--protocol-version",
             "the frontend's vLLM version (0.11 to 0.33, e.g. 0.25, 0.25.1, 0.28.0): the wire layout of its era; "
             "auto (default) detects the era from the first request and logs what it found (PROTOCOL.md §8)",
-            default=protocol.AUTO,
+            default=AUTO,
             type=protocol_version,
         ),
     ),

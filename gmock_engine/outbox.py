@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import protocol
 from .ledger import Ledger
+from .wire.outputs import engine_core_outputs
 
 #: One message to send: (client index = output socket, EngineCoreOutputs array).
 Outbound = Tuple[int, List[Any]]
@@ -99,7 +99,7 @@ class Outbox:
         if finished:
             self.finished = {}
         out: List[Outbound] = []
-        rank, checked, make = self.rank, self._checked, protocol.engine_core_outputs
+        rank, checked, make = self.rank, self._checked, engine_core_outputs
         for client, batch in outputs.items():
             out.append((client, checked(make(rank, batch, now, finished.pop(client, None) if finished else None, stats))))
             stats = None
@@ -122,7 +122,7 @@ class Outbox:
         """The common message (one client, nothing ended), built and checked
         inline: a layer of calls less for every step of a few requests,
         where the per-step cost is what a mock behind a real frontend
-        spends (issue 17, P2). The layout is protocol.engine_core_outputs'
+        spends. The layout is wire.outputs.engine_core_outputs'
         (§4.2), which a test holds it to."""
         now = self.clock()
         stats = self._stats_if_due(now)
@@ -131,7 +131,7 @@ class Outbox:
         if violations:
             self._report(violations)
         if stats is not None and self.has_coordinator:
-            return [(client, message), (COORDINATOR, protocol.engine_core_outputs(self.rank, [], now, None, stats))]
+            return [(client, message), (COORDINATOR, engine_core_outputs(self.rank, [], now, None, stats))]
         return [(client, message)]
 
     def _checked(self, message: List[Any]) -> List[Any]:

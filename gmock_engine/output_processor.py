@@ -22,13 +22,13 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
-from . import protocol
+from .wire.outputs import engine_core_output, logprobs_lists, prefill_stats, request_error
+from .wire.types import FinishReason
 from .kv_cache_manager import KVCacheManager
 from .lanes import LaneBooks
 from .logprobs import LogprobModel
 from .outbox import Outbox
 from .kv_transfer import KV_LOAD_FAILURE_MESSAGE
-from .protocol import FinishReason
 from .request import Request
 from .sched_output import SchedulerOutput
 from .scheduler import Scheduler
@@ -117,7 +117,7 @@ class OutputProcessor(LaneBooks):
         if scheduler_output.rejected_reqs:
             layout = self.wire.layout
             for request, error in scheduler_output.rejected_reqs:
-                outbox.end(request.client_index, request.request_id, protocol.engine_core_output(request.request_id, [], _ERROR, error, layout))
+                outbox.end(request.client_index, request.request_id, engine_core_output(request.request_id, [], _ERROR, error, layout))
         if scheduler_output.scheduled_new_reqs:
             full = self._full
             for request in scheduler_output.scheduled_new_reqs:
@@ -154,7 +154,7 @@ class OutputProcessor(LaneBooks):
         outputs. Returns the tokens emitted."""
         chunk = self.chunk
         sampler = self.sampler
-        make_output = protocol.engine_core_output
+        make_output = engine_core_output
         scheduler = self._scheduler
         prefilling = scheduler.prefilling
         batches = outbox.outputs
@@ -204,7 +204,7 @@ class OutputProcessor(LaneBooks):
                     request.request_id,
                     tokens,
                     finish,
-                    error=protocol.request_error("mock_failure", MOCK_FAILURE_MESSAGE) if finish is _ERROR else None,
+                    error=request_error("mock_failure", MOCK_FAILURE_MESSAGE) if finish is _ERROR else None,
                     stop_reason=request.stop_reason if finish is _STOP else None,
                     layout=self.wire.layout,
                     events=events,
@@ -215,7 +215,7 @@ class OutputProcessor(LaneBooks):
                 )
                 request.pending_events = None
             elif finish is None and new_logprobs is None:
-                # protocol.engine_core_output's running shape, built inline on
+                # engine_core_output's running shape, built inline on
                 # the per-token path (test_engine checks they are the same)
                 output = [request.request_id, tokens]
             else:
@@ -268,11 +268,11 @@ class OutputProcessor(LaneBooks):
             if pool is not None:
                 rows = pool.take(position, tokens)
                 if rows is not None:
-                    return protocol.logprobs_lists(len(tokens), k + 1, rows[0], rows[1], rows[2], self.wire.layout)
+                    return logprobs_lists(len(tokens), k + 1, rows[0], rows[1], rows[2], self.wire.layout)
         width, ids, lps, ranks, request.logprob_state = request.sampler.logprobs.rows(
             request.logprob_state, tokens, request.num_logprobs, request.alternatives, request.banned, request.forced
         )
-        return protocol.logprobs_lists(len(tokens), request.num_logprobs + 1, ids, lps, ranks, self.wire.layout, ids_width=width)
+        return logprobs_lists(len(tokens), request.num_logprobs + 1, ids, lps, ranks, self.wire.layout, ids_width=width)
 
     def _prompt_logprobs(self, request: Request) -> Optional[List[Any]]:
         """new_prompt_logprobs_tensors, once with the first output: a row per
@@ -283,7 +283,7 @@ class OutputProcessor(LaneBooks):
         prompt = request.prompt_token_ids[1:]
         width, ids, lps, ranks, request.logprob_state = request.sampler.logprobs.rows(request.logprob_state, prompt, k, banned=request.banned)
         request.prompt_token_ids = None
-        return protocol.logprobs_lists(len(prompt), k + 1, ids, lps, ranks, self.wire.layout, tensors=True, ids_width=width)
+        return logprobs_lists(len(prompt), k + 1, ids, lps, ranks, self.wire.layout, tensors=True, ids_width=width)
 
     # -- P/D disaggregation (kv_transfer.py) ------------------------------------
 
@@ -291,7 +291,7 @@ class OutputProcessor(LaneBooks):
         """PrefillStats of a request's first output: a consumer's loaded
         prompt tokens are external cache hits, as vLLM counts them."""
         loaded = request.kv.loaded_tokens if request.kv is not None and request.kv.consume else 0
-        return protocol.prefill_stats(request.prompt_len, request.cached_tokens, loaded)
+        return prefill_stats(request.prompt_len, request.cached_tokens, loaded)
 
     def _kv_response(self, request: Request, finish: FinishReason) -> Optional[Dict[str, Any]]:
         """A producer's kv_transfer_params on its terminal output; none for an
@@ -303,7 +303,7 @@ class OutputProcessor(LaneBooks):
     def _kv_load_error(self, request: Request, outbox: Outbox) -> None:
         """The ERROR output, with no tokens, of a consumer whose KV load
         failed (Scheduler.kv_load_failed: policy "fail")."""
-        error = protocol.request_error("kv_load_failed", KV_LOAD_FAILURE_MESSAGE)
-        output = protocol.engine_core_output(request.request_id, [], FinishReason.ERROR, error, self.wire.layout, events=request.pending_events)
+        error = request_error("kv_load_failed", KV_LOAD_FAILURE_MESSAGE)
+        output = engine_core_output(request.request_id, [], FinishReason.ERROR, error, self.wire.layout, events=request.pending_events)
         outbox.end(request.client_index, request.request_id, output)
         request.pending_events = None

@@ -5,10 +5,8 @@ a real engine, the mock knows at admission how a request will end: `plan()`
 takes the EngineCoreRequest (PROTOCOL.md §3.2, §3.3) and decides how many
 tokens it gets and with which finish reason, from `max_tokens`,
 `max_model_len`, EOS lengths, stop ids and the `vllm_xargs` scenarios. Every
-client value it reads is checked there: a wrong type or an out-of-range value
-raises `BadValue` naming the key, so the request ends with ERROR instead of
-the engine carrying a value it cannot send (a `mock_stop_token_id` of 1e300
-once reached msgpack's packer and stopped the engine).
+client value it reads was checked before (wire/inputs.py the ADD's fields,
+wire/checks.py its vllm_xargs): nothing here raises on a client's value.
 """
 
 from __future__ import annotations
@@ -17,20 +15,14 @@ import enum
 import random
 from typing import Any, Dict, List, Optional, Tuple
 
-from .kv_transfer import KV_XARGS
 from .lengths import OutputLengths
-from .logs import short
-from .protocol import TOKEN_ID_LIMIT, BadValue, EngineCoreRequest, FinishReason
 from .tokens import TokenSource, request_seed
+from .wire.checks import NO_XARGS, Xargs
+from .wire.inputs import EngineCoreRequest
+from .wire.types import TOKEN_ID_LIMIT, FinishReason
 
-#: Upper bound of vllm_xargs mock_ttft_ms (one hour): a timer needs a finite time.
-MAX_XARGS_TTFT_MS = 3_600_000
-#: The vllm_xargs keys the engine reads (README, "Per-request scenarios"); any
-#: other `mock_` key is refused, so a typo is an error and not a silent no-op.
-MOCK_XARGS = ("mock_output_len", "mock_stop_token_id", "mock_finish", "mock_fail_after", "mock_ttft_ms") + KV_XARGS
-_INT64_MAX = (1 << 63) - 1
 # Read once per ADD: module constants, not enum member lookups (~0.1 µs
-# each on CPython 3.11, issue 17).
+# each on CPython 3.11).
 _LENGTH, _STOP, _ERROR = FinishReason.LENGTH, FinishReason.STOP, FinishReason.ERROR
 _MOCK_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "error": FinishReason.ERROR}
 
@@ -208,6 +200,7 @@ class Request:
 def plan(
     request: Request,
     core_request: EngineCoreRequest,
+    xargs: Xargs,
     tokens: TokenSource,
     max_model_len: int,
     output_lengths: Optional[OutputLengths],
@@ -228,26 +221,15 @@ def plan(
     shape which ids are drawn: `allowed_token_ids` is the pool, a logit_bias
     of +100 forces its ids, -100 and bad words ban theirs.
 
-    A vllm_xargs value of the wrong type or out of range raises BadValue
-    naming the key and the value: nothing is coerced.
+    `xargs` are the request's vllm_xargs as wire.checks.check_xargs checked
+    them (NO_XARGS: it has none).
     """
-    xargs = core_request.extra_args
-    fail_after = natural = stop_token = mode = None
-    if xargs:  # (most requests carry none: the checks below cost ~1 µs)
-        for key in xargs:
-            if isinstance(key, str) and key.startswith("mock_") and key not in MOCK_XARGS:
-                raise BadValue(f"unknown key {short(key, 40)} (known: {', '.join(MOCK_XARGS)})")
-        fail_after = _xarg_int(xargs, "mock_fail_after", 0, _INT64_MAX)
-        natural = _xarg_int(xargs, "mock_output_len", 1, _INT64_MAX)
-        stop_token = _xarg_int(xargs, "mock_stop_token_id", 0, TOKEN_ID_LIMIT - 1)
-        mode = xargs.get("mock_finish")
-        if mode is not None and (not isinstance(mode, str) or mode not in _MOCK_FINISH):
-            raise BadValue(f"mock_finish must be stop, length or error, not {cut(mode)}")
-        ttft = xargs.get("mock_ttft_ms")
-        if ttft is not None:
-            if isinstance(ttft, bool) or not isinstance(ttft, (int, float)) or not 0 <= ttft <= MAX_XARGS_TTFT_MS:
-                raise BadValue(f"mock_ttft_ms must be a number in 0..{MAX_XARGS_TTFT_MS}, not {cut(ttft)}")  # also nan, inf
-            request.ttft_ms = float(ttft)
+    if xargs is NO_XARGS:  # (most requests)
+        fail_after = natural = stop_token = mode = None
+    else:
+        fail_after, natural, stop_token, mode = xargs.fail_after, xargs.output_len, xargs.stop_token_id, xargs.finish
+        if xargs.ttft_ms is not None:
+            request.ttft_ms = xargs.ttft_ms
     limit = min(request.max_tokens, max(0, max_model_len - core_request.prompt_len))
     finish = _LENGTH
     # EOS ends a request only if the frontend named an EOS id: vllm-rs
@@ -323,20 +305,3 @@ def plan(
     avoid = stop_ids | banned
     # nothing is left to avoid when every id stops
     request.stop_ids = frozenset(avoid) if avoid and first_stop is None else None
-
-
-def cut(value: Any, limit: int = 60) -> str:
-    """repr() of a client's value for a message, at most `limit` characters."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _xarg_int(xargs: Dict[str, Any], key: str, low: int, high: int) -> Optional[int]:
-    """vllm_xargs[key] as an int in low..high (None when absent or null);
-    BadValue for anything else: a float, a string, a bool, a huge number."""
-    value = xargs.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise BadValue(f"{key} must be an int in {low}..{high}, not {cut(value)}")
-    return value

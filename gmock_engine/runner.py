@@ -37,12 +37,14 @@ import gevent.event
 import gevent.queue
 from loguru import logger
 
-from . import fault_injection, kv_event_publisher, kv_events, protocol, tokens, transport
+from . import fault_injection, kv_event_publisher, kv_events, tokens, transport
+from .wire.eras import Wire
+from .wire.handshake import engine_ready_message, engine_ready_response, InitMessage
+from .wire.inputs import decode_coordinator, decode_input
 from . import settings as parts
 from .engine import Drain, EngineCore, EngineSettings, LedgerViolation, Outbound
 from .links import StageLinks
 from .logs import Throttle
-from .protocol import InitMessage
 from .reload import Reconfiguration
 from .stats import Samples
 from .steptimer import StepTimer
@@ -88,7 +90,7 @@ class EngineRunner:
         supervisor: Supervisor,
         rank: int,
         config: Any,
-        wire: protocol.Wire,
+        wire: Wire,
         on_crash: Callable[["EngineRunner"], None] = lambda runner: None,
     ) -> None:
         self.ctx = ctx
@@ -162,47 +164,12 @@ class EngineRunner:
 
     def ready_response(self, init: InitMessage) -> Dict[str, Any]:
         """The registration map (§2.5): full 0.33 key set, correct types."""
-        c = self.config
-        values = {
-            "max_model_len": c.max_model_len,
-            "num_gpu_blocks": c.num_gpu_blocks,
-            "block_size": c.block_size,
-            # Echo the frontend's own stats address (Py-FE asserts equality).
-            "dp_stats_address": init.frontend_stats_publish_address,
-            "dtype": c.dtype,
-            "vllm_version": c.vllm_version,
-            "world_size": 1,
-            "data_parallel_size": c.data_parallel_size,
-            "tensor_parallel_size": 1,
-            "pipeline_parallel_size": 1,
-            "decode_context_parallel_size": 1,
-            "data_parallel_rank": self.rank,
-            "max_num_seqs": c.max_num_seqs,
-            "max_num_batched_tokens": c.max_num_batched_tokens,
-            "instance_id": f"gmock-{socket.gethostname()}-{os.getpid()}-{self.rank}",
-            # vLLM: supports_lora = lora_config is not None, max_loras 0 without it (core.py)
-            "supports_lora": c.enable_lora,
-            "max_loras": c.max_loras if c.enable_lora else 0,
-            "mamba_block_size": None,
-            "kv_cache_size_tokens": c.num_gpu_blocks * c.block_size,
-            "kv_cache_max_concurrency": None,
-            "kv_events_config": self.kv_events.config.ready_map() if self.kv_events is not None else None,
-            "weight_transfer_backend": None,
-            "enable_sleep_mode": False,
-            "supports_draft_weight_updates": False,
-            "effective_attention_block_size": c.block_size,
-            "coord_store_port": 0,
-            "coordinator_input_address": init.coordinator_input,
-            "coordinator_output_address": init.coordinator_output,
-        }
-        return protocol.ready_response(values, self.wire.layout)
+        instance_id = f"gmock-{socket.gethostname()}-{os.getpid()}-{self.rank}"
+        kv_events_config = self.kv_events.config.ready_map() if self.kv_events is not None else None
+        return engine_ready_response(self.config, init, self.wire.layout, self.rank, instance_id, kv_events_config)
 
     def ready_message(self, init: InitMessage) -> Dict[str, Any]:
-        return protocol.ready_message(
-            num_gpu_blocks=self.config.num_gpu_blocks,
-            dp_stats_address=init.frontend_stats_publish_address,
-            parallel_config_hash=self.config.parallel_config_hash,
-        )
+        return engine_ready_message(self.config, init)
 
     def engine_settings(
         self, c: Any, num_clients: int, has_coordinator: bool, token_source: Optional[tokens.TokenSource] = None
@@ -226,11 +193,11 @@ class EngineRunner:
         reader = transport.Reader(self.links, self.wire, self.incidents, self.throttle)
         for index, sock in enumerate(self.sockets.inputs):
             name = f"engine-{self.rank}-reader-{index}"
-            self.readers.append(spawn(name, reader.run, sock, f"input[{index}]", protocol.decode_input))
+            self.readers.append(spawn(name, reader.run, sock, f"input[{index}]", decode_input))
         if self.sockets.coordinator_input is not None:
             name = f"engine-{self.rank}-coordinator-reader"
             self.readers.append(
-                spawn(name, reader.run, self.sockets.coordinator_input, "coordinator_input", protocol.decode_coordinator)
+                spawn(name, reader.run, self.sockets.coordinator_input, "coordinator_input", decode_coordinator)
             )
         self.stepper = spawn(f"engine-{self.rank}-stepper", self._stepper)
         sender = transport.Sender(self.links, self.sockets, self.wire, self.incidents, self.throttle)
@@ -484,7 +451,7 @@ class EngineRunner:
             # outputs' lists in the next step (EngineSettings.reuse_outputs).
             data = encode(message)
             if data is None:
-                continue  # it carried only requests the sender cut (protocol.salvage)
+                continue  # it carried only requests the sender cut (wire.outputs.salvage)
             item = (client, data)
             # the sender idle and nothing queued: sent from here, at once
             # (transport.Sender.send_now); else queued, in order

@@ -33,12 +33,13 @@ import sys
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-from . import protocol
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
 from .latency import LatencyModel
 from .lora import AdapterRegistry, LoRAError
-from .protocol import EngineCoreEventType, FinishReason
+from .wire.eras import Wire
+from .wire.outputs import engine_core_event, request_error, scheduler_stats
+from .wire.types import EngineCoreEventType, FinishReason
 from .request import FINISHED_STATUS, Request, RequestStatus
 from .request_queue import create_request_queue
 from .sched_output import SchedulerOutput
@@ -79,7 +80,7 @@ class Scheduler:
         sampler: "Sampler",
         latency: LatencyModel,
         rng: random.Random,
-        wire: protocol.Wire,
+        wire: Wire,
         chunk: int,
         max_num_seqs: Optional[int],
         max_num_batched_tokens: Optional[int],
@@ -377,7 +378,7 @@ class Scheduler:
             waiting.pop_request()
             request.scheduled_at = now
             events = request.pending_events or []
-            events.append(protocol.engine_core_event(_SCHEDULED, now))
+            events.append(engine_core_event(_SCHEDULED, now))
             request.pending_events = events
             self.running[request.request_id] = request
             request.status = _RUNNING
@@ -424,7 +425,7 @@ class Scheduler:
         raises (and its engine dies), this request ends with ERROR and
         vLLM's message; the engine goes on."""
         request.status = RequestStatus.FINISHED_ERROR
-        rejected.append((request, protocol.request_error("lora_load_failed", message)))
+        rejected.append((request, request_error("lora_load_failed", message)))
         self._on_reject(request)
 
     def lora_adapters(self) -> "tuple[Dict[str, int], Dict[str, int]]":
@@ -444,7 +445,7 @@ class Scheduler:
     def _reject_too_long(self, request: Request, rejected: List[Any]) -> None:
         """A request whose KV can never fit: ERROR now, not a queue that never moves."""
         request.status = RequestStatus.FINISHED_IGNORED
-        error = protocol.request_error("kv_cache_too_small", f"needs more than the engine's {self.kv.num_blocks} KV blocks")
+        error = request_error("kv_cache_too_small", f"needs more than the engine's {self.kv.num_blocks} KV blocks")
         rejected.append((request, error))
         self._on_reject(request)
 
@@ -510,7 +511,7 @@ class Scheduler:
         self._release(request)
         # Events not sent yet (QUEUED, SCHEDULED of a request preempted before
         # its first token) stay: they all ride on its next output, as in vLLM.
-        request.pending_events = (request.pending_events or []) + [protocol.engine_core_event(EngineCoreEventType.PREEMPTED, now)]
+        request.pending_events = (request.pending_events or []) + [engine_core_event(EngineCoreEventType.PREEMPTED, now)]
         self.waiting.prepend_request(request)
         request.status = _PREEMPTED
         self.counters["preemptions"] += 1
@@ -525,7 +526,7 @@ class Scheduler:
     def scheduler_stats(self, prefix_cache_stats: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """The engine's SchedulerStats now (§7.1)."""
         waiting_loras, running_loras = self.lora_adapters()
-        return protocol.scheduler_stats(
+        return scheduler_stats(
             waiting_lora_adapters=waiting_loras,
             running_lora_adapters=running_loras,
             prefix_cache_stats=prefix_cache_stats,

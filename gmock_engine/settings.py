@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-from . import kv_transfer, lengths, protocol, tokens
+from . import kv_transfer, lengths, tokens
+from .wire.eras import Wire
 from .engine import EngineSettings
 from .faults import FaultSpec
 from .latency import LatencyModel
@@ -173,7 +174,7 @@ def engine_settings(
     rank: int,
     num_clients: int,
     has_coordinator: bool,
-    wire: protocol.Wire,
+    wire: Wire,
     token_source: Optional[tokens.TokenSource] = None,
 ) -> EngineSettings:
     """One engine's EngineSettings from the parts; `token_source` given: that

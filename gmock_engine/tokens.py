@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 from typing import AbstractSet, Any, List, Optional, Sequence, Tuple, Union
 
-from .protocol import TOKEN_ID_LIMIT
+from .wire.types import TOKEN_ID_LIMIT
 
 _MASK64 = (1 << 64) - 1
 _LCG_MUL = 6364136223846793005

@@ -37,10 +37,12 @@ import zmq.green as zmq
 from loguru import logger
 from zmq.backend import Socket as _BackendSocket
 
-from . import protocol
+from .wire.eras import Wire
+from .wire.handshake import decode_init, hello_message, InitMessage
+from .wire.outputs import pack, salvage, without_requests, Packer
+from .wire.types import COORDINATOR_READY, ENGINE_CORE_DEAD, SUBSCRIBE_ALL, engine_identity, ProtocolError
 from .links import StageLinks
 from .logs import Throttle
-from .protocol import InitMessage, ProtocolError
 
 #: How often a wait for the frontend logs that it is still waiting.
 WAIT_LOG_INTERVAL_S = 10.0
@@ -197,7 +199,7 @@ class EngineSockets:
         blocking: a socket at its high-water mark is named in the log."""
         for index, sock in enumerate(self.outputs):
             try:
-                sock.send(protocol.ENGINE_CORE_DEAD, zmq.NOBLOCK)
+                sock.send(ENGINE_CORE_DEAD, zmq.NOBLOCK)
             except zmq.Again:
                 log.warning("ENGINE_CORE_DEAD not sent on output[{}]: the frontend is not reading (high-water mark)", index)
 
@@ -227,19 +229,19 @@ def join_frontend(
     ProtocolError if INIT is malformed (the frontend would not work anyway).
     """
     log = logger.bind(engine=rank)
-    identity = protocol.engine_identity(rank)
+    identity = engine_identity(rank)
     handshake = ctx.socket(zmq.DEALER)
     handshake.setsockopt(zmq.IDENTITY, identity)
     handshake.setsockopt(zmq.LINGER, 0)
     handshake.connect(handshake_address)
     sockets = EngineSockets(rank, handshake)
     try:
-        handshake.send(protocol.pack(protocol.hello_message()))
+        handshake.send(pack(hello_message()))
         log.debug("HELLO sent to {}", handshake_address)
-        init = protocol.decode_init(recv_waiting(handshake, "INIT", log))
+        init = decode_init(recv_waiting(handshake, "INIT", log))
         log.debug("INIT {}", init)
 
-        registration = protocol.pack(ready_response(init))
+        registration = pack(ready_response(init))
         for address in init.inputs:
             dealer = ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.IDENTITY, identity)
@@ -259,19 +261,19 @@ def join_frontend(
             sub = ctx.socket(zmq.XSUB)
             sub.setsockopt(zmq.LINGER, 0)
             sub.connect(init.coordinator_input)
-            sub.send(protocol.SUBSCRIBE_ALL)
+            sub.send(SUBSCRIBE_ALL)
             push = ctx.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 0)
             push.connect(init.coordinator_output)
             sockets.coordinator_input, sockets.coordinator_output = sub, push
             while True:
                 frames = recv_waiting(sub, "the coordinator's READY", log)
-                if frames == [protocol.COORDINATOR_READY]:
+                if frames == [COORDINATOR_READY]:
                     break
                 log.warning("coordinator sent {} frame(s) before READY; ignored", len(frames))
             log.debug("coordinator READY received")
 
-        handshake.send(protocol.pack(ready_message(init)))
+        handshake.send(pack(ready_message(init)))
         handshake.close(linger=HANDSHAKE_LINGER_MS)
         sockets.handshake = None
         log.info(
@@ -308,7 +310,7 @@ class Reader:
     the only greenlet that receives on its socket (STYLE: one waiter per
     socket direction)."""
 
-    def __init__(self, links: StageLinks, wire: protocol.Wire, incidents: Incidents, throttle: Throttle) -> None:
+    def __init__(self, links: StageLinks, wire: Wire, incidents: Incidents, throttle: Throttle) -> None:
         #: To the stepper: `deliver`, `wake`; the gate a hang closes
         #: (--fault-hang: the socket is not read): `input_open`; `paced`.
         self.links = links
@@ -316,9 +318,9 @@ class Reader:
         self.incidents = incidents
         self.throttle = throttle
 
-    def run(self, sock: Any, where: str, decode: Callable[[Any, protocol.Wire], Any]) -> None:
+    def run(self, sock: Any, where: str, decode: Callable[[Any, Wire], Any]) -> None:
         """One socket -> decoded messages -> input queue. `decode` is
-        protocol.decode_input for an input DEALER, protocol.decode_coordinator
+        wire.inputs.decode_input for an input DEALER, wire.inputs.decode_coordinator
         for the coordinator XSUB (which answers None for a late READY, §2.6).
         A frame that cannot be decoded is dropped; only the socket failing
         ends this loop."""
@@ -328,7 +330,7 @@ class Reader:
         finally:
             waiter.close()
 
-    def _loop(self, sock: Any, where: str, decode: Callable[[Any, protocol.Wire], Any], wait: Callable[[], None]) -> None:
+    def _loop(self, sock: Any, where: str, decode: Callable[[Any, Wire], Any], wait: Callable[[], None]) -> None:
         wire, links = self.wire, self.links
         deliver, wake, input_open = links.deliver, links.wake, links.input_open
         burst = 0  # messages read since this loop last gave the hub a round
@@ -382,7 +384,7 @@ class Sender:
     """The output side of one engine: `run` is the one place a message
     leaves, the only greenlet that sends on the engine's output sockets."""
 
-    def __init__(self, links: StageLinks, sockets: EngineSockets, wire: protocol.Wire, incidents: Incidents, throttle: Throttle) -> None:
+    def __init__(self, links: StageLinks, sockets: EngineSockets, wire: Wire, incidents: Incidents, throttle: Throttle) -> None:
         # Position = client index (§2.4); index -1 = coordinator_output (§4.1,
         # §6.2), which is None without a coordinator and then never addressed.
         self.outputs = [*sockets.outputs, sockets.coordinator_output]
@@ -392,12 +394,12 @@ class Sender:
         self.wire = wire
         self.incidents = incidents
         self.throttle = throttle
-        #: Request ids this sender ended with ERROR (see protocol.salvage).
+        #: Request ids this sender ended with ERROR (see wire.outputs.salvage).
         self.cut: set = set()
         #: True while `run` waits for the output queue (it holds no message):
         #: then `send_now` may send in its place.
         self.idle = False
-        self._pack = protocol.Packer().pack
+        self._pack = Packer().pack
 
     def run(self) -> None:
         """Pack each queued (client_index, message) and PUSH it to
@@ -405,7 +407,7 @@ class Sender:
         socket, §6.2), until STOP.
 
         A message that does not pack never stops it: its requests are
-        answered with ERROR instead (protocol.salvage) and their later
+        answered with ERROR instead (wire.outputs.salvage) and their later
         outputs held back; only a socket failing ends this loop."""
         outputs = self.outputs
         pack = self._pack
@@ -464,7 +466,7 @@ class Sender:
     def _encode(self, message: List[Any], pack: Callable[[Any], bytes], cut: set) -> Optional[bytes]:
         """The bytes of a message, None for nothing to send."""
         if cut:
-            message = protocol.without_requests(message, cut)
+            message = without_requests(message, cut)
             if message is None:
                 return None
         try:
@@ -474,7 +476,7 @@ class Sender:
 
     def _salvage(self, message: List[Any], exc: Exception, pack: Callable[[Any], bytes]) -> Optional[bytes]:
         reason = f"{type(exc).__name__}: {str(exc):.120}"
-        data, failed = protocol.salvage(message, pack, self.wire.layout, reason)
+        data, failed = salvage(message, pack, self.wire.layout, reason)
         self.incidents.contained_failures += 1
         self.throttle.warning(
             "unencodable output", "a message could not be encoded ({}); {} request(s) answered with ERROR instead", reason, len(failed)

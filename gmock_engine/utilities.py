@@ -12,15 +12,16 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import protocol
 from .kv_cache_manager import KVCacheManager
 from .ledger import Ledger
 from .logs import Throttle, short
 from .lora import AdapterRegistry, LoRAError, decode_lora_request
 from .outbox import Outbound
-from .protocol import BadValue, UtilityCall
-from .request import cut
+from .wire.checks import cut
 from .scheduler import PauseState, Scheduler
+from .wire.inputs import UtilityCall
+from .wire.outputs import utility_reply
+from .wire.types import BadValue
 
 PAUSE_MODES = ("abort", "wait", "keep")
 
@@ -89,7 +90,7 @@ class Utilities:
             return [self.reply(call, failure=f"{call.method}: bad arguments {cut(call.args)}: {type(exc).__name__}: {str(exc):.200}")]
 
     def reply(self, call: UtilityCall, result: Any = None, failure: Optional[str] = None) -> Outbound:
-        return (call.client_index, protocol.utility_reply(self.rank, call.call_id, self.clock(), result, failure))
+        return (call.client_index, utility_reply(self.rank, call.call_id, self.clock(), result, failure))
 
     # -- pause and sleep ---------------------------------------------------------------
 
@@ -121,7 +122,7 @@ class Utilities:
         """Answer the pause-mode-wait calls once nothing runs any more."""
         if self._replies_when_drained and not self.scheduler.running:
             for client, call_id in self._replies_when_drained:
-                out.append((client, protocol.utility_reply(self.rank, call_id, self.clock())))
+                out.append((client, utility_reply(self.rank, call_id, self.clock())))
             self._replies_when_drained.clear()
 
 

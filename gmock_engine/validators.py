@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, Sequence, Tuple
 
-from . import protocol
+from .wire.eras import AUTO, layout_for_version
 from .faults import parse_spec
 
 _TCP_RE = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.*-]+):(\d{1,5})$")
@@ -197,10 +197,10 @@ kv_transfer_config.__name__ = "JSON"
 def protocol_version(text: str) -> str:
     """`auto`, or a vLLM version that has a wire layout (kept as given)."""
     value = text.strip().lower()
-    if value == protocol.AUTO:
+    if value == AUTO:
         return value
     try:
-        protocol.layout_for_version(value)
+        layout_for_version(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{exc}; or auto") from None
     return value

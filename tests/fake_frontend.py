@@ -279,7 +279,7 @@ _ERA_DEFAULTS = {"resumable": False, "abort_immediately": False, "client_index":
 
 def era_request(layout: Any, request_id: str = "r", prompt: Sequence[int] = (1, 2, 3),
                 sampling: Optional[Dict[str, Any]] = None, **fields: Any) -> List[Any]:
-    """A full EngineCoreRequest array in `layout` (a protocol.WireLayout), as
+    """A full EngineCoreRequest array in `layout` (a wire.eras.WireLayout), as
     that era's Python frontend sends it (PROTOCOL.md §8.1): its fields by name,
     sampling {"max_tokens": 4} unless given, arrival now, nil for the rest."""
     values = {**_ERA_DEFAULTS, "request_id": request_id, "prompt_token_ids": list(prompt),

@@ -496,7 +496,7 @@ def gmock_stats(frontend, rank):
 
 
 def test_sighup_rereads_the_config_file_through_run_sh(tmp_path):
-    from gmock_engine.protocol import FinishReason
+    from gmock_engine.wire.types import FinishReason
 
     path = tmp_path / "live.ini"
     path.write_text("[gmock_engine]\nitl-ms = 0\nttft-ms = 0\n")

@@ -40,10 +40,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import msgpack
 
-from gmock_engine import protocol
-from gmock_engine.protocol import WireLayout
+from gmock_engine.wire.eras import DEFAULT_PROTOCOL_VERSION, WIRE_LAYOUTS, WireLayout
 
-DEFAULT_LAYOUT = protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION]
+DEFAULT_LAYOUT = WIRE_LAYOUTS[DEFAULT_PROTOCOL_VERSION]
 
 U8_MAX = 2**8 - 1
 U32_MAX = 2**32 - 1

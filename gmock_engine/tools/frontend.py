@@ -3,7 +3,7 @@ an engine (PROTOCOL.md §3).
 
 The one encoder for everything here that plays the frontend: the bench
 driver (tools/bench.py) and the tests' fake frontend (tests/fake_frontend.py).
-It is written from PROTOCOL.md, not from gmock_engine/protocol.py, so that
+It is written from PROTOCOL.md, not from gmock_engine/wire/, so that
 the engine's decoder is tested against a second reading of the protocol, not
 against itself. No sockets: the frame functions return what follows the
 engine's identity frame on the frontend's input ROUTER (§3.1).

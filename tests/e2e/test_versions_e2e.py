@@ -92,7 +92,7 @@ def _skip_scenario(request):
 
 
 #: The engine's lines on the layout: what it detected from the frontend's first
-#: ADD, and a later ADD of another era's shape (protocol.Wire).
+#: ADD, and a later ADD of another era's shape (wire.eras.Wire).
 RE_DETECTED = re.compile(r"protocol: the frontend speaks vLLM (\S+), detected .*")
 RE_MISMATCH = re.compile(r"protocol: an ADD of .*")
 

@@ -6,7 +6,7 @@ For each version with a golden file (tests/golden/vllm-<version>.json,
 0.32 venv's interpreter; one process for all versions that imports torch and
 the rest once and forks a child per version, which imports its `vllm`):
 * the real `MsgpackDecoder(EngineCoreOutputs)` decodes the frames **our**
-  encoder makes for `protocol.layout_for_version(version)`: a running token
+  encoder makes for `wire.eras.layout_for_version(version)`: a running token
   output, LENGTH, STOP with stop_reason, ERROR (before 0.13 what the layout
   sends instead, which must be a reason the era knows and not a success),
   a first output with events and prefill accounting (prefill_stats 0.20+,
@@ -37,8 +37,11 @@ from typing import Any, Dict, List
 
 import pytest
 
-from gmock_engine import protocol
 from gmock_engine.tools.frontends import frontends_home
+from gmock_engine.wire.eras import WireLayout, layout_for_version
+from gmock_engine.wire.inputs import decode_input
+from gmock_engine.wire.outputs import pack
+from gmock_engine.wire.types import EngineCoreRequestType
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 sys.path.insert(0, str(GOLDEN))
@@ -61,20 +64,20 @@ def _env() -> Dict[str, str]:
     return env
 
 
-def _our_messages(layout: "protocol.WireLayout") -> List[Dict[str, Any]]:
+def _our_messages(layout: "WireLayout") -> List[Dict[str, Any]]:
     """Our frames for every logical output of the generator, ERROR included
     for eras that lack it (the layout substitutes, §4.4)."""
     messages = []
     for logical in generate.OUTPUTS:
         message = golden.our_outputs(logical, layout)
-        messages.append({"name": logical["name"], "logical": logical, "frames": [protocol.pack(message).hex()]})
+        messages.append({"name": logical["name"], "logical": logical, "frames": [pack(message).hex()]})
     return messages
 
 
 def _run_versions(python: Path, prepared: Dict[str, Path], trees: Path) -> Dict[str, Dict[str, Any]]:
     """Every version's report from one wire_era_check.py --versions process
     (torch and the rest imported once, a forked child per version)."""
-    layouts = {version: protocol.layout_for_version(version) for version in prepared}
+    layouts = {version: layout_for_version(version) for version in prepared}
     messages = {version: _our_messages(layout) for version, layout in layouts.items()}
     task = {"jobs": JOBS, "versions": [
         {"version": version, "tree": str(tree), "outputs": [{"name": m["name"], "frames": m["frames"]} for m in messages[version]]}
@@ -214,7 +217,7 @@ def test_our_decoder_reads_the_real_adds(reports, version):
     report = _report(reports, version)
     problems = []
     for add in report["adds"]:
-        frames = [protocol.EngineCoreRequestType.ADD.value] + [bytes.fromhex(f) for f in add["frames"]]
-        request = protocol.decode_input(frames, report["layout"])
+        frames = [EngineCoreRequestType.ADD.value] + [bytes.fromhex(f) for f in add["frames"]]
+        request = decode_input(frames, report["layout"])
         problems += [f"{add['name']}: {p}" for p in golden.request_problems(request, add["logical"], report["default_max_tokens"])]
     assert not problems, f"vLLM {version} (era {report['layout'].version}):\n  " + "\n  ".join(problems)

@@ -24,11 +24,12 @@ import msgpack
 import pytest
 
 import wire_rules
-from gmock_engine import protocol
 from gmock_engine.engine import EngineCore, EngineSettings
-from gmock_engine.protocol import AbortRequests, EngineCoreRequest, ProtocolError, UtilityCall
+from gmock_engine.wire.eras import DEFAULT_PROTOCOL_VERSION, WIRE_LAYOUTS
+from gmock_engine.wire.inputs import AbortRequests, EngineCoreRequest, UtilityCall, decode_input
+from gmock_engine.wire.types import ProtocolError
 
-LAYOUT = protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION]
+LAYOUT = WIRE_LAYOUTS[DEFAULT_PROTOCOL_VERSION]
 DATA = os.path.join(os.path.dirname(__file__), "..", "data", "frames.json")
 with open(DATA) as _f:
     REAL = [
@@ -139,7 +140,7 @@ def test_decoder_and_engine_survive_100k_fuzzed_frames():
     for i in range(100_000):
         frames = frames_for(rng)
         try:
-            message = protocol.decode_input(frames, LAYOUT)
+            message = decode_input(frames, LAYOUT)
         except ProtocolError:
             outcomes["rejected"] += 1
             continue
@@ -174,7 +175,7 @@ def test_nothing_is_ever_unpickled(monkeypatch):
     monkeypatch.setattr(pickle, "loads", forbidden)
     payload = msgpack.packb(["r", [1], None, {"max_tokens": msgpack.ExtType(1, pickle.dumps(object))}, None])
     with pytest.raises(ProtocolError, match="pickle"):
-        protocol.decode_input([b"\x00", payload], LAYOUT)
+        decode_input([b"\x00", payload], LAYOUT)
 
 
 def test_a_running_engine_survives_a_flood_of_fuzzed_frames():

@@ -19,7 +19,7 @@ Kwargs are built from each class's ``__struct_fields__`` (and a dataclass's
 fields), so one script serves every version from 0.11 on; a value for a
 field the version lacks is simply not passed. The logical values are the
 only inputs: tests/unit/test_golden_frames.py rebuilds the same content with
-gmock_engine.protocol and compares.
+gmock_engine.wire and compares.
 """
 
 from __future__ import annotations

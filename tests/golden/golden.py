@@ -3,7 +3,7 @@
 tests/golden/vllm-<version>.json (written by generate.py with each vLLM
 version's own classes) holds frames and the logical values they were built
 from. `our_outputs` rebuilds the same logical content with
-gmock_engine.protocol for a layout; `differences` compares two unpacked
+gmock_engine.wire for a layout; `differences` compares two unpacked
 messages and names each index that differs. Used by
 tests/unit/test_golden_frames.py (against the stored frames) and by
 tests/e2e/test_wire_eras.py (which has the real decoders read our frames).
@@ -18,7 +18,10 @@ import struct
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from gmock_engine import protocol
+from gmock_engine.wire.eras import WireLayout
+from gmock_engine.wire.inputs import EngineCoreRequest, unpack
+from gmock_engine.wire.outputs import RAW_VIEW_EXT, engine_core_event, engine_core_output, engine_core_outputs, logprobs_lists, pack, prefill_stats, scheduler_stats
+from gmock_engine.wire.types import EngineCoreEventType, FinishReason
 
 GOLDEN_DIR = Path(__file__).resolve().parent
 
@@ -37,8 +40,8 @@ def load(path: Path) -> Dict[str, Any]:
     """One golden file, with `unpacked` added to each frame and default."""
     document = json.loads(path.read_text())
     for item in document["requests"] + document["outputs"]:
-        item["unpacked"] = protocol.unpack(bytes.fromhex(item["frame"]))
-    document["default_values"] = {k: protocol.unpack(bytes.fromhex(v)) for k, v in document["defaults"].items()}
+        item["unpacked"] = unpack(bytes.fromhex(item["frame"]))
+    document["default_values"] = {k: unpack(bytes.fromhex(v)) for k, v in document["defaults"].items()}
     return document
 
 
@@ -65,7 +68,7 @@ def expected_request(logical: Dict[str, Any], default_max_tokens: int) -> Dict[s
 def request_problems(request: Any, logical: Dict[str, Any], default_max_tokens: int) -> List[str]:
     """How a decoded request differs from `expected_request`, one line per
     attribute; every stopping id must also be in all_stop_token_ids."""
-    if not isinstance(request, protocol.EngineCoreRequest):
+    if not isinstance(request, EngineCoreRequest):
         return [f"decoded to {request!r}"]
     expected = expected_request(logical, default_max_tokens)
     problems = []
@@ -86,58 +89,58 @@ def request_problems(request: Any, logical: Dict[str, Any], default_max_tokens: 
 # --------------------------------------------------------------------------
 
 
-def finish_reason(name: str) -> protocol.FinishReason:
+def finish_reason(name: str) -> FinishReason:
     """Our FinishReason of that name (the engine's reason; the layout
     decides what goes on the wire, `WireLayout.wire_finish_reason`)."""
-    return protocol.FinishReason[name]
+    return FinishReason[name]
 
 
-def _logprobs(values: Dict[str, Any], layout: protocol.WireLayout, tensors: bool) -> List[Any]:
+def _logprobs(values: Dict[str, Any], layout: WireLayout, tensors: bool) -> List[Any]:
     # The engine hands logprobs_lists little-endian buffers: ids int32,
     # logprobs float32, ranks int64 (its docstring, Appendix E).
     ids = [t for row in values["token_ids"] for t in row]
     lps = [x for row in values["logprobs"] for x in row]
     rows, columns = len(values["ranks"]), len(values["token_ids"][0])
-    return protocol.logprobs_lists(
+    return logprobs_lists(
         rows, columns,
         struct.pack(f"<{len(ids)}i", *ids), struct.pack(f"<{len(lps)}f", *lps), struct.pack(f"<{rows}q", *values["ranks"]),
         layout=layout, tensors=tensors,
     )
 
 
-def our_output(spec: Dict[str, Any], layout: protocol.WireLayout) -> List[Any]:
-    """protocol.engine_core_output for one logical EngineCoreOutput."""
+def our_output(spec: Dict[str, Any], layout: WireLayout) -> List[Any]:
+    """wire.outputs.engine_core_output for one logical EngineCoreOutput."""
     kwargs: Dict[str, Any] = {"layout": layout}
     if spec.get("finish_reason"):
         kwargs["finish_reason"] = finish_reason(spec["finish_reason"])
     if spec.get("stop_reason") is not None:
         kwargs["stop_reason"] = spec["stop_reason"]
     if spec.get("events"):
-        kwargs["events"] = [protocol.engine_core_event(protocol.EngineCoreEventType(t), ts) for t, ts in spec["events"]]
+        kwargs["events"] = [engine_core_event(EngineCoreEventType(t), ts) for t, ts in spec["events"]]
     if spec.get("prefill"):
-        kwargs["prefill_stats"] = protocol.prefill_stats(spec["prefill"]["num_prompt_tokens"], spec["prefill"]["num_cached_tokens"])
+        kwargs["prefill_stats"] = prefill_stats(spec["prefill"]["num_prompt_tokens"], spec["prefill"]["num_cached_tokens"])
     if spec.get("new_logprobs"):
         kwargs["new_logprobs"] = _logprobs(spec["new_logprobs"], layout, tensors=False)
     if spec.get("new_prompt_logprobs_tensors"):
         kwargs["new_prompt_logprobs_tensors"] = _logprobs(spec["new_prompt_logprobs_tensors"], layout, tensors=True)
-    return protocol.engine_core_output(spec["request_id"], list(spec["new_token_ids"]), **kwargs)
+    return engine_core_output(spec["request_id"], list(spec["new_token_ids"]), **kwargs)
 
 
-def our_outputs(logical: Dict[str, Any], layout: protocol.WireLayout) -> List[Any]:
-    """protocol.engine_core_outputs for one logical EngineCoreOutputs,
+def our_outputs(logical: Dict[str, Any], layout: WireLayout) -> List[Any]:
+    """wire.outputs.engine_core_outputs for one logical EngineCoreOutputs,
     packed and unpacked again (the comparison is of wire values)."""
     stats = None
     if logical.get("scheduler_stats"):
         s = logical["scheduler_stats"]
-        stats = protocol.scheduler_stats(s["num_running_reqs"], s["num_waiting_reqs"], s["kv_cache_usage"], s["step_counter"], s["current_wave"])
-    message = protocol.engine_core_outputs(
+        stats = scheduler_stats(s["num_running_reqs"], s["num_waiting_reqs"], s["kv_cache_usage"], s["step_counter"], s["current_wave"])
+    message = engine_core_outputs(
         logical["engine_index"],
         [our_output(o, layout) for o in logical["outputs"]],
         logical["timestamp"],
         finished_requests=logical.get("finished_requests"),
         scheduler_stats=stats,
     )
-    return protocol.unpack(protocol.pack(message))
+    return unpack(pack(message))
 
 
 # --------------------------------------------------------------------------
@@ -154,7 +157,7 @@ def _array_triple(value: Any) -> Optional[tuple]:
     if not (isinstance(value, list) and len(value) == 3 and isinstance(value[0], str) and value[0] in _DTYPES):
         return None
     data = value[2]
-    if not (hasattr(data, "code") and data.code == protocol.RAW_VIEW_EXT and isinstance(value[1], list)):
+    if not (hasattr(data, "code") and data.code == RAW_VIEW_EXT and isinstance(value[1], list)):
         return None
     code = _DTYPES[value[0]]
     count = len(data.data) // struct.calcsize(code)

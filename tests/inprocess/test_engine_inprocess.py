@@ -13,8 +13,8 @@ import pytest
 
 from fake_frontend import Collected, FakeFrontend
 from gmock_engine.config import parse_config
-from gmock_engine import protocol
-from gmock_engine.protocol import FinishReason
+from gmock_engine.wire.eras import WIRE_LAYOUTS
+from gmock_engine.wire.types import FinishReason
 from gmock_engine.app import App
 from gmock_engine.tools import frontend as frontend_tools
 
@@ -128,7 +128,7 @@ def test_bad_frames_are_dropped_and_the_engine_keeps_serving(dp4):
     collected = frontend.collect(["after-bad", "r"])
     assert len(collected.tokens("after-bad")) == 3
     assert collected.terminal["r"] == FinishReason.ERROR and "r" in collected.finished_requests
-    error = collected.outputs["r"][-1][protocol.WIRE_LAYOUTS["0.33"].output_position("error")]
+    error = collected.outputs["r"][-1][WIRE_LAYOUTS["0.33"].output_position("error")]
     assert error["code"] == "validation_error" and "prompt_token_ids is str" in error["message"]
     assert app.counters()[1]["bad_frames"] == len(bad)
 
@@ -298,7 +298,7 @@ def test_an_input_that_makes_the_engine_fail_is_answered_and_contained(monkeypat
         frontend.add(0, "after", max_tokens=4)
         collected = frontend.collect(["trigger", "after"])
         assert collected.terminal["trigger"] == FinishReason.ERROR and "trigger" in collected.finished_requests
-        error = collected.outputs["trigger"][-1][protocol.WIRE_LAYOUTS["0.33"].output_position("error")]
+        error = collected.outputs["trigger"][-1][WIRE_LAYOUTS["0.33"].output_position("error")]
         assert error["code"] == "internal_error" and "boom in add_request" in error["message"]
         assert len(collected.tokens("after")) == 4
         counts = app.counters()[0]

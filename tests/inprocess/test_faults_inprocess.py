@@ -13,11 +13,12 @@ import pytest
 
 from engine_steps import run, tokens_of
 from fake_frontend import Collected, FakeFrontend, engine_core_request
-from gmock_engine import protocol
 from gmock_engine.engine import MOCK_FAILURE_MESSAGE, EngineCore
 from gmock_engine.faults import UTILITY_FAILURE_MESSAGE
-from gmock_engine.protocol import WIRE_LAYOUTS, FinishReason
 from gmock_engine.tools.frontend import add_frames
+from gmock_engine.wire.eras import WIRE_LAYOUTS
+from gmock_engine.wire.inputs import decode_input
+from gmock_engine.wire.types import FinishReason
 
 from test_engine_inprocess import serving, start_app
 
@@ -167,7 +168,7 @@ def test_outputs_queued_behind_a_stall_carry_the_tokens_of_their_own_step(chunk)
         assert settings.reuse_outputs and app.counters()[0]["fault_stall_outputs"] == 1
     assert len(collected.messages) == 120 // chunk
     reference = EngineCore(dataclasses.replace(settings, reuse_outputs=False))
-    reference.apply(protocol.decode_input(add_frames(engine_core_request("long", sampling_params=dict(sampling))), reference.wire))
+    reference.apply(decode_input(add_frames(engine_core_request("long", sampling_params=dict(sampling))), reference.wire))
     expected = tokens_of(run(reference), "long")
     assert len(expected) == 120 and len(set(expected)) > 100
     assert collected.tokens("long") == expected

@@ -7,7 +7,9 @@ import gevent.event
 import zmq.green as zmq
 from loguru import logger
 
-from gmock_engine import protocol, transport
+from gmock_engine import transport
+from gmock_engine.wire.eras import DEFAULT_PROTOCOL_VERSION, WIRE_LAYOUTS, Wire
+from gmock_engine.wire.inputs import decode_input
 from gmock_engine.links import StageLinks
 from gmock_engine.logs import Throttle
 from gmock_engine.tools import frontend as frontend_tools
@@ -18,8 +20,8 @@ def _reader(put, paced: bool) -> transport.Reader:
     links = StageLinks()  # its gates open
     links.deliver = put
     links.paced = lambda: paced
-    layout = protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION]
-    return transport.Reader(links, protocol.Wire(layout), transport.Incidents(), Throttle(logger))
+    layout = WIRE_LAYOUTS[DEFAULT_PROTOCOL_VERSION]
+    return transport.Reader(links, Wire(layout), transport.Incidents(), Throttle(logger))
 
 
 def _burst_then_peek(paced: bool, count: int = 3 * transport.READ_SLICE + 5):
@@ -38,7 +40,7 @@ def _burst_then_peek(paced: bool, count: int = 3 * transport.READ_SLICE + 5):
         reader = _reader(queued.append, paced)
         gevent.sleep(0.05)  # every frame is in the receiver's pipe
         seen = []
-        loop = gevent.spawn(reader.run, receiver, "test", protocol.decode_input)
+        loop = gevent.spawn(reader.run, receiver, "test", decode_input)
         # another greenlet, run as soon as the reader yields (as a stepper
         # whose timer has fired would be)
         peek = gevent.spawn(lambda: seen.append(len(queued)))
@@ -81,7 +83,7 @@ def test_an_idle_reader_looks_again_only_at_the_safety_net(monkeypatch):
         receiver.bind("inproc://reader-idle")
         reader = _reader([].append, False)
         started = time.monotonic()
-        loop = gevent.spawn(reader.run, receiver, "test", protocol.decode_input)
+        loop = gevent.spawn(reader.run, receiver, "test", decode_input)
         gevent.sleep(0.75)
         loop.kill()
         elapsed = time.monotonic() - started
@@ -106,7 +108,7 @@ def test_every_message_wakes_a_parked_reader():
         sender.connect("inproc://reader-wakes")
         queued = []
         reader = _reader(queued.append, False)
-        loop = gevent.spawn(reader.run, receiver, "test", protocol.decode_input)
+        loop = gevent.spawn(reader.run, receiver, "test", decode_input)
         gevent.sleep(0.01)
         assert not receiver._state_event.active  # zmq.green's callback no longer runs per wake-up
         sent = 0

@@ -14,7 +14,8 @@ from loguru import logger
 
 from fake_frontend import Collected, FakeFrontend
 from gmock_engine.config import parse_config
-from gmock_engine.protocol import WIRE_LAYOUTS, FinishReason
+from gmock_engine.wire.eras import WIRE_LAYOUTS
+from gmock_engine.wire.types import FinishReason
 from gmock_engine.app import App
 from gmock_engine.tokens import RandomTokens
 

@@ -5,9 +5,10 @@ an explicit version wins; /metrics says which layout is in use."""
 from loguru import logger
 
 from fake_frontend import FakeFrontend, era_request
-from gmock_engine import metrics, protocol
-from gmock_engine.protocol import WIRE_LAYOUTS, FinishReason
+from gmock_engine import metrics
 from gmock_engine.tools.frontend import add_frames
+from gmock_engine.wire.eras import WIRE_LAYOUTS, layout_for_version
+from gmock_engine.wire.types import FinishReason
 from test_engine_inprocess import serving
 
 
@@ -53,4 +54,4 @@ def test_an_explicit_version_is_used_from_the_start_and_errors_end_as_its_era_kn
         # 0.11/0.12 have no ERROR: the request ends as ABORT, with no RequestError field
         assert collected.terminal["e"] == FinishReason.ABORT
         assert len(collected.outputs["e"][-1]) <= len(layout.output_fields)
-        assert app.wire.layout is protocol.layout_for_version("0.12")
+        assert app.wire.layout is layout_for_version("0.12")

@@ -3,7 +3,7 @@
 Each example draws engine settings and a stream of operations: ADD, ABORT,
 UTILITY and raw frames, built as the frontends build them (msgpack arrays,
 fake_frontend.engine_core_request) with adversarial values, plus decode steps
-on a fake clock. Every frame goes through `protocol.decode_input` exactly as
+on a fake clock. Every frame goes through `wire.inputs.decode_input` exactly as
 the runtime's reader does (a ProtocolError is the reader's job: the frame is
 dropped), then into `EngineCore.apply`; steps are taken when the engine says
 one is due (`next_step_time`, as the runtime's stepper). At the end every
@@ -66,19 +66,20 @@ from loguru import logger
 
 import wire_rules
 from fake_frontend import engine_core_request
-from gmock_engine import protocol
 from gmock_engine.engine import EngineCore, EngineSettings
 from gmock_engine.latency import LatencyModel
 from gmock_engine.lengths import OutputLengths
-from gmock_engine.protocol import EngineCoreEventType, FinishReason, ProtocolError
 from gmock_engine.tokens import EchoTokens, FileTokens, RandomTokens
+from gmock_engine.wire.eras import DEFAULT_PROTOCOL_VERSION, WIRE_LAYOUTS
+from gmock_engine.wire.inputs import EngineCoreRequest, InvalidRequest, UtilityCall, decode_input
+from gmock_engine.wire.types import EngineCoreEventType, EngineCoreRequestType, FinishReason, ProtocolError
 
-LAYOUT = protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION]
+LAYOUT = WIRE_LAYOUTS[DEFAULT_PROTOCOL_VERSION]
 #: Client index of the coordinator_output socket in the engine's (client, message) pairs (vLLM's too).
 COORDINATOR = -1
 #: Decoded ADDs: a request, or (newer decoders) an ADD with a bad value that
 #: the engine answers with an ERROR output for that request.
-ADD_TYPES = tuple(t for t in (protocol.EngineCoreRequest, getattr(protocol, "InvalidRequest", None)) if t is not None)
+ADD_TYPES = tuple(t for t in (EngineCoreRequest, InvalidRequest) if t is not None)
 MOCK_KEYS = ("mock_output_len", "mock_stop_token_id", "mock_finish", "mock_fail_after", "mock_ttft_ms")
 UTILITY_METHODS = (
     "sleep",
@@ -579,7 +580,7 @@ class Run:
 
     def frames(self, frames: List[bytes]) -> None:
         try:
-            message = protocol.decode_input(frames, LAYOUT)
+            message = decode_input(frames, LAYOUT)
         except ProtocolError:
             self.stats["rejected"] += 1  # the reader logs and drops it
             return
@@ -591,13 +592,13 @@ class Run:
         self.emit(self.engine.apply(message))
 
     def add_payload(self, payload: Any) -> None:
-        self.frames([protocol.EngineCoreRequestType.ADD.value, msgpack.packb(payload, use_bin_type=True)])
+        self.frames([EngineCoreRequestType.ADD.value, msgpack.packb(payload, use_bin_type=True)])
 
     def abort_payload(self, payload: Any) -> None:
-        self.frames([protocol.EngineCoreRequestType.ABORT.value, msgpack.packb(payload, use_bin_type=True)])
+        self.frames([EngineCoreRequestType.ABORT.value, msgpack.packb(payload, use_bin_type=True)])
 
     def utility_payload(self, payload: Any) -> None:
-        self.frames([protocol.EngineCoreRequestType.UTILITY.value, msgpack.packb(payload, use_bin_type=True)])
+        self.frames([EngineCoreRequestType.UTILITY.value, msgpack.packb(payload, use_bin_type=True)])
 
     # -- steps ---------------------------------------------------------------
 
@@ -691,7 +692,7 @@ class WireObserver(Observer):
         self.ambiguous: set = set()
 
     def input(self, run, message):
-        if isinstance(message, protocol.UtilityCall) and message.call_id not in self.ambiguous:
+        if isinstance(message, UtilityCall) and message.call_id not in self.ambiguous:
             if self.methods.setdefault(message.call_id, message.method) != message.method:
                 del self.methods[message.call_id]
                 self.ambiguous.add(message.call_id)
@@ -771,7 +772,7 @@ class LifecycleObserver(Observer):
         clients = run.settings.num_clients
         if isinstance(message, ADD_TYPES) and message.client_index < clients:
             self.open[message.request_id].append(message.client_index)
-        elif isinstance(message, protocol.UtilityCall) and message.client_index < clients:
+        elif isinstance(message, UtilityCall) and message.client_index < clients:
             self.calls[(message.client_index, message.call_id)] += 1
 
     def output(self, run, client, message):
@@ -835,7 +836,7 @@ class StopCoverObserver(Observer):
         self.checked = 0
 
     def input(self, run, message):
-        if not isinstance(message, protocol.EngineCoreRequest) or message.client_index >= run.settings.num_clients:
+        if not isinstance(message, EngineCoreRequest) or message.client_index >= run.settings.num_clients:
             return
         rid = message.request_id
         if rid in run.engine.active or rid in run.engine.waiting:

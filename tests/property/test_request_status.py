@@ -14,7 +14,8 @@ from typing import Dict, List
 from hypothesis import given, settings
 from test_engine_properties import ALL, Observer, examples, run_scenario, scenarios, violation
 
-from gmock_engine.protocol import EngineCoreEventType, FinishReason
+from gmock_engine.wire.inputs import EngineCoreRequest
+from gmock_engine.wire.types import EngineCoreEventType, FinishReason
 from gmock_engine.request import FINISHED_STATUS, Request, RequestStatus
 
 class StatusObserver(Observer):
@@ -107,8 +108,6 @@ def _consumer(**kw):
 
 
 def _decode_add(rid, **extra):
-    from gmock_engine.protocol import EngineCoreRequest
-
     params = {
         "do_remote_prefill": True,
         "do_remote_decode": False,

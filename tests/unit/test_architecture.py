@@ -8,7 +8,13 @@ import sys
 import pytest
 
 PURE = [
-    "protocol",
+    "wire",
+    "wire.types",
+    "wire.eras",
+    "wire.inputs",
+    "wire.handshake",
+    "wire.outputs",
+    "wire.checks",
     "engine",
     "request",
     "request_queue",

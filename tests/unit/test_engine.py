@@ -3,7 +3,9 @@
 import pytest
 
 from gmock_engine.engine import EngineCore, EngineSettings
-from gmock_engine.protocol import AbortRequests, EngineCoreRequest, FinishReason, StartDPWave, UtilityCall
+from gmock_engine.wire.inputs import AbortRequests, EngineCoreRequest, StartDPWave, UtilityCall
+from gmock_engine.wire.outputs import engine_core_output
+from gmock_engine.wire.types import FinishReason
 from engine_steps import TickClock, engine_with, outputs_of, run, tokens_of
 
 
@@ -356,10 +358,8 @@ def test_echo_source_through_the_engine():
 
 
 def test_running_outputs_have_the_protocol_shape():
-    from gmock_engine import protocol
-
     engine = make()
     engine.apply(add("shape", 4))
     outputs = outputs_of(run(engine), "shape")
     for output in outputs[1:-1]:
-        assert output == protocol.engine_core_output("shape", output[1])
+        assert output == engine_core_output("shape", output[1])

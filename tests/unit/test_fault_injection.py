@@ -9,11 +9,13 @@ import time
 import pytest
 from loguru import logger
 
-from gmock_engine import fault_injection, protocol
+from gmock_engine import fault_injection
 from gmock_engine.engine import COORDINATOR
 from gmock_engine.fault_injection import NO_OUTPUTS, FaultInjector, NoFaults
 from gmock_engine.faults import UTILITY_FAILURE_MESSAGE, parse_spec
-from gmock_engine.protocol import EngineCoreRequest, FinishReason, UtilityCall
+from gmock_engine.wire.inputs import EngineCoreRequest, UtilityCall
+from gmock_engine.wire.outputs import engine_core_output, engine_core_outputs, scheduler_stats
+from gmock_engine.wire.types import FinishReason
 
 
 class Hands:
@@ -53,7 +55,7 @@ def request(rid, max_tokens=10, **extra_args):
 
 
 def outputs(*outs, finished=None):
-    return protocol.engine_core_outputs(0, list(outs), 1.0, finished)
+    return engine_core_outputs(0, list(outs), 1.0, finished)
 
 
 def test_no_fault_for_a_rank_is_the_null_object_of_pass_throughs():
@@ -75,8 +77,8 @@ def test_a_wire_fault_marks_the_request_and_rewrites_only_its_end():
     assert layer.on_input(request("b")) == (request("b"), NO_OUTPUTS)
     running = [(0, outputs(["b", [1]]))]
     assert layer.on_outputs(running) == running  # not its end yet: passed as it is
-    stats = [(COORDINATOR, protocol.engine_core_outputs(0, [], 1.0, None, protocol.scheduler_stats(1, 0, 0.1, 5)))]
-    end = protocol.engine_core_output("b", [7], FinishReason.LENGTH)
+    stats = [(COORDINATOR, engine_core_outputs(0, [], 1.0, None, scheduler_stats(1, 0, 0.1, 5)))]
+    end = engine_core_output("b", [7], FinishReason.LENGTH)
     assert layer.on_outputs([(0, outputs(end, finished=["b"])), *stats]) == stats  # held back; the stats pass
     ((name, put_later, (delay, item)),) = hands.spawned
     assert name == "engine-0-late-finish" and delay == 1.5 and item == (0, outputs(end, finished=["b"]))

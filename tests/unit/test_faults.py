@@ -2,9 +2,9 @@
 
 import pytest
 
-from gmock_engine import protocol
 from gmock_engine.faults import KINDS, Faults, fail_after, parse_seconds, parse_spec, rewrite
-from gmock_engine.protocol import FinishReason
+from gmock_engine.wire.outputs import engine_core_output, engine_core_outputs, scheduler_stats
+from gmock_engine.wire.types import FinishReason
 
 
 @pytest.mark.parametrize(
@@ -117,11 +117,11 @@ def test_fail_after_is_half_the_tokens():
 
 
 def _message(outputs, finished, stats=None):
-    return protocol.engine_core_outputs(3, outputs, 12.5, finished, stats)
+    return engine_core_outputs(3, outputs, 12.5, finished, stats)
 
 
 def _terminal(rid):
-    return protocol.engine_core_output(rid, [7], FinishReason.LENGTH)
+    return engine_core_output(rid, [7], FinishReason.LENGTH)
 
 
 def test_rewrite_leaves_unmarked_messages_alone():
@@ -141,7 +141,7 @@ def test_rewrite_drop_finish():
     marked = {"b": parse_spec("drop-finish", "every=1")}
     assert rewrite(_message([_terminal("b")], ["b"]), marked) == ([], [])
     # scheduler stats keep the message alive
-    stats = protocol.scheduler_stats(1, 0, 0.1, 5)
+    stats = scheduler_stats(1, 0, 0.1, 5)
     marked = {"b": parse_spec("drop-finish", "every=1")}
     assert rewrite(_message([_terminal("b")], ["b"], stats), marked) == ([_message([], None, stats)], [])
 

@@ -1,8 +1,8 @@
-"""gmock_engine.protocol against golden frames made by each vLLM version's
+"""gmock_engine.wire against golden frames made by each vLLM version's
 own msgspec types (tests/golden/vllm-<version>.json, tests/golden/generate.py).
 
 For every version with a golden file:
-* its layout (`protocol.layout_for_version`) lists the fields that version's
+* its layout (`wire.eras.layout_for_version`) lists the fields that version's
   classes declare, in the same order, and knows the same FinishReasons (§8.1);
 * `decode_add` reads the real frontend's ADD frames (§3.2) back to the
   values they were built from;
@@ -20,7 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from gmock_engine import protocol
+from gmock_engine.wire.eras import WIRE_LAYOUTS, WireLayout, layout_for_version
+from gmock_engine.wire.inputs import EngineCoreRequest, decode_add
+from gmock_engine.wire.outputs import engine_core_output
+from gmock_engine.wire.types import FinishReason
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "golden"))
 
@@ -31,8 +34,8 @@ DOCUMENTS = {path.stem[len("vllm-"):]: golden.load(path) for path in FILES}
 VERSIONS = list(DOCUMENTS)
 
 
-def _layout(version: str) -> "protocol.WireLayout":
-    return protocol.layout_for_version(version)
+def _layout(version: str) -> WireLayout:
+    return layout_for_version(version)
 
 
 def _cases(kind: str):
@@ -49,7 +52,7 @@ def test_golden_files_cover_every_era():
     Python wheel to generate from), and each file says which vLLM made it."""
     assert len(FILES) >= 20, f"only {len(FILES)} golden files in {golden.GOLDEN_DIR}"
     eras = {_layout(v).version for v in VERSIONS}
-    assert eras >= set(protocol.WIRE_LAYOUTS) - {"0.33"}, f"eras without a golden file: {sorted(set(protocol.WIRE_LAYOUTS) - eras)}"
+    assert eras >= set(WIRE_LAYOUTS) - {"0.33"}, f"eras without a golden file: {sorted(set(WIRE_LAYOUTS) - eras)}"
     for version, document in DOCUMENTS.items():
         assert document["vllm_version"] == version
 
@@ -59,7 +62,7 @@ def test_layout_fields_are_the_versions_own(version):
     """The era's field lists are the version's `__struct_fields__`, in
     order (§8.1), and its FinishReason names the version's enum."""
     layout, fields = _layout(version), DOCUMENTS[version]["fields"]
-    assert layout.version in protocol.WIRE_LAYOUTS
+    assert layout.version in WIRE_LAYOUTS
     assert list(layout.request_fields) == fields["EngineCoreRequest"]
     assert list(layout.output_fields) == fields["EngineCoreOutput"]
     assert list(layout.outputs_fields) == fields["EngineCoreOutputs"]
@@ -79,7 +82,7 @@ def _finish_reason_names(layout):
     # has it; else the enum up to max_finish_reason (§4.4: values only grow).
     names = getattr(layout, "finish_reasons", None)
     if names is None:
-        names = [r.name for r in protocol.FinishReason if r <= layout.max_finish_reason]
+        names = [r.name for r in FinishReason if r <= layout.max_finish_reason]
     return list(names)
 
 
@@ -87,7 +90,7 @@ def test_layout_for_version_refuses_unknown_versions():
     """Versions before 0.11 and nonsense raise ValueError (not a guess)."""
     for text in ("0.10.2", "0.9", "banana", ""):
         with pytest.raises(ValueError):
-            protocol.layout_for_version(text)
+            layout_for_version(text)
 
 
 @pytest.mark.parametrize("version,name", _cases("requests"))
@@ -95,7 +98,7 @@ def test_decode_add_reads_the_real_frontends_add(version, name):
     """decode_add of the real frontend's ADD frame 1 (§3.2, §3.3) gives back
     the values the golden request was built from."""
     document, item = DOCUMENTS[version], _item(version, "requests", name)
-    request = protocol.decode_add(item["unpacked"], _layout(version))
+    request = decode_add(item["unpacked"], _layout(version))
     problems = golden.request_problems(request, item["logical"], document["sampling_default_max_tokens"])
     assert not problems, f"vLLM {version} {name}:\n  " + "\n  ".join(problems)
 
@@ -116,7 +119,7 @@ def test_error_finish_is_one_the_era_knows(version):
     the wire as a reason the era's enum has: an unknown value is a fatal
     decode error in the frontend."""
     layout = _layout(version)
-    out = protocol.engine_core_output("r", [], protocol.FinishReason.ERROR, layout=layout)
+    out = engine_core_output("r", [], FinishReason.ERROR, layout=layout)
     assert out[layout.output_fields.index("finish_reason")] in DOCUMENTS[version]["finish_reasons"].values()
 
 
@@ -141,14 +144,14 @@ def test_a_wrong_era_is_caught(version):
     # that differs only beyond them sends the same bytes
     written = max(len(o) for item in document["outputs"] for o in golden.our_outputs(item["logical"], _layout(version))[1])
     checked = 0
-    for other in protocol.WIRE_LAYOUTS.values():
+    for other in WIRE_LAYOUTS.values():
         if _positions(list(other.request_fields), _READ_FIELDS) != _positions(real_request, _READ_FIELDS):
             checked += 1
             wrong = 0
             for item in document["requests"]:
-                request = protocol.decode_add(item["unpacked"], other)
+                request = decode_add(item["unpacked"], other)
                 logical = item["logical"]
-                wrong += not isinstance(request, protocol.EngineCoreRequest) or (
+                wrong += not isinstance(request, EngineCoreRequest) or (
                     request.client_index, request.current_wave, request.priority, request.arrival_time, request.eos_token_id
                 ) != (logical.get("client_index", 0), logical.get("current_wave", 0), logical.get("priority", 0),
                       logical["arrival_time"], logical.get("eos_token_id"))

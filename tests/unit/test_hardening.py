@@ -5,14 +5,15 @@ preemption at admission, stale KV usage, the ledger's window, log floods)."""
 import msgpack
 import pytest
 
-from gmock_engine import protocol
 from gmock_engine.ledger import Ledger
 from gmock_engine.logs import Throttle, short
-from gmock_engine.protocol import EngineCoreRequest, FinishReason, InvalidRequest, UtilityCall
 from gmock_engine.tokens import EchoTokens, FileTokens, RandomTokens
+from gmock_engine.wire.eras import WIRE_LAYOUTS
+from gmock_engine.wire.inputs import EngineCoreRequest, InvalidRequest, UtilityCall
+from gmock_engine.wire.types import FinishReason
 from engine_steps import Clock, engine_with, outputs_of, run
 
-ERROR_AT = protocol.WIRE_LAYOUTS["0.33"].output_position("error")
+ERROR_AT = WIRE_LAYOUTS["0.33"].output_position("error")
 EOS = 31999
 
 

@@ -5,12 +5,16 @@ the config flags and the kv-transfer-* faults (no sockets)."""
 import pytest
 from loguru import logger
 
-from gmock_engine import fault_injection, kv_transfer, protocol
+from gmock_engine import fault_injection, kv_transfer
 from gmock_engine.config import ConfigError, parse_config
 from gmock_engine.engine import EngineCore, EngineSettings
 from gmock_engine.faults import parse_spec
 from gmock_engine.kv_transfer import KVTransferSettings, parse_kv_transfer_config
-from gmock_engine.protocol import EngineCoreRequest, FinishReason
+from gmock_engine.wire.checks import check_kv_transfer_params
+from gmock_engine.wire.eras import layout_for_version
+from gmock_engine.wire.inputs import EngineCoreRequest
+from gmock_engine.wire.outputs import engine_core_output
+from gmock_engine.wire.types import FinishReason
 from engine_steps import Clock, outputs_of, run_due, tokens_of
 
 #: What vLLM's disaggregated-serving proxy sends the prefill server (toy_proxy_server.py).
@@ -69,7 +73,7 @@ def test_producer_ends_after_the_first_token_with_the_params_the_decode_side_nee
     assert params["remote_num_tokens"] == 40
     # and the decode side accepts exactly that
     assert kv_transfer.complete(params)
-    kv_transfer.check_params(params)
+    check_kv_transfer_params(params)
 
 
 def test_producer_block_ids_differ_between_requests_and_dp_ranks_get_their_own_engine_id():
@@ -85,8 +89,8 @@ def test_producer_block_ids_differ_between_requests_and_dp_ranks_get_their_own_e
 
 @pytest.mark.parametrize("era", ["0.11.0", "0.17.1", "0.20.0", "0.26.0", "0.33.0"])
 def test_kv_transfer_params_sit_at_index_8_in_every_era(era):
-    layout = protocol.layout_for_version(era)
-    out = protocol.engine_core_output("r", [1], FinishReason.LENGTH, layout=layout, kv_transfer_params={"x": 1})
+    layout = layout_for_version(era)
+    out = engine_core_output("r", [1], FinishReason.LENGTH, layout=layout, kv_transfer_params={"x": 1})
     assert layout.output_fields[8] == "kv_transfer_params" and out[8] == {"x": 1}
 
 

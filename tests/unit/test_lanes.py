@@ -10,8 +10,9 @@ import random
 import pytest
 
 from gmock_engine.engine import EngineCore, EngineSettings
-from gmock_engine.protocol import AbortRequests, EngineCoreRequest, FinishReason
 from gmock_engine.tokens import EchoTokens, FileTokens, RandomTokens
+from gmock_engine.wire.inputs import AbortRequests, EngineCoreRequest
+from gmock_engine.wire.types import FinishReason
 
 from engine_steps import outputs_of, run, tokens_of
 

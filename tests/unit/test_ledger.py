@@ -4,7 +4,7 @@ import pytest
 
 from gmock_engine.engine import EngineCore, EngineSettings, LedgerViolation
 from gmock_engine.ledger import Ledger
-from gmock_engine.protocol import AbortRequests, EngineCoreRequest, UtilityCall
+from gmock_engine.wire.inputs import AbortRequests, EngineCoreRequest, UtilityCall
 
 
 def msg(outputs, finished=None):

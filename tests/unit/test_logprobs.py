@@ -1,4 +1,4 @@
-"""Synthetic logprobs (logprobs.py) and their wire form (protocol.logprobs_lists):
+"""Synthetic logprobs (logprobs.py) and their wire form (wire.outputs.logprobs_lists):
 decoded here with the frontends' rules (Appendix E), and checked for the
 self-consistency a client or an evaluation harness can see."""
 
@@ -8,10 +8,13 @@ import struct
 import msgpack
 import pytest
 
-from gmock_engine import logprobs, protocol, tokens
+from gmock_engine import logprobs, tokens
 from gmock_engine.engine import EngineCore, EngineSettings
 from gmock_engine.logprobs import LogprobModel
-from gmock_engine.protocol import EngineCoreRequest, FinishReason, InvalidRequest
+from gmock_engine.wire.eras import WIRE_LAYOUTS
+from gmock_engine.wire.inputs import decode_input, EngineCoreRequest, InvalidRequest
+from gmock_engine.wire.outputs import logprobs_lists
+from gmock_engine.wire.types import FinishReason
 from engine_steps import engine_with, run
 
 SIZES = {"<i4": 4, "int32": 4, "<i8": 8, "int64": 8, "<f4": 4, "float32": 4}
@@ -79,7 +82,7 @@ def test_many_positions_stay_consistent_and_ranks_spread():
     state, ranks_seen = 1234, []
     for step in range(500):
         width, ids, lps, ranks, state = model.rows(state, [step % 1000], 4)
-        rows, ranks = decode_lists(protocol.logprobs_lists(1, 5, ids, lps, ranks, ids_width=width))
+        rows, ranks = decode_lists(logprobs_lists(1, 5, ids, lps, ranks, ids_width=width))
         check_row(*rows[0], ranks[0])
         ranks_seen += ranks
     share_top1 = ranks_seen.count(1) / len(ranks_seen)
@@ -138,16 +141,16 @@ def test_requests_that_ask_for_nothing_get_nothing():
 def test_ids_beyond_int32_go_as_int64():
     model = LogprobModel(low=2**32 - 100, span=100)
     width, ids, lps, ranks, _ = model.rows(5, [2**32 - 1], 2)
-    rows, _ = decode_lists(protocol.logprobs_lists(1, 3, ids, lps, ranks, ids_width=width))
+    rows, _ = decode_lists(logprobs_lists(1, 3, ids, lps, ranks, ids_width=width))
     assert width == "i8" and rows[0][0][0] == 2**32 - 1
 
 
 def test_bad_logprob_counts_are_refused():
     frames = [b"\x00", msgpack.packb(["r", [1], None, {"logprobs": -1}, None] + [None] * 6 + [0])]
-    message = protocol.decode_input(frames, protocol.WIRE_LAYOUTS["0.33"])
+    message = decode_input(frames, WIRE_LAYOUTS["0.33"])
     assert isinstance(message, InvalidRequest) and "logprobs -1" in message.reason
     frames = [b"\x00", msgpack.packb(["r", [1], None, {"prompt_logprobs": 5000}, None] + [None] * 6 + [0])]
-    assert "prompt_logprobs 5000" in protocol.decode_input(frames, protocol.WIRE_LAYOUTS["0.33"]).reason
+    assert "prompt_logprobs 5000" in decode_input(frames, WIRE_LAYOUTS["0.33"]).reason
     e = engine_with(vocab_size=10)
     [(_, message)] = e.apply(EngineCoreRequest("big", 4, 5, True, logprobs=10))
     assert message[1][0][5] == FinishReason.ERROR and "only 10 distinct token ids" in message[1][0][18]["message"]
@@ -215,7 +218,7 @@ def test_banned_ids_never_appear_among_the_alternatives():
 
 def pool_rows(pool, position, n):
     ids, lps, ranks = pool.take(position, pool.ids[position : position + n])
-    return decode_lists(protocol.logprobs_lists(n, pool.k + 1, bytes(ids), bytes(lps), bytes(ranks)))
+    return decode_lists(logprobs_lists(n, pool.k + 1, bytes(ids), bytes(lps), bytes(ranks)))
 
 
 def test_pooled_rows_are_consistent_at_every_position_and_the_tail_repeats_the_head():

@@ -9,7 +9,10 @@ import pytest
 from gmock_engine.engine import EngineCore, EngineSettings
 from gmock_engine.latency import LatencyModel
 from gmock_engine.lora import AdapterRegistry, LoRAError, LoRARequest, decode_lora_request
-from gmock_engine.protocol import BadValue, EngineCoreRequest, FinishReason, UtilityCall, Wire, decode_add, pack, unpack
+from gmock_engine.wire.eras import Wire
+from gmock_engine.wire.inputs import EngineCoreRequest, UtilityCall, decode_add, unpack
+from gmock_engine.wire.outputs import pack
+from gmock_engine.wire.types import BadValue, FinishReason
 from engine_steps import TickClock, outputs_of, run
 
 

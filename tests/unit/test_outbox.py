@@ -3,7 +3,8 @@ first only, every id in finished_requests of its own client's message."""
 
 from gmock_engine.ledger import Ledger
 from gmock_engine.outbox import COORDINATOR, Outbox
-from gmock_engine.protocol import FinishReason, engine_core_output
+from gmock_engine.wire.outputs import engine_core_output
+from gmock_engine.wire.types import FinishReason
 
 
 class _Log:
@@ -54,7 +55,7 @@ def test_stats_go_to_the_coordinator_too_and_a_discarded_call_sends_nothing():
 
 def test_a_step_of_one_client_with_nothing_ended_is_the_general_message():
     # the common step's message, built inline by flush, is engine_core_outputs' (§4.2)
-    from gmock_engine.protocol import engine_core_outputs
+    from gmock_engine.wire.outputs import engine_core_outputs
 
     for stats, coordinator in ((None, False), ({"running": 2}, False), ({"running": 2}, True)):
         outbox, ledger, log = _outbox(stats=stats, coordinator=coordinator)

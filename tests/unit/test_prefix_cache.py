@@ -6,8 +6,8 @@ import pytest
 from gmock_engine.engine import EngineCore, EngineSettings
 from gmock_engine.kv_cache_manager import KVCacheManager
 from gmock_engine.prefix_cache import CLEARED, REMOVED, STORED, PrefixCache, block_hashes
-from gmock_engine.protocol import EngineCoreRequest, UtilityCall
 from gmock_engine.request import Request
+from gmock_engine.wire.inputs import EngineCoreRequest, UtilityCall
 
 
 def test_chained_hashes_cover_full_blocks_and_their_prefix():

@@ -10,8 +10,9 @@ from gmock_engine.engine import RELOADABLE_SETTINGS, EngineSettings
 from gmock_engine.faults import Faults, parse_spec
 from gmock_engine.latency import LatencyModel
 from gmock_engine.lengths import OutputLengths
-from gmock_engine.protocol import EngineCoreRequest, FinishReason
 from gmock_engine.tokens import EchoTokens, RandomTokens
+from gmock_engine.wire.inputs import EngineCoreRequest
+from gmock_engine.wire.types import FinishReason
 from engine_steps import Clock, engine_with, run, run_steps, tokens_of
 
 

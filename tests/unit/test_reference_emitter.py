@@ -6,9 +6,10 @@ import sys
 import msgpack
 import pytest
 
-from gmock_engine import protocol
 from gmock_engine.tokens import RandomTokens
 from gmock_engine.tools.bench import REFERENCE_EMITTER
+from gmock_engine.wire.eras import Wire, layout_for_version
+from gmock_engine.wire.inputs import EngineCoreRequest
 
 sys.path.insert(0, str(REFERENCE_EMITTER.parent))  # benchmarks/: the floor is a script of the checkout
 import reference_emitter  # noqa: E402
@@ -42,7 +43,7 @@ def test_the_floor_sends_what_gmock_sends(chunk, logprobs):
     # through the wire, as the frontend sees both (the rows are buffers of either type before)
     gmock = [msgpack.unpackb(msgpack.packb(m, use_bin_type=True), strict_map_key=False) for _, m in run(engine)]
 
-    floor = reference_emitter.Engine(0, chunk, RandomTokens(32000, 0, 0), protocol.layout_for_version("0.33"))
+    floor = reference_emitter.Engine(0, chunk, RandomTokens(32000, 0, 0), layout_for_version("0.33"))
     sock = Socket()
     floor.outputs.append(sock)
     for rid, n in lengths.items():
@@ -84,10 +85,9 @@ def test_the_floor_caches_prefixes_and_publishes_what_gmock_does(chunk, reuse):
 
     from gmock_engine import kv_events
     from gmock_engine.engine import EngineCore, EngineSettings
-    from gmock_engine.protocol import EngineCoreRequest
     from engine_steps import TickClock
 
-    layout = protocol.layout_for_version("0.33")
+    layout = layout_for_version("0.33")
     block_size, capacity = 4, 14
     shared = [7, 8, 9, 10, 11, 12, 13, 14, 15]
     # (step it arrives at, id, prompt, max_tokens): every request joins a lane (max_tokens > 2 chunks),
@@ -98,7 +98,7 @@ def test_the_floor_caches_prefixes_and_publishes_what_gmock_does(chunk, reuse):
         (9, "e", shared, 10), (12, "f", [1, 2, 3, 4, 5], 17), (12, "g", shared[:8], 12),
     ]  # fmt: skip
     settings = EngineSettings(rank=0, num_clients=1, output_token_chunk_size=chunk, prefix_caching=True, kv_events=True,
-                              block_size=block_size, num_gpu_blocks=capacity, reuse_outputs=reuse, wire=protocol.Wire(layout))  # fmt: skip
+                              block_size=block_size, num_gpu_blocks=capacity, reuse_outputs=reuse, wire=Wire(layout))  # fmt: skip
     gmock = EngineCore(settings, clock=TickClock())
     published = []
     floor_kv = reference_emitter.FloorKV(capacity, block_size, RandomTokens(32000, 0, 0), chunk, published.append)

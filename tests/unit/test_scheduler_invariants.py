@@ -15,7 +15,8 @@ inside takes.
 import pytest
 
 from gmock_engine.engine import Drain
-from gmock_engine.protocol import EngineCoreEventType, EngineCoreRequest, FinishReason, UtilityCall
+from gmock_engine.wire.inputs import EngineCoreRequest, UtilityCall
+from gmock_engine.wire.types import EngineCoreEventType, FinishReason
 from engine_steps import TickClock, engine_with, outputs_of, run
 
 SCHEDULED, PREEMPTED = EngineCoreEventType.SCHEDULED, EngineCoreEventType.PREEMPTED

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from gmock_engine import options, protocol, settings
+from gmock_engine import options, settings
+from gmock_engine.wire.eras import Wire
 from gmock_engine.config import parse_config
 from gmock_engine.engine import EngineSettings
 from gmock_engine.tokens import EchoTokens, RandomTokens
@@ -49,7 +50,7 @@ def test_the_parts_are_frozen():
 
 def test_engine_settings_carry_the_parts_to_one_engine():
     p = parts("--itl-ms", "5", "--max-num-seqs", "8", "--seed", "3", "--token-id-range", "10:20", "--enable-lora", "--max-cpu-loras", "4")
-    wire = protocol.Wire()
+    wire = Wire()
     s = settings.engine_settings(p, 1, 2, True, wire)
     assert isinstance(s, EngineSettings)
     assert (s.rank, s.num_clients, s.has_coordinator, s.wire) == (1, 2, True, wire)

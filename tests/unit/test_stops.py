@@ -5,7 +5,8 @@ import random
 import pytest
 
 from gmock_engine.lengths import OutputLengths, from_config
-from gmock_engine.protocol import EngineCoreRequest, FinishReason
+from gmock_engine.wire.inputs import EngineCoreRequest
+from gmock_engine.wire.types import FinishReason
 from engine_steps import engine_with
 
 EOS = 31999

@@ -9,12 +9,14 @@ import msgpack
 import pytest
 
 import fake_frontend
-from gmock_engine import protocol
 from gmock_engine.tools import frontend
+from gmock_engine.wire.eras import DEFAULT_PROTOCOL_VERSION, WIRE_LAYOUTS
+from gmock_engine.wire.inputs import AbortRequests, EngineCoreRequest, UtilityCall, decode_add, decode_input
+from gmock_engine.wire.types import EngineCoreRequestType
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = os.path.join(REPO, "gmock_engine")
-LAYOUT = protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION]
+LAYOUT = WIRE_LAYOUTS[DEFAULT_PROTOCOL_VERSION]
 with open(os.path.join(REPO, "tests", "data", "frames.json")) as _f:
     INPUTS = [r for r in json.load(_f)["records"] if r["socket"].startswith("input") and r["dir"] == "recv"]
 
@@ -65,15 +67,15 @@ def test_the_engine_decodes_what_the_encoder_sends():
     request = frontend.engine_core_request(
         "cmpl-ab12-0f0f0f0f", [5, 6, 7], {"max_tokens": 9}, 2, priority=-3, current_wave=4, abort_immediately=True
     )
-    decoded = protocol.decode_input(frontend.add_frames(request), LAYOUT)
-    assert isinstance(decoded, protocol.EngineCoreRequest)
+    decoded = decode_input(frontend.add_frames(request), LAYOUT)
+    assert isinstance(decoded, EngineCoreRequest)
     assert (decoded.request_id, decoded.prompt_len, decoded.max_tokens, decoded.client_index) == ("cmpl-ab12-0f0f0f0f", 3, 9, 2)
     assert (decoded.priority, decoded.current_wave, decoded.abort_immediately) == (-3, 4, True)
     assert decoded.external_req_id == "cmpl-ab12" and decoded.arrival_time == request[5]
-    pooling = protocol.decode_input(frontend.add_frames(frontend.engine_core_request("p-1", [1], None)), LAYOUT)
+    pooling = decode_input(frontend.add_frames(frontend.engine_core_request("p-1", [1], None)), LAYOUT)
     assert not pooling.has_sampling_params
-    assert protocol.decode_input(frontend.abort_frames(("a", "b")), LAYOUT) == protocol.AbortRequests(["a", "b"])
-    assert protocol.decode_input(frontend.utility_frames(1, 7, "gmock_stats"), LAYOUT) == protocol.UtilityCall(1, 7, "gmock_stats", [])
+    assert decode_input(frontend.abort_frames(("a", "b")), LAYOUT) == AbortRequests(["a", "b"])
+    assert decode_input(frontend.utility_frames(1, 7, "gmock_stats"), LAYOUT) == UtilityCall(1, 7, "gmock_stats", [])
 
 
 def test_unknown_field_is_an_error():
@@ -146,10 +148,10 @@ def test_bench_eos_token_id_makes_the_adds_name_it_as_the_real_frontends_do():
         return request, request[frontend.REQUEST_INDEX["sampling_params"]]
 
     request, params = sampling(["--eos-token-id", "31999"])
-    traced = [p[3] for _, _, p in _traced(protocol.EngineCoreRequestType.ADD.value) if isinstance(p[3], dict)]
+    traced = [p[3] for _, _, p in _traced(EngineCoreRequestType.ADD.value) if isinstance(p[3], dict)]
     assert traced and all(t["_all_stop_token_ids"] == [t["_eos_token_id"]] for t in traced)  # what it mimics
     assert params["_eos_token_id"] == 31999 and params["_all_stop_token_ids"] == [31999] and params["stop_token_ids"] == []
-    decoded = protocol.decode_add(request, LAYOUT)
+    decoded = decode_add(request, LAYOUT)
     assert decoded.eos_token_id == 31999 and decoded.all_stop_token_ids == (31999,)
     _, params = sampling([])
     assert "_eos_token_id" not in params and "_all_stop_token_ids" not in params

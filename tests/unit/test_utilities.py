@@ -5,7 +5,8 @@ modes and gmock_stats' window are in test_engine.py; LoRA's in test_lora.py)."""
 
 import pytest
 
-from gmock_engine.protocol import EngineCoreRequest, FinishReason, UtilityCall
+from gmock_engine.wire.inputs import EngineCoreRequest, UtilityCall
+from gmock_engine.wire.types import FinishReason
 from gmock_engine.utilities import SUPPORTED_UTILITIES
 from engine_steps import TickClock, engine_with, run, run_steps, tokens_of
 

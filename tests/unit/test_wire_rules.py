@@ -5,9 +5,10 @@ import msgpack
 import pytest
 
 import wire_rules
-from gmock_engine import protocol
 from gmock_engine.engine import EngineCore, EngineSettings
-from gmock_engine.protocol import EngineCoreRequest, FinishReason, UtilityCall
+from gmock_engine.wire.inputs import EngineCoreRequest, UtilityCall
+from gmock_engine.wire.outputs import scheduler_stats
+from gmock_engine.wire.types import FinishReason
 
 LAYOUT = wire_rules.DEFAULT_LAYOUT
 
@@ -31,7 +32,7 @@ def test_what_the_engine_sends_passes():
         assert data is not None and problems == [], (message, problems)
 
 
-STATS = protocol.scheduler_stats(num_running_reqs=1, num_waiting_reqs=0, kv_cache_usage=0.5, step_counter=3)
+STATS = scheduler_stats(num_running_reqs=1, num_waiting_reqs=0, kv_cache_usage=0.5, step_counter=3)
 ONE = [["r", [1, 2]]]
 
 

@@ -1,4 +1,4 @@
-"""The wire layouts of every vLLM era (protocol.WIRE_LAYOUTS, PROTOCOL.md §8):
+"""The wire layouts of every vLLM era (WIRE_LAYOUTS, PROTOCOL.md §8):
 version -> era, ADD fingerprints and `auto`, and outputs each era decodes.
 
 The golden frames of each version's own msgspec types are checked in
@@ -11,9 +11,11 @@ import array
 import pytest
 
 from fake_frontend import era_request as era_add
-from gmock_engine import protocol
 from gmock_engine.config import ConfigError, parse_config
-from gmock_engine.protocol import WIRE_LAYOUTS, FinishReason, Wire
+from gmock_engine.wire.eras import WIRE_LAYOUTS, _ABSENT, _OUTS_0_11, _OUT_HEAD, Wire, fingerprint, layout_for_version
+from gmock_engine.wire.inputs import InvalidRequest, decode_add
+from gmock_engine.wire.outputs import engine_core_event, engine_core_output, logprobs_lists, prefill_stats, request_error
+from gmock_engine.wire.types import EngineCoreEventType, FinishReason, ProtocolError
 
 @pytest.mark.parametrize("version, era", [
     ("0.11", "0.11.0"), ("0.11.0", "0.11.0"), ("0.11.1", "0.11.1"), ("0.11.2", "0.11.1"), ("0.12.0", "0.11.1"),
@@ -25,13 +27,13 @@ from gmock_engine.protocol import WIRE_LAYOUTS, FinishReason, Wire
     ("0.32.0", "0.32"), ("0.33", "0.33"), ("0.33.7", "0.33"),
 ])
 def test_a_version_maps_to_its_era(version, era):
-    assert protocol.layout_for_version(version) is WIRE_LAYOUTS[era]
+    assert layout_for_version(version) is WIRE_LAYOUTS[era]
 
 
 @pytest.mark.parametrize("version", ["0.10.2", "0.9", "0.34", "1.0", "abc", "0.25.x", "", "0.2.5.1"])
 def test_a_version_without_a_layout_is_refused_naming_the_known_range(version):
     with pytest.raises(ValueError, match="vLLM version|no wire layout"):
-        protocol.layout_for_version(version)
+        layout_for_version(version)
 
 
 def test_every_era_has_the_fields_the_mock_reads_where_it_reads_them():
@@ -40,12 +42,12 @@ def test_every_era_has_the_fields_the_mock_reads_where_it_reads_them():
         assert [ix["request_id"], ix["prompt_token_ids"], ix["sampling_params"]] == [0, 1, 3]
         assert layout.request_fields[ix["client_index"]] == "client_index"
         assert ix["current_wave"] == ix["client_index"] + 1  # §8.1
-        assert layout.output_fields[:9] == protocol._OUT_HEAD  # §8.1: unchanged 0.11..0.33
-        assert layout.outputs_fields[:8] == protocol._OUTS_0_11
+        assert layout.output_fields[:9] == _OUT_HEAD  # §8.1: unchanged 0.11..0.33
+        assert layout.outputs_fields[:8] == _OUTS_0_11
     assert WIRE_LAYOUTS["0.17"].request_index["client_index"] == 10
     assert WIRE_LAYOUTS["0.16"].request_index["eos_token_id"] == 5
     assert WIRE_LAYOUTS["0.21"].request_index["abort_immediately"] == 19
-    assert WIRE_LAYOUTS["0.15"].request_index["abort_immediately"] == protocol._ABSENT
+    assert WIRE_LAYOUTS["0.15"].request_index["abort_immediately"] == _ABSENT
 
 
 @pytest.mark.parametrize("era", sorted(WIRE_LAYOUTS))
@@ -54,7 +56,7 @@ def test_an_add_of_each_era_decodes_by_its_layout(era):
     eos = {"eos_token_id": 7} if "eos_token_id" in layout.request_fields else {}
     sampling = {"max_tokens": 9, "stop_token_ids": [5]} if eos else {"max_tokens": 9, "stop_token_ids": [5], "_eos_token_id": 7}
     payload = era_add(layout, "req-1", prompt=(4, 5), sampling=sampling, client_index=1, current_wave=2, priority=-3, **eos)
-    request = protocol.decode_add(payload, layout)
+    request = decode_add(payload, layout)
     assert (request.request_id, request.prompt_len, request.max_tokens) == ("req-1", 2, 9)
     assert (request.client_index, request.current_wave, request.priority) == (1, 2, -3)
     assert request.eos_token_id == 7 and request.stop_token_ids == (5,)
@@ -63,8 +65,8 @@ def test_an_add_of_each_era_decodes_by_its_layout(era):
 
 def test_an_eos_id_at_index_5_is_checked_like_the_sampling_one():
     layout = WIRE_LAYOUTS["0.16"]
-    bad = protocol.decode_add(era_add(layout, eos_token_id=2**40), layout)
-    assert isinstance(bad, protocol.InvalidRequest) and "eos_token_id 1099511627776" in bad.reason
+    bad = decode_add(era_add(layout, eos_token_id=2**40), layout)
+    assert isinstance(bad, InvalidRequest) and "eos_token_id 1099511627776" in bad.reason
 
 
 @pytest.mark.parametrize("era, detected", [
@@ -77,7 +79,7 @@ def test_auto_detects_the_era_from_the_first_add_and_says_why(era, detected):
     said = []
     wire = Wire(report=said.append)
     assert not wire.settled
-    request = protocol.decode_add(era_add(WIRE_LAYOUTS[era], client_index=1), wire)
+    request = decode_add(era_add(WIRE_LAYOUTS[era], client_index=1), wire)
     assert wire.settled and wire.layout.version == detected
     assert request.client_index == 1
     assert len(said) == 1 and f"speaks vLLM {wire.layout.versions}, detected from the first ADD" in said[0]
@@ -85,14 +87,14 @@ def test_auto_detects_the_era_from_the_first_add_and_says_why(era, detected):
 
 def test_ambiguous_lengths_get_a_layout_every_era_of_them_decodes():
     old = Wire()
-    protocol.decode_add(era_add(WIRE_LAYOUTS["0.11.0"]), old)
+    decode_add(era_add(WIRE_LAYOUTS["0.11.0"]), old)
     assert old.layout.max_finish_reason is FinishReason.ABORT  # 0.11/0.12 lack ERROR
     assert old.layout.wire_finish_reason(FinishReason.ERROR) == FinishReason.ABORT
     mid = Wire()
-    protocol.decode_add(era_add(WIRE_LAYOUTS["0.21"]), mid)
+    decode_add(era_add(WIRE_LAYOUTS["0.21"]), mid)
     # 0.21-0.25 want prefill_stats at 10, 0.26-0.27 at 11: neither is sent
-    final = protocol.engine_core_output("r", [1], FinishReason.ERROR, protocol.request_error("x", "y"), mid.layout,
-                                        prefill_stats=protocol.prefill_stats(5))
+    final = engine_core_output("r", [1], FinishReason.ERROR, request_error("x", "y"), mid.layout,
+                                        prefill_stats=prefill_stats(5))
     assert len(final) <= 9
 
 
@@ -100,8 +102,8 @@ def test_hostile_or_short_adds_settle_nothing():
     wire = Wire()
     for payload in (["r", [1], None, {"max_tokens": 1}], ["r", [1], None, {}, None, "x", 1.0] + [None] * 15, [None] * 22):
         try:
-            protocol.decode_add(payload, wire)
-        except protocol.ProtocolError:
+            decode_add(payload, wire)
+        except ProtocolError:
             pass
     assert not wire.settled and wire.layout is WIRE_LAYOUTS["0.33"]
 
@@ -109,9 +111,9 @@ def test_hostile_or_short_adds_settle_nothing():
 def test_a_later_add_of_another_era_is_said_once_and_the_layout_stays():
     said = []
     wire = Wire(report=said.append)
-    protocol.decode_add(era_add(WIRE_LAYOUTS["0.28"]), wire)
+    decode_add(era_add(WIRE_LAYOUTS["0.28"]), wire)
     for _ in range(3):
-        protocol.decode_add(era_add(WIRE_LAYOUTS["0.17"]), wire)
+        decode_add(era_add(WIRE_LAYOUTS["0.17"]), wire)
     assert wire.layout.version == "0.28–0.30"
     assert len(said) == 2 and "has the shape of vLLM 0.17–0.20.0" in said[1]
 
@@ -124,12 +126,12 @@ def test_an_add_of_another_era_after_many_of_the_settled_one_is_still_said(settl
     said = []
     wire = Wire(report=said.append)
     for _ in range(3):
-        protocol.decode_add(era_add(WIRE_LAYOUTS[settled]), wire)
+        decode_add(era_add(WIRE_LAYOUTS[settled]), wire)
     assert len(said) == 1
     detected = wire.layout
     payload = era_add(WIRE_LAYOUTS[other])
-    protocol.decode_add(payload, wire)
-    assert len(said) == 2 and f"has the shape of vLLM {protocol.fingerprint(payload)[0].versions}" in said[1]
+    decode_add(payload, wire)
+    assert len(said) == 2 and f"has the shape of vLLM {fingerprint(payload)[0].versions}" in said[1]
     assert wire.layout is detected
 
 
@@ -137,19 +139,19 @@ def test_an_explicit_version_always_wins_and_a_mismatch_is_said_once():
     said = []
     wire = Wire.from_setting("0.25.1", said.append)
     assert wire.settled and wire.layout is WIRE_LAYOUTS["0.24"]
-    protocol.decode_add(era_add(WIRE_LAYOUTS["0.33"]), wire)
-    protocol.decode_add(era_add(WIRE_LAYOUTS["0.33"]), wire)
+    decode_add(era_add(WIRE_LAYOUTS["0.33"]), wire)
+    decode_add(era_add(WIRE_LAYOUTS["0.33"]), wire)
     assert wire.layout is WIRE_LAYOUTS["0.24"] and len(said) == 1
-    protocol.decode_add(era_add(WIRE_LAYOUTS["0.24"]), Wire.from_setting("0.25", said.append))
+    decode_add(era_add(WIRE_LAYOUTS["0.24"]), Wire.from_setting("0.25", said.append))
     assert len(said) == 1  # the same shape: nothing to say
 
 
 @pytest.mark.parametrize("era", sorted(WIRE_LAYOUTS))
 def test_a_final_output_puts_each_field_where_its_era_reads_it(era):
     layout = WIRE_LAYOUTS[era]
-    error = protocol.request_error("mock_failure", "boom")
-    out = protocol.engine_core_output("r", [1], FinishReason.ERROR, error, layout, prefill_stats=protocol.prefill_stats(8, 4),
-                                      stop_reason=None, events=[protocol.engine_core_event(protocol.EngineCoreEventType.QUEUED, 1.0)])
+    error = request_error("mock_failure", "boom")
+    out = engine_core_output("r", [1], FinishReason.ERROR, error, layout, prefill_stats=prefill_stats(8, 4),
+                                      stop_reason=None, events=[engine_core_event(EngineCoreEventType.QUEUED, 1.0)])
     fields = layout.output_fields
     assert len(out) <= len(fields)
     assert out[5] == (3 if layout.max_finish_reason >= FinishReason.ERROR else 2)
@@ -177,28 +179,28 @@ def test_a_plain_length_end_is_the_eras_defaults_up_to_finish_reason(era):
     is the output its general path builds: the era's defaults before
     finish_reason (nil or, for int fields, 0), then LENGTH as the era knows it."""
     layout = WIRE_LAYOUTS[era]
-    out = protocol.engine_core_output("r", [7, 8], FinishReason.LENGTH, layout=layout)
+    out = engine_core_output("r", [7, 8], FinishReason.LENGTH, layout=layout)
     assert out == ["r", [7, 8], *layout.output_defaults[2:5], layout.wire_finish_reason(FinishReason.LENGTH)]
     assert out[5] == 1 and len(out) == 6
     # anything more than a plain end takes the general path and keeps its fields
-    stats = protocol.engine_core_output("r", [7], FinishReason.LENGTH, layout=layout, prefill_stats=protocol.prefill_stats(4))
+    stats = engine_core_output("r", [7], FinishReason.LENGTH, layout=layout, prefill_stats=prefill_stats(4))
     assert stats[:6] == ["r", [7], *layout.output_defaults[2:5], 1] and len(stats) > 6
 
 
 def test_repetition_is_stop_before_0_17():
-    assert protocol.engine_core_output("r", [], FinishReason.REPETITION, layout=WIRE_LAYOUTS["0.16"])[5] == 0
-    assert protocol.engine_core_output("r", [], FinishReason.REPETITION, layout=WIRE_LAYOUTS["0.17"])[5] == 4
+    assert engine_core_output("r", [], FinishReason.REPETITION, layout=WIRE_LAYOUTS["0.16"])[5] == 0
+    assert engine_core_output("r", [], FinishReason.REPETITION, layout=WIRE_LAYOUTS["0.17"])[5] == 4
 
 
 def test_logprob_tuples_follow_their_era():
     ids = array.array("i", [11, 12, 21, 22]).tobytes()
     lps = array.array("f", [-0.5, -1.5, -0.25, -2.0]).tobytes()
     ranks = array.array("q", [1, 2]).tobytes()
-    lists = protocol.logprobs_lists(2, 2, ids, lps, ranks, WIRE_LAYOUTS["0.11.0"])
+    lists = logprobs_lists(2, 2, ids, lps, ranks, WIRE_LAYOUTS["0.11.0"])
     assert lists == [[[11, 12], [21, 22]], [[-0.5, -1.5], [-0.25, -2.0]], [1, 2]]  # 0.11.0: plain lists
-    assert len(protocol.logprobs_lists(2, 2, ids, lps, ranks, WIRE_LAYOUTS["0.11.1"])) == 4
-    assert len(protocol.logprobs_lists(2, 2, ids, lps, ranks, WIRE_LAYOUTS["0.15"], tensors=True)) == 3
-    assert len(protocol.logprobs_lists(2, 2, ids, lps, ranks, WIRE_LAYOUTS["0.16"], tensors=True)) == 4
+    assert len(logprobs_lists(2, 2, ids, lps, ranks, WIRE_LAYOUTS["0.11.1"])) == 4
+    assert len(logprobs_lists(2, 2, ids, lps, ranks, WIRE_LAYOUTS["0.15"], tensors=True)) == 3
+    assert len(logprobs_lists(2, 2, ids, lps, ranks, WIRE_LAYOUTS["0.16"], tensors=True)) == 4
 
 
 def test_the_flag_takes_auto_or_a_version_and_names_itself_when_wrong():
@@ -215,5 +217,5 @@ def test_the_flag_takes_auto_or_a_version_and_names_itself_when_wrong():
 ])
 def test_kv_event_formats_follow_the_era(version, maps, topic, group):
     """Appendix D, as each release's vllm/distributed/kv_events.py has it."""
-    layout = protocol.layout_for_version(version)
+    layout = layout_for_version(version)
     assert (layout.kv_events_tagged_maps, layout.kv_events_replay_topic, layout.kv_events_group_idx) == (maps, topic, group)

@@ -1,4 +1,4 @@
-"""protocol.py against real frames from ../shared/traces (copied into tests/data)."""
+"""gmock_engine.wire against real frames from ../shared/traces (copied into tests/data)."""
 
 import json
 import os
@@ -8,17 +8,13 @@ import re
 import msgpack
 import pytest
 
-from gmock_engine import protocol
-from gmock_engine.protocol import (
-    AbortRequests,
-    EngineCoreRequest,
-    FinishReason,
-    ProtocolError,
-    StartDPWave,
-    UtilityCall,
-)
+from gmock_engine.wire.eras import DEFAULT_PROTOCOL_VERSION, WIRE_LAYOUTS
+from gmock_engine.wire.handshake import decode_init, hello_message, ready_message, ready_response
+from gmock_engine.wire.inputs import _RARE_SAMPLING_KEYS, AbortRequests, EngineCoreRequest, InvalidRequest, StartDPWave, UtilityCall, decode_add, decode_coordinator, decode_input, unpack
+from gmock_engine.wire.outputs import Packer, engine_core_output, engine_core_outputs, request_error, utility_reply
+from gmock_engine.wire.types import FinishReason, ProtocolError, engine_identity
 
-LAYOUT = protocol.WIRE_LAYOUTS[protocol.DEFAULT_PROTOCOL_VERSION]
+LAYOUT = WIRE_LAYOUTS[DEFAULT_PROTOCOL_VERSION]
 DATA = os.path.join(os.path.dirname(__file__), "..", "data", "frames.json")
 with open(DATA) as _f:
     RECORDS = json.load(_f)["records"]
@@ -49,7 +45,7 @@ def test_trace_inputs_cover_every_kind():
 def test_decode_real_input_frames(record):
     """Every input frame the real frontends sent decodes to what the trace's
     independent decoder saw."""
-    message = protocol.decode_input(_frames(record), LAYOUT)
+    message = decode_input(_frames(record), LAYOUT)
     kind = record["decoded"][0]["request_type"]
     payload = record["decoded"][1]
     if kind == "ADD":
@@ -73,15 +69,15 @@ def test_decode_real_input_frames(record):
 def test_uint64_call_ids_survive_a_round_trip():
     big = [r for r in INPUTS if r["decoded"][0]["request_type"] == "UTILITY" and r["decoded"][1][1] > 2**63]
     assert big, "traces should hold a call id above 2**63"
-    call = protocol.decode_input(_frames(big[0]), LAYOUT)
-    reply = msgpack.unpackb(protocol.Packer().pack(protocol.utility_reply(0, call.call_id, 1.0, None)))
+    call = decode_input(_frames(big[0]), LAYOUT)
+    reply = msgpack.unpackb(Packer().pack(utility_reply(0, call.call_id, 1.0, None)))
     assert reply[4][0] == call.call_id > 2**63
 
 
 def test_stop_params_from_both_frontends():
     adds = [r for r in INPUTS if r["decoded"][0]["request_type"] == "ADD"]
     for record in adds:
-        request = protocol.decode_input(_frames(record), LAYOUT)
+        request = decode_input(_frames(record), LAYOUT)
         assert request.eos_token_id == 31999 and request.all_stop_token_ids == (31999,)
         assert request.stop_token_ids == () and request.ignore_eos is False and request.min_tokens == 0
 
@@ -89,20 +85,20 @@ def test_stop_params_from_both_frontends():
 def test_py_frontend_absent_max_tokens_means_16():
     adds = [r for r in INPUTS if r["decoded"][0]["request_type"] == "ADD" and "max_tokens" not in r["decoded"][1][3]]
     assert adds, "the dp1 trace has a chat request with max_tokens 16 (key absent)"
-    assert protocol.decode_input(_frames(adds[0]), LAYOUT).max_tokens == 16
+    assert decode_input(_frames(adds[0]), LAYOUT).max_tokens == 16
 
 
 def test_decode_init_from_traces():
     inits = _records("handshake", "recv", "INIT")
     assert len(inits) >= 3
     for record in inits:
-        init = protocol.decode_init(_frames(record))
+        init = decode_init(_frames(record))
         addresses = record["decoded"][0]["addresses"]
         assert init.inputs == addresses["inputs"] and init.outputs == addresses["outputs"]
         assert init.coordinator_input == addresses["coordinator_input"]
         assert init.frontend_stats_publish_address == addresses["frontend_stats_publish_address"]
     dp4 = [r for r in inits if r["trace"] == "dp4_api2.json"][0]
-    init = protocol.decode_init(_frames(dp4))
+    init = decode_init(_frames(dp4))
     assert len(init.inputs) == 2 and init.has_coordinator
 
 
@@ -111,8 +107,8 @@ def test_coordinator_frames():
     ready = [r for r in coord if r["note"] == "coordinator READY"]
     waves = [r for r in coord if r["note"] != "coordinator READY"]
     assert ready and waves
-    assert protocol.decode_coordinator(_frames(ready[0]), LAYOUT) is None
-    wave = protocol.decode_coordinator(_frames(waves[0]), LAYOUT)
+    assert decode_coordinator(_frames(ready[0]), LAYOUT) is None
+    wave = decode_coordinator(_frames(waves[0]), LAYOUT)
     # ≤ 0.32 coordinators send the 2-byte identity as exclude (§3.6).
     assert isinstance(wave, StartDPWave) and wave.wave == waves[0]["decoded"][1][0]
     assert wave.exclude_engine_index == b"\x00\x00"
@@ -126,7 +122,7 @@ def test_ready_response_has_every_key_the_real_frontends_saw():
     assert set(sent) <= set(ours)
     assert len(LAYOUT.ready_response_keys) == 28  # the 0.33 key set (§2.5)
     with pytest.raises(KeyError):
-        protocol.ready_response({"max_model_len": 1}, LAYOUT)
+        ready_response({"max_model_len": 1}, LAYOUT)
 
 
 BAD_FRAMES = [
@@ -155,7 +151,7 @@ BAD_FRAMES = [
 @pytest.mark.parametrize("frames,reason", BAD_FRAMES, ids=[r for _, r in BAD_FRAMES])
 def test_bad_frames_raise_a_clear_protocol_error(frames, reason):
     with pytest.raises(ProtocolError, match=reason):
-        protocol.decode_input(frames, LAYOUT)
+        decode_input(frames, LAYOUT)
 
 
 def _add(sampling=None, prompt=(1,), **fields):
@@ -191,8 +187,8 @@ BAD_VALUES = [
 
 @pytest.mark.parametrize("frames,reason", BAD_VALUES, ids=[r for _, r in BAD_VALUES])
 def test_bad_values_in_an_add_become_an_invalid_request_naming_them(frames, reason):
-    message = protocol.decode_input(frames, LAYOUT)
-    assert isinstance(message, protocol.InvalidRequest), message
+    message = decode_input(frames, LAYOUT)
+    assert isinstance(message, InvalidRequest), message
     assert (message.request_id, message.client_index) == ("r", 1)
     assert re.search(reason, message.reason), message.reason
 
@@ -200,25 +196,25 @@ def test_bad_values_in_an_add_become_an_invalid_request_naming_them(frames, reas
 def test_an_add_with_no_output_socket_to_answer_on_is_a_bad_frame():
     for client in ("x", -1, 2**16, 2**63):
         with pytest.raises(ProtocolError, match="client_index"):
-            protocol.decode_input(_add(i11=client), LAYOUT)
+            decode_input(_add(i11=client), LAYOUT)
 
 
 def test_long_values_are_cut_in_reasons():
-    message = protocol.decode_input(_add({"max_tokens": "9" * 100_000}), LAYOUT)
+    message = decode_input(_add({"max_tokens": "9" * 100_000}), LAYOUT)
     assert len(message.reason) < 200
 
 
 def test_aux_frames_are_accepted():
     frames = [b"\x00", msgpack.packb(["r-1", [1, 2], None, {"max_tokens": 3}, None]), b"tensor bytes"]
-    request = protocol.decode_input(frames, LAYOUT)
+    request = decode_input(frames, LAYOUT)
     assert request.request_id == "r-1" and request.max_tokens == 3 and request.client_index == 0
 
 
 def test_nil_sampling_params_and_abort_immediately():
-    request = protocol.decode_add(["r", [1], None, None, None], LAYOUT)
+    request = decode_add(["r", [1], None, None, None], LAYOUT)
     assert not request.has_sampling_params and request.max_tokens is None
     full = ["r", [1], None, {}, None] + [None] * 6 + [0, 0, 0, None, False, None, None, None, True]
-    assert protocol.decode_add(full, LAYOUT).abort_immediately is True
+    assert decode_add(full, LAYOUT).abort_immediately is True
 
 
 @pytest.mark.parametrize(
@@ -232,26 +228,26 @@ def test_nil_sampling_params_and_abort_immediately():
 )
 def test_bad_init(init, reason):
     with pytest.raises(ProtocolError, match=reason):
-        protocol.decode_init([msgpack.packb(init)])
+        decode_init([msgpack.packb(init)])
 
 
 def test_outputs_are_short_and_never_empty():
-    running = protocol.engine_core_output("r", [5])
-    final = protocol.engine_core_output("r", [6], FinishReason.LENGTH)
+    running = engine_core_output("r", [5])
+    final = engine_core_output("r", [6], FinishReason.LENGTH)
     assert running == ["r", [5]]
     assert final == ["r", [6], None, None, None, 1]
-    batch = protocol.engine_core_outputs(3, [running], 12.5)
+    batch = engine_core_outputs(3, [running], 12.5)
     assert batch == [3, [running], None, 12.5]
-    done = protocol.engine_core_outputs(3, [final], 13, ["r"])
+    done = engine_core_outputs(3, [final], 13, ["r"])
     assert done == [3, [final], None, 13.0, None, ["r"]] and isinstance(done[3], float)
     assert len(done) <= len(LAYOUT.outputs_fields) == 9
     with pytest.raises(ValueError, match="empty"):
-        protocol.engine_core_outputs(0, [], 1.0)
+        engine_core_outputs(0, [], 1.0)
 
 
 def test_error_output_places_request_error_at_its_layout_position():
-    error = protocol.request_error("engine_paused", "paused", retryable=True)
-    out = protocol.engine_core_output("r", [], FinishReason.ERROR, error, LAYOUT)
+    error = request_error("engine_paused", "paused", retryable=True)
+    out = engine_core_output("r", [], FinishReason.ERROR, error, LAYOUT)
     assert out[5] == 3
     assert out[LAYOUT.output_position("error")] == error
     # num_nans_in_logits must be an int, never nil (Rs-FE rejects nil).
@@ -260,22 +256,22 @@ def test_error_output_places_request_error_at_its_layout_position():
 
 
 def test_utility_reply_envelopes():
-    ok = protocol.utility_reply(1, 2**64 - 1, 5.0, ["generate"])
+    ok = utility_reply(1, 2**64 - 1, 5.0, ["generate"])
     assert ok == [1, [], None, 5.0, [2**64 - 1, None, [None, ["generate"]]]]
-    unit = protocol.utility_reply(1, 7, 5.0)
+    unit = utility_reply(1, 7, 5.0)
     assert unit[4] == [7, None, [None, None]]  # the envelope is always there (§4.6)
-    failed = protocol.utility_reply(1, 7, 5.0, failure_message="nope")
+    failed = utility_reply(1, 7, 5.0, failure_message="nope")
     assert failed[4] == [7, "nope", None]
-    packed = protocol.Packer().pack(ok)
+    packed = Packer().pack(ok)
     assert msgpack.unpackb(packed)[4][0] == 2**64 - 1
 
 
 def test_handshake_messages():
-    assert protocol.hello_message() == {"status": "HELLO", "local": False, "headless": True}
-    ready = protocol.ready_message(1024)
+    assert hello_message() == {"status": "HELLO", "local": False, "headless": True}
+    ready = ready_message(1024)
     assert ready == {"status": "READY", "local": False, "headless": True, "num_gpu_blocks": 1024, "dp_stats_address": None}
-    assert protocol.ready_message(1, parallel_config_hash="ab")["parallel_config_hash"] == "ab"
-    assert [protocol.engine_identity(r) for r in (0, 1, 258)] == [b"\x00\x00", b"\x01\x00", b"\x02\x01"]
+    assert ready_message(1, parallel_config_hash="ab")["parallel_config_hash"] == "ab"
+    assert [engine_identity(r) for r in (0, 1, 258)] == [b"\x00\x00", b"\x01\x00", b"\x02\x01"]
 
 
 ADDS = [r for r in INPUTS if r["decoded"][0]["request_type"] == "ADD"]
@@ -296,13 +292,13 @@ def test_the_short_reading_of_sampling_params_is_the_full_one(record, stops):
     one) takes _decode_stops' short reading: the request is the one the full
     reading makes of the same ADD, which a rare key with its absent value
     forces (issue 17: the ADD path)."""
-    payload = protocol.unpack(_frames(record)[1])
+    payload = unpack(_frames(record)[1])
     payload[3].update(stops)
-    assert protocol._RARE_SAMPLING_KEYS.isdisjoint(payload[3])
-    short = protocol.decode_add(payload, LAYOUT)
+    assert _RARE_SAMPLING_KEYS.isdisjoint(payload[3])
+    short = decode_add(payload, LAYOUT)
     for key, absent in (("logit_bias", None), ("extra_args", {}), ("ignore_eos", False), ("logprobs", None)):
         forced = [*payload[:3], {**payload[3], key: absent}, *payload[4:]]
-        assert protocol.decode_add(forced, LAYOUT) == short, key
+        assert decode_add(forced, LAYOUT) == short, key
     assert short.stop_token_ids == tuple(payload[3].get("stop_token_ids") or ())
     assert short.all_stop_token_ids == tuple(payload[3].get("_all_stop_token_ids") or ())
     assert short.eos_token_id == payload[3].get("_eos_token_id")
@@ -315,8 +311,8 @@ def test_stop_id_lists_of_non_ints_are_refused_on_the_short_reading(key, value):
     """The short reading checks the stop id lists as the full one does: a
     bool, a string or a float in them, or no list at all, is a BadValue
     naming the key."""
-    payload = protocol.unpack(_frames(ADDS[0])[1])
+    payload = unpack(_frames(ADDS[0])[1])
     payload[3][key] = value
-    result = protocol.decode_add(payload, LAYOUT)
-    assert isinstance(result, protocol.InvalidRequest)
+    result = decode_add(payload, LAYOUT)
+    assert isinstance(result, InvalidRequest)
     assert key in result.reason
