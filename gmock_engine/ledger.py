@@ -2,7 +2,7 @@
 
 Pure. It watches what an engine receives (ADD, ABORT) and what it sends
 (every EngineCoreOutputs), independently of the engine's own state, and
-checks the invariants a frontend relies on (PROTOCOL.md §3.4, §4.2):
+checks the invariants a frontend relies on (docs/protocol.md §3.4, §4.2):
 
 * every started request gets exactly one terminal output (a finish reason),
   or, for `abort_immediately`, only its id in `finished_requests`;

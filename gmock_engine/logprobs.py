@@ -1,7 +1,7 @@
 """Synthetic log-probabilities: the one place they are made; pure.
 
 A real engine reports, for each sampled token, its log-probability and rank
-and the top-K alternatives (PROTOCOL.md §4.3, Appendix E). A mock has no
+and the top-K alternatives (docs/protocol.md §4.3, Appendix E). A mock has no
 model, so the numbers are drawn, deterministically per (seed, engine rank,
 request id, position), and kept self-consistent the way a frontend, a
 client or an evaluation harness can check:
@@ -28,7 +28,7 @@ process, so its per-token cost is three byte slices (issue 17: ~3.2 us a
 token with 5 alternatives drawn, against ~0.3). The rows then depend on
 (pool position, k) instead of the request's own stream; since a request's
 pool position is seeded per (seed, engine rank, request id), they stay
-deterministic per request (PROTOCOL.md §9.2).
+deterministic per request (docs/protocol.md §9.2).
 """
 
 from __future__ import annotations

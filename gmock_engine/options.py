@@ -153,12 +153,12 @@ CONNECTION = Group(
         Option(
             "--parallel-config-hash",
             "parallel_config_hash sent in READY; only the Python frontend with an MoE model and DP > 1 "
-            "needs it (it prints the expected value on mismatch, PROTOCOL.md §2.7)",
+            "needs it (it prints the expected value on mismatch, docs/protocol.md §2.7)",
         ),
         Option(
             "--protocol-version",
             "the frontend's vLLM version (0.11 to 0.33, e.g. 0.25, 0.25.1, 0.28.0): the wire layout of its era; "
-            "auto (default) detects the era from the first request and logs what it found (PROTOCOL.md §8)",
+            "auto (default) detects the era from the first request and logs what it found (docs/protocol.md §8)",
             default=protocol.AUTO,
             type=protocol_version,
         ),
@@ -328,7 +328,7 @@ LORA = Group(
 )
 
 KV_EVENTS = Group(
-    "KV-cache events for cache-aware routers (PROTOCOL.md Appendix D)",
+    "KV-cache events for cache-aware routers (docs/protocol.md Appendix D)",
     (
         Option(
             "--kv-events-config",
@@ -375,7 +375,7 @@ DISAGGREGATION = Group(
 )
 
 READY = Group(
-    "ready response (what the frontend reads at startup, PROTOCOL.md §2.5)",
+    "ready response (what the frontend reads at startup, docs/protocol.md §2.5)",
     (
         Option("--max-model-len", "context length; the frontend uses the minimum over engines", default=1048576, type=int_at_least(1)),
         Option(

@@ -5,7 +5,7 @@ tokens are hashed in a chain (each hash covers the block and everything
 before it), so a hit means the whole prefix up to that block was seen.
 
 The model keeps physical blocks, as vLLM does, because the KV events a
-router reads (PROTOCOL.md Appendix D) must say exactly what is cached:
+router reads (docs/protocol.md Appendix D) must say exactly what is cached:
 
 * a running request holds its blocks (`Request.kv_blocks`); a hit *touches*
   the cached blocks of its prefix (shared: `ref` + 1) instead of taking new

@@ -13,7 +13,7 @@ Random and file ids come from a pool drawn (or read) once: a request's state
 is its position in the pool, starting at an offset seeded from (seed, engine
 rank, request id), so a run with the same seed and the same request ids
 produces the same tokens, whatever the interleaving of requests (the Rust
-mock's rule, PROTOCOL.md §9.2). Drawing `n` ids is then one list slice,
+mock's rule, docs/protocol.md §9.2). Drawing `n` ids is then one list slice,
 which is what makes the per-token path cheap (issue 17): the scheduler's
 steady state slices `TokenPool.ids` itself.
 

@@ -1,7 +1,7 @@
 """Sockets: joining the frontend's handshake, one engine's sockets and the
 loops that own them.
 
-The frontend binds every socket; an engine only connects (PROTOCOL.md §1).
+The frontend binds every socket; an engine only connects (docs/protocol.md §1).
 Per engine identity this module connects the handshake DEALER, sends HELLO,
 takes INIT, connects one DEALER per input address (sending the ready response
 on each) and one PUSH per output address, passes the coordinator gate when

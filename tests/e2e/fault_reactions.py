@@ -9,6 +9,8 @@ table; run this file to print the table afresh:
     .venv/bin/python tests/e2e/fault_reactions.py [--frontend python|rust] [scenario ...]
 
 Phrases hold no timings (the machine is shared); timings go to `notes`.
+
+§N: section N of docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -285,7 +287,7 @@ SCENARIOS: Dict[str, Scenario] = {
     "late-finish": Scenario("late-finish", "every=1 limit=2 delay=3s", late_after_abort),
     "fail-utility": Scenario("fail-utility", "every=1 method=reset_prefix_cache", utility_at_runtime,
                              frontend_env={"VLLM_SERVER_DEV_MODE": "1"}),
-    # vllm-rs makes no utility call at start-up (PROTOCOL.md §5)
+    # vllm-rs makes no utility call at start-up (docs/protocol.md §5)
     "fail-utility-at-start-up": Scenario("fail-utility", "every=1 method=get_supported_tasks", fails_at_start_up,
                                          frontends=("python",), starts_itself=True),
 }

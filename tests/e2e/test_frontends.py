@@ -1,8 +1,10 @@
 """End-to-end scenarios: OpenAI API requests through a real vLLM frontend into gmock_engine.
 
-Every test runs once per topology of the issue matrix (`stack` fixture, one
+Every test runs once per topology of the matrix (`stack` fixture, one
 frontend + engine pair per topology, shared by the scenarios): Python frontend
 DP1 / 1 API server, Python DP4 / 2 API servers, Rust frontend DP1, Rust DP4.
+
+§N: section N of docs/protocol.md.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 Real sockets (tcp and ipc), real greenlets; the fake frontend plays the
 frontend's side of the handshake and traffic (tests/fake_frontend.py).
+
+§N: section N of docs/protocol.md.
 """
 
 import contextlib

@@ -1,4 +1,6 @@
-"""protocol.py against real frames from ../shared/traces (copied into tests/data)."""
+"""protocol.py against real frames captured from the frontends (tests/data/frames.json).
+
+§N: section N of docs/protocol.md."""
 
 import json
 import os
