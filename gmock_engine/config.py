@@ -361,7 +361,7 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
 
 def _check_kv_events(args: argparse.Namespace, sources: "Sources") -> None:
     """--kv-events-config needs the prefix cache it reports on; the kv-*
-    faults need the events they act on (issue 15)."""
+    faults need the events they act on."""
     events = args.kv_events_config
     enabled = events is not None and events.enabled
     if enabled and not args.prefix_caching:

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 LANE_POOLS = 4
 #: A stop set gets its copy when the second request with it joins a lane
 #: (a set seen once, such as a client's one-off stop_token_ids, is not worth
-#: ~1 ms); this many sets are counted at most.
+#: building a pool copy for); this many sets are counted at most.
 STOP_SETS_COUNTED = 1024
 
 # bound once: an enum member through its metaclass costs more than a global

@@ -122,7 +122,7 @@ class Outbox:
         """The common message (one client, nothing ended), built and checked
         inline: a layer of calls less for every step of a few requests,
         where the per-step cost is what a mock behind a real frontend
-        spends (issue 17, P2). The layout is protocol.engine_core_outputs'
+        spends. The layout is protocol.engine_core_outputs'
         (§4.2), which a test holds it to."""
         now = self.clock()
         stats = self._stats_if_due(now)

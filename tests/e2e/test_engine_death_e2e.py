@@ -1,4 +1,4 @@
-"""How the real frontends react when the engine goes away (issue 6's table).
+"""How the real frontends react when the engine goes away.
 
 With --send-dead-on-exit the engine pushes ENGINE_CORE_DEAD on every output
 socket when it stops: both frontends then report it (/health 503, requests

@@ -2,7 +2,7 @@
 loglikelihood (multiple-choice) task offline through the real frontends,
 with a custom task YAML over a local JSON dataset (no hub). Loglikelihood
 tasks send completions with `echo` + `logprobs` and read the prompt's and
-continuation's token logprobs back: they need what issue 12 built.
+continuation's token logprobs back: they need prompt logprobs and echo.
 
 lm-eval is installed by this module into its own venv in the frontends'
 cache ($GMOCK_FRONTENDS_HOME/lmeval-venv, ~1 min and ~0.9 GB the first time;

@@ -297,7 +297,7 @@ def test_the_short_reading_of_sampling_params_is_the_full_one(record, stops):
     """An ADD whose SamplingParams name none of the rare keys (every traced
     one) takes _decode_stops' short reading: the request is the one the full
     reading makes of the same ADD, which a rare key with its absent value
-    forces (issue 17: the ADD path)."""
+    forces (the short reading keeps the ADD path cheap)."""
     payload = protocol.unpack(_frames(record)[1])
     payload[3].update(stops)
     assert protocol._RARE_SAMPLING_KEYS.isdisjoint(payload[3])
