@@ -93,7 +93,7 @@ def new_parser(
 
 def build_parser() -> configargparse.ArgumentParser:
     """The one parser of the engine's options: --config and --version, then
-    the groups of options.py in their order (README's option table follows
+    the groups of options.py in their order (docs/configuration.md's option tables follow
     it, which a unit test keeps in step): --help, --print-config,
     conf/all-options.ini and docs/configuration.md list the options so."""
     parser = new_parser(

@@ -19,7 +19,7 @@ a utility call, for the event-plane faults (`kv-*`, with
 `--kv-events-config`) a batch of KV events being published, and for
 `kv-transfer-*` a consumer's request that loads its KV from a prefill
 engine (`do_remote_prefill`, kv_transfer.py). What each kind does, and how the real frontends react, is
-in the README ("Fault injection").
+in docs/faults.md.
 
 `Faults` decides (per engine); `rewrite` applies the wire faults to the
 messages the engine built; fault_injection.py does the rest of what a fired

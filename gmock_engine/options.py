@@ -7,7 +7,8 @@ the process runs; `setting`, the EngineSettings field it feeds when a reload
 hands it to each engine (engine.RELOADABLE_SETTINGS). config.build_parser
 adds the groups to the parser in this order: --help, --print-config,
 conf/all-options.ini and docs/configuration.md list the options so, and
-README's option table follows it (a unit test keeps them in step).
+docs/configuration.md's option tables follow it (generated from the parsers;
+a unit test keeps the page current).
 
 Pure: neither gevent nor zmq, nor configargparse (the groups are added to
 any argparse parser).
@@ -342,7 +343,7 @@ KV_EVENTS = Group(
 )
 
 DISAGGREGATION = Group(
-    "prefill/decode disaggregation (off unless a role is given; README, P/D disaggregation)",
+    "prefill/decode disaggregation (off unless a role is given; docs/pd.md)",
     (
         Option(
             "--kv-role",
@@ -478,7 +479,7 @@ LOGGING = Group(
 
 FAULTS = Group(
     "fault injection (off by default; value: one trigger of rate=P, every=N or at=T, "
-    "optional ranks=0,2-3 and limit=N, and the kind's own keys; see README, Fault injection)",
+    "optional ranks=0,2-3 and limit=N, and the kind's own keys; see docs/faults.md)",
     tuple(Option(f"--fault-{kind}", spec.help, type=fault(kind), metavar="SPEC", reload=FAULT_LAYER) for kind, spec in KINDS.items()),
 )
 

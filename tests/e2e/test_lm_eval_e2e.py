@@ -25,7 +25,7 @@ from test_frontends import DP1_TOPOLOGIES
 
 #: The Python frontend only: vllm-rs 0.33 answers lm-eval's batched token-id
 #: prompts (`"prompt": [[ids]]`) with 400 "data did not match any variant of
-#: untagged enum Prompt" (README, "Logprobs").
+#: untagged enum Prompt" (docs/logprobs.md).
 pytestmark = [pytest.mark.e2e, pytest.mark.parametrize("stack", DP1_TOPOLOGIES[:1], indirect=True, ids=lambda t: t.id)]
 
 LM_EVAL = "lm-eval[api]==0.4.13"

@@ -45,7 +45,7 @@ def pinned(version: str) -> tuple:
 
 #: Each older version with the engine's default (`--protocol-version auto`), and
 #: the 0.21-0.25 ones also pinned, since auto cannot tell them from 0.26-0.27
-#: (both send 20-element ADDs; README "Frontend versions", docs/protocol.md §8.2).
+#: (both send 20-element ADDs; docs/wire-versions.md, docs/protocol.md §8.2).
 VERSION_TOPOLOGIES = [
     h.Topology("rust", dp=1, version="0.22.0", engine_processes=pinned("0.22.0"), label="pinned"),
     h.Topology("rust", dp=1, version="0.25.0"),
