@@ -8,7 +8,7 @@ loop per step, its members' next ids out of the token pool, one
 with `reuse_outputs`). The step a request leaves its lane in is fixed when
 it joins (`_lane_exits`), so the loop checks nothing per request: the
 steady state pays for its tokens and nothing else, as the floor's loop
-(tools/reference_emitter.py). Everything else takes the output processor's
+(benchmarks/reference_emitter.py). Everything else takes the output processor's
 full path (output_processor.py), which also decides when a request joins.
 
 `LaneBooks` is a base of `OutputProcessor`: its methods are the output
