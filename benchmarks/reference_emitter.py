@@ -52,6 +52,8 @@ output.
     python benchmarks/reference_emitter.py --handshake-address tcp://127.0.0.1:29550 \\
         [--engine-count N] [--output-token-chunk-size K] [--vocab-size V] [--seed S] \\
         [--itl-ms MS] [--prefix-caching] [--kv-events-config JSON] [--num-gpu-blocks B] [--block-size S]
+
+§N: section N of docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ class _Block:
 class FloorKV:
     """Prefix caching and KV events at the floor (`--prefix-caching`).
 
-    The job is vLLM's block pool (PROTOCOL.md Appendix D): cached blocks by
+    The job is vLLM's block pool (docs/protocol.md Appendix D): cached blocks by
     hash, an LRU of the evictable ones, and for each running request its
     blocks, hashed as they fill, with one BlockStored per request and step
     for the blocks that became full, one BlockRemoved per evicted block.

@@ -90,7 +90,7 @@ def main() -> int:
     print("== P5: requests in flight; engines joining ==")
     many = 100_000 if options.quick else 1_000_000
     p5 = row(f"C {many} itl 60 s",
-             # the warm-up covers taking in every ADD (~25 µs each); a step a
+             # the warm-up allows 40 µs for taking in each ADD; a step a
              # minute (one of 1 000 000 outputs takes seconds to send and read)
              ["--concurrency", str(many), "--itl-ms", "60000", "--max-tokens", "1000000000", "--duration", "4",
               "--warmup", str(many * 40e-6 + 3),

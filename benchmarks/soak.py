@@ -20,7 +20,7 @@ request outcomes. The verdict at the end:
   <= 1 % (--rss-growth-limit).
 
 With faults injected (`--engine-arg=--fault-error-mid-stream=rate=0.01`,
-README "Fault injection") the books still have to balance (0 violations);
+docs/faults.md) the books still have to balance (0 violations);
 failed requests may then number up to the request faults that fail a
 request (error-mid-stream, drop-finish), read from the engine's own
 `gmock_faults_injected_total`. Engine faults (crash, hang) end a soak with
@@ -220,7 +220,7 @@ REQUEST_FAULTS_MOVING_ABORTS = ("error_mid_stream", "late_finish", "drop_finish"
 #: goes idle. (duplicate-finish, slow-steps and fail-utility move nothing: every
 #: close still reaches a request the engine is still running.)
 ENGINE_FAULTS_MOVING_ABORTS = ("stall_outputs", "hang", "crash")
-#: Request faults that fail a request on purpose (README, Fault injection).
+#: Request faults that fail a request on purpose (docs/faults.md).
 FAILING_FAULTS = ("error_mid_stream", "drop_finish")
 
 

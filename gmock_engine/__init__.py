@@ -2,6 +2,8 @@
 
 Importing the package has no side effects (no monkey-patching, no sockets):
 `python -m gmock_engine` / the `gmock-engine` script patches gevent first.
+
+§N in comments: section N of docs/protocol.md; an appendix cited by its letter is that page's too.
 """
 
 __version__ = "0.1.0"

@@ -271,8 +271,8 @@ def _trim_heap(trim: Callable[[int], int], interval: float) -> None:
     glibc keeps memory that was freed (message buffers, finished requests)
     mapped, so a long run's RSS rises in steps to its high-water mark and
     stays there; a soak reading RSS for leaks then sees growth that is not
-    held by anything. A 1 h soak showed +1 MB of such free heap, returned by
-    one malloc_trim(0). The call takes ~2 ms even for a 200 MB heap.
+    held by anything. One malloc_trim(0) returns that free heap, and the
+    call is cheap enough to make at a soak's pace.
     """
     while True:
         gevent.sleep(interval)

@@ -113,9 +113,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Each step allocates thousands of short-lived, acyclic lists that
     # reference counting frees at once; with CPython's default thresholds the
     # cyclic GC still runs every few hundred allocations and, every ~16 steps,
-    # walks the whole request table: milliseconds of stall at thousands of
-    # requests (step lateness p99 3-5 ms -> 0.2-0.3 ms at 2048 requests,
-    # benchmarks/README.md). Freeze what startup built and collect rarely.
+    # walks the whole request table: a stall that grows with the number of
+    # requests and shows as step lateness. Freeze what startup built and
+    # collect rarely.
     gc.freeze()
     gc.set_threshold(GC_THRESHOLD, 50, 100)
     # A reload reads the same command line and the environment again.
@@ -145,7 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        except kv_event_publisher.BindError as exc:  # the KV event PUB / replay ROUTER (issue 15)
+        except kv_event_publisher.BindError as exc:  # the KV event PUB / replay ROUTER could not bind
             print(f"gmock-engine: error: argument --kv-events-config: {exc}", file=sys.stderr)
             return 2
         app.supervisor.spawn("no-frontend-hint", _hint_if_no_frontend, app, config)

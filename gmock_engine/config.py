@@ -93,7 +93,7 @@ def new_parser(
 
 def build_parser() -> configargparse.ArgumentParser:
     """The one parser of the engine's options: --config and --version, then
-    the groups of options.py in their order (README's option table follows
+    the groups of options.py in their order (docs/configuration.md's option tables follow
     it, which a unit test keeps in step): --help, --print-config,
     conf/all-options.ini and docs/configuration.md list the options so."""
     parser = new_parser(
@@ -361,7 +361,7 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
 
 def _check_kv_events(args: argparse.Namespace, sources: "Sources") -> None:
     """--kv-events-config needs the prefix cache it reports on; the kv-*
-    faults need the events they act on (issue 15)."""
+    faults need the events they act on."""
     events = args.kv_events_config
     enabled = events is not None and events.enabled
     if enabled and not args.prefix_caching:

@@ -23,7 +23,7 @@ vLLM keeps them:
 
 The greenlet wiring (runner.py) moves frames in and out; everything that
 decides *what* the engine says lives in these modules and is unit-tested
-without I/O. Behaviour is the Rust mock's (PROTOCOL.md §9.3) plus what the
+without I/O. Behaviour is the Rust mock's (docs/protocol.md §9.3) plus what the
 real frontends need from an engine: pause/sleep that end in-flight streams
 (§3.4, §5), `finished_requests` for every end (§3.4, §6.1), SchedulerStats,
 events and prefill stats (§4.5, §7).
@@ -80,7 +80,7 @@ __all__ = [
     "RELOADABLE_SETTINGS",
 ]
 
-#: read once per ADD: a module constant, not an enum member lookup (~0.1 µs on CPython 3.11)
+#: read once per ADD: a module constant, not an enum member lookup (a metaclass attribute lookup per use)
 _QUEUED = EngineCoreEventType.QUEUED
 
 
@@ -438,7 +438,7 @@ class EngineCore:
                 request.prompt_len,
                 max_tokens,
                 self.chunk,
-                # the adapter it names, for per-adapter counts from the log (README "LoRA adapters")
+                # the adapter it names, for per-adapter counts from the log (docs/lora.md)
                 "" if lora_request is None else f" lora={short(lora_request.lora_name, 60)}",
             )
         if max_tokens == 0:

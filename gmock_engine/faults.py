@@ -19,7 +19,7 @@ a utility call, for the event-plane faults (`kv-*`, with
 `--kv-events-config`) a batch of KV events being published, and for
 `kv-transfer-*` a consumer's request that loads its KV from a prefill
 engine (`do_remote_prefill`, kv_transfer.py). What each kind does, and how the real frontends react, is
-in the README ("Fault injection").
+in docs/faults.md.
 
 `Faults` decides (per engine); `rewrite` applies the wire faults to the
 messages the engine built; fault_injection.py does the rest of what a fired
@@ -83,7 +83,7 @@ KINDS: Dict[str, Kind] = {
     "kv-transfer-slow": Kind(TRANSFER, (("delay", 2.0),), "the request's KV transfer takes delay= (default 2s) longer"),
     "fail-utility": Kind(UTILITY, (("method", None),), "the utility call is answered with a failure_message "
                          "(method=: only calls of that method; default: any but gmock_stats)"),
-    # The event plane (kv_event_publisher.py, PROTOCOL.md Appendix D): the occasion is a KV event batch.
+    # The event plane (kv_event_publisher.py, docs/protocol.md Appendix D): the occasion is a KV event batch.
     "kv-drop-batch": Kind(KV_EVENTS, (), "the KV event batch is not published (a seq gap; replay still has it)"),
     "kv-duplicate-batch": Kind(KV_EVENTS, (), "the KV event batch is published twice (the same seq)"),
     "kv-reorder-batches": Kind(KV_EVENTS, (), "the KV event batch is published after the next one (seq n+1 before n)"),
@@ -117,7 +117,7 @@ def _ranks(text: str) -> FrozenSet[int]:
         first, last = int(low), int(high) if sep else int(low)
         if last < first:
             raise ValueError(f"ranks={text!r}: {part.strip()} is an empty range")
-        if last > 0xFFFF:  # a 2-byte engine identity (PROTOCOL.md §1)
+        if last > 0xFFFF:  # a 2-byte engine identity (docs/protocol.md §1)
             raise ValueError(f"ranks={text!r}: {last} is not an engine rank (at most 65535)")
         ranks.update(range(first, last + 1))
     return frozenset(ranks)

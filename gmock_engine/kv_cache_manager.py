@@ -108,8 +108,8 @@ class KVCacheManager:
         """`on_output` for each request of a lane, with the tokens its step
         wrote into its own output list (`lane_output[1]`): one call per lane
         and step instead of one per request, the scheduler's sliced lane
-        loops kept for prefix caching (issue 17: with caching on, the call
-        per token was ~20 % of a step). The same rules as `on_output`; a test
+        loops kept for prefix caching (a call per token would be a large
+        part of a step with caching on). The same rules as `on_output`; a test
         holds the two to the same blocks, hashes and events."""
         size = self.block_size
         cache = self.prefix_cache

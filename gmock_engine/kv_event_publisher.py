@@ -1,6 +1,6 @@
 """The KV-event publisher: one engine's PUB and replay ROUTER, and their greenlets.
 
-PROTOCOL.md Appendix D; vLLM: `ZmqEventPublisher` in
+docs/protocol.md Appendix D; vLLM: `ZmqEventPublisher` in
 `vllm/distributed/kv_events.py`. The config and the wire form it sends are
 kv_events.py's (pure); this module owns the sockets:
 
@@ -110,7 +110,7 @@ class KVEventPublisher:
 
     @property
     def fmt(self) -> EventFormat:
-        """The event format now (the frontend's era, PROTOCOL.md Appendix D)."""
+        """The event format now (the frontend's era, docs/protocol.md Appendix D)."""
         return self._fmt if isinstance(self._fmt, EventFormat) else self._fmt()
 
     def bind(self) -> None:

@@ -1,6 +1,6 @@
 """KV-cache events for cache-aware routers: the config and the wire form (pure).
 
-PROTOCOL.md Appendix D; vLLM: `vllm/distributed/kv_events.py`,
+docs/protocol.md Appendix D; vLLM: `vllm/distributed/kv_events.py`,
 `vllm/config/kv_events.py`. What is cached, stored and evicted is decided by
 the KV manager (prefix_cache.py), which records plain event tuples; the
 engine takes them once per step and the runtime hands them to the publisher

@@ -16,7 +16,7 @@ decodes, and a transfer can fail (the request ends with ERROR, vLLM's
 default `kv_load_failure_policy` "fail") or be slow (fault injection).
 
 The params reach the engine in `SamplingParams.extra_args["kv_transfer_params"]`
-(PROTOCOL.md §3.3; both frontends put the HTTP body's `kv_transfer_params`
+(docs/protocol.md §3.3; both frontends put the HTTP body's `kv_transfer_params`
 there) and leave in EngineCoreOutput index 8 (§4.3, the same index in every
 era), on the request's terminal output.
 

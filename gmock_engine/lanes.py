@@ -8,7 +8,7 @@ loop per step, its members' next ids out of the token pool, one
 with `reuse_outputs`). The step a request leaves its lane in is fixed when
 it joins (`_lane_exits`), so the loop checks nothing per request: the
 steady state pays for its tokens and nothing else, as the floor's loop
-(tools/reference_emitter.py). Everything else takes the output processor's
+(benchmarks/reference_emitter.py). Everything else takes the output processor's
 full path (output_processor.py), which also decides when a request joins.
 
 `LaneBooks` is a base of `OutputProcessor`: its methods are the output
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 LANE_POOLS = 4
 #: A stop set gets its copy when the second request with it joins a lane
 #: (a set seen once, such as a client's one-off stop_token_ids, is not worth
-#: ~1 ms); this many sets are counted at most.
+#: building a pool copy for); this many sets are counted at most.
 STOP_SETS_COUNTED = 1024
 
 # bound once: an enum member through its metaclass costs more than a global

@@ -2,7 +2,7 @@
 
 Pure. It watches what an engine receives (ADD, ABORT) and what it sends
 (every EngineCoreOutputs), independently of the engine's own state, and
-checks the invariants a frontend relies on (PROTOCOL.md §3.4, §4.2):
+checks the invariants a frontend relies on (docs/protocol.md §3.4, §4.2):
 
 * every started request gets exactly one terminal output (a finish reason),
   or, for `abort_immediately`, only its id in `finished_requests`;
@@ -28,7 +28,7 @@ from .wire.types import FinishReason
 
 _NONE: frozenset = frozenset()
 #: wire finish_reason -> the name its counter is kept under (a dict lookup,
-#: not `FinishReason(value).name` per end: enum calls are slow, issue 17)
+#: not `FinishReason(value).name` per end: an enum call costs far more)
 _REASON_NAMES: Dict[int, str] = {int(reason): reason.name.lower() for reason in FinishReason}
 _ERROR = int(FinishReason.ERROR)
 
@@ -37,7 +37,7 @@ _ERROR = int(FinishReason.ERROR)
 CHECKED_MEMORY = 16
 
 #: Ended request ids kept to recognise late outputs: a small window, so a
-#: soak's RSS settles at once (~0.2 MB); an output for an id that ended more
+#: soak's RSS settles at once; an output for an id that ended more
 #: than this many requests ago is still a violation, reported as "unknown id".
 DEFAULT_MEMORY = 1024
 
@@ -104,8 +104,8 @@ class Ledger:
             # remembered messages): a running output of an open request
             # ([id, tokens], 2 long) needs nothing more; the others, the
             # step's first and last outputs and any stray, are looked at
-            # below. ~32 ns an output, where a C-level lookup pass and a
-            # second pass for finish reasons took ~46 (issue 17).
+            # below: one pass, cheaper than a C-level lookup pass and a
+            # second pass for finish reasons.
             odd = [o for o in outputs if len(o) != 2 or o[0] not in open_ids]
             if odd:
                 strays = {o[0] for o in odd if o[0] not in open_ids}

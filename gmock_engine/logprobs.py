@@ -1,7 +1,7 @@
 """Synthetic log-probabilities: the one place they are made; pure.
 
 A real engine reports, for each sampled token, its log-probability and rank
-and the top-K alternatives (PROTOCOL.md §4.3, Appendix E). A mock has no
+and the top-K alternatives (docs/protocol.md §4.3, Appendix E). A mock has no
 model, so the numbers are drawn, deterministically per (seed, engine rank,
 request id, position), and kept self-consistent the way a frontend, a
 client or an evaluation harness can check:
@@ -24,11 +24,11 @@ A request with no sampling controls that draws from a token pool (the
 random source, a token file) takes its rows from a `RowPool`: the rows of
 every position of that pool at its k, drawn once by the same model (a block
 at a time, on first use) and shared by every request and engine of the
-process, so its per-token cost is three byte slices (issue 17: ~3.2 us a
-token with 5 alternatives drawn, against ~0.3). The rows then depend on
+process, so its per-token cost is three byte slices instead of a draw of
+every alternative. The rows then depend on
 (pool position, k) instead of the request's own stream; since a request's
 pool position is seeded per (seed, engine rank, request id), they stay
-deterministic per request (PROTOCOL.md §9.2).
+deterministic per request (docs/protocol.md §9.2).
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ _PICK_ATTEMPTS = 64
 #: (vLLM's default max_logprobs); beyond, rows are drawn per token.
 ROW_POOL_MAX_SIZE = 1 << 16
 ROW_POOL_MAX_K = 20
-#: Positions drawn at once when a RowPool first needs them: ~0.6 ms of the
-#: hub at k = 5, ~2 ms at k = 20.
+#: Positions drawn at once when a RowPool first needs them: a block holds
+#: the hub for a short while, more with a larger k.
 ROW_BLOCK = 256
 #: Bytes the RowPools of a process may hold. When a new one would exceed
 #: it, those of other token pools or models (before a reload) go first;
@@ -306,8 +306,8 @@ def _row_pool_bytes() -> int:
 
 
 #: (tokens, columns, wide) -> the three packers of `LogprobModel.rows`: made
-#: once per shape instead of a format string per call (~0.5 us of the ~7 us
-#: a logprobs output costs, issue 17). Shapes are few (the chunk size and the
+#: once per shape instead of a format string per call (which would be a
+#: sizeable part of what a logprobs output costs). Shapes are few (the chunk size and the
 #: k asked); the cache starts afresh beyond _STRUCTS_KEPT of them.
 _struct_cache: "dict[Tuple[int, int, bool], Tuple[struct.Struct, struct.Struct, struct.Struct]]" = {}
 _STRUCTS_KEPT = 256

@@ -40,7 +40,7 @@ class LoRAError(Exception):
 
 @dataclass(frozen=True)
 class LoRARequest:
-    """vLLM's LoRARequest as it arrives in an ADD (index 6, PROTOCOL.md §3.2)
+    """vLLM's LoRARequest as it arrives in an ADD (index 6, docs/protocol.md §3.2)
     or as the argument of `add_lora` (§5)."""
 
     lora_name: str

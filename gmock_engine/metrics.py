@@ -109,7 +109,7 @@ class ConfigCollector(Collector):
         for result in ("applied", "refused"):
             reloads.add_metric([result], app.reloads[result])
         yield reloads
-        # Which wire layout the engines speak (PROTOCOL.md §8.2): named by
+        # Which wire layout the engines speak (docs/protocol.md §8.2): named by
         # --protocol-version ("configured"), read off the first ADD ("detected"),
         # or still the newest one while no request came ("pending").
         wire = app.wire

@@ -7,7 +7,8 @@ the process runs; `setting`, the EngineSettings field it feeds when a reload
 hands it to each engine (engine.RELOADABLE_SETTINGS). config.build_parser
 adds the groups to the parser in this order: --help, --print-config,
 conf/all-options.ini and docs/configuration.md list the options so, and
-README's option table follows it (a unit test keeps them in step).
+docs/configuration.md's option tables follow it (generated from the parsers;
+a unit test keeps the page current).
 
 Pure: neither gevent nor zmq, nor configargparse (the groups are added to
 any argparse parser).
@@ -153,12 +154,12 @@ CONNECTION = Group(
         Option(
             "--parallel-config-hash",
             "parallel_config_hash sent in READY; only the Python frontend with an MoE model and DP > 1 "
-            "needs it (it prints the expected value on mismatch, PROTOCOL.md §2.7)",
+            "needs it (it prints the expected value on mismatch, docs/protocol.md §2.7)",
         ),
         Option(
             "--protocol-version",
             "the frontend's vLLM version (0.11 to 0.33, e.g. 0.25, 0.25.1, 0.28.0): the wire layout of its era; "
-            "auto (default) detects the era from the first request and logs what it found (PROTOCOL.md §8)",
+            "auto (default) detects the era from the first request and logs what it found (docs/protocol.md §8)",
             default=AUTO,
             type=protocol_version,
         ),
@@ -328,7 +329,7 @@ LORA = Group(
 )
 
 KV_EVENTS = Group(
-    "KV-cache events for cache-aware routers (PROTOCOL.md Appendix D)",
+    "KV-cache events for cache-aware routers (docs/protocol.md Appendix D)",
     (
         Option(
             "--kv-events-config",
@@ -342,7 +343,7 @@ KV_EVENTS = Group(
 )
 
 DISAGGREGATION = Group(
-    "prefill/decode disaggregation (off unless a role is given; README, P/D disaggregation)",
+    "prefill/decode disaggregation (off unless a role is given; docs/pd.md)",
     (
         Option(
             "--kv-role",
@@ -375,7 +376,7 @@ DISAGGREGATION = Group(
 )
 
 READY = Group(
-    "ready response (what the frontend reads at startup, PROTOCOL.md §2.5)",
+    "ready response (what the frontend reads at startup, docs/protocol.md §2.5)",
     (
         Option("--max-model-len", "context length; the frontend uses the minimum over engines", default=1048576, type=int_at_least(1)),
         Option(
@@ -478,7 +479,7 @@ LOGGING = Group(
 
 FAULTS = Group(
     "fault injection (off by default; value: one trigger of rate=P, every=N or at=T, "
-    "optional ranks=0,2-3 and limit=N, and the kind's own keys; see README, Fault injection)",
+    "optional ranks=0,2-3 and limit=N, and the kind's own keys; see docs/faults.md)",
     tuple(Option(f"--fault-{kind}", spec.help, type=fault(kind), metavar="SPEC", reload=FAULT_LAYER) for kind, spec in KINDS.items()),
 )
 

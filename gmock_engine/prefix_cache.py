@@ -5,7 +5,7 @@ tokens are hashed in a chain (each hash covers the block and everything
 before it), so a hit means the whole prefix up to that block was seen.
 
 The model keeps physical blocks, as vLLM does, because the KV events a
-router reads (PROTOCOL.md Appendix D) must say exactly what is cached:
+router reads (docs/protocol.md Appendix D) must say exactly what is cached:
 
 * a running request holds its blocks (`Request.kv_blocks`); a hit *touches*
   the cached blocks of its prefix (shared: `ref` + 1) instead of taking new
@@ -202,8 +202,8 @@ class PrefixCache:
         """`cache` for the case of every decode step that fills a block: one
         block of generated tokens, not hashed yet. The same result (the
         tests hold it to the general path's) at half the work: one slice of
-        the ids for the hash and the event (issue 17: with caching on,
-        caching the blocks was ~30 % of a step)."""
+        the ids for the hash and the event (with caching on, caching the
+        blocks is a large part of a step)."""
         hashes = request.block_hashes
         size = self.block_size
         tokens = request.all_token_ids[index * size : (index + 1) * size]

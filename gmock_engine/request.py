@@ -2,7 +2,7 @@
 
 `Request` is what the engine keeps of one ADD while it waits or runs. Unlike
 a real engine, the mock knows at admission how a request will end: `plan()`
-takes the EngineCoreRequest (PROTOCOL.md §3.2, §3.3) and decides how many
+takes the EngineCoreRequest (docs/protocol.md §3.2, §3.3) and decides how many
 tokens it gets and with which finish reason, from `max_tokens`,
 `max_model_len`, EOS lengths, stop ids and the `vllm_xargs` scenarios. Every
 client value it reads was checked before (wire/inputs.py the ADD's fields,
@@ -21,8 +21,8 @@ from .wire.checks import NO_XARGS, Xargs
 from .wire.inputs import EngineCoreRequest
 from .wire.types import TOKEN_ID_LIMIT, FinishReason
 
-# Read once per ADD: module constants, not enum member lookups (~0.1 µs
-# each on CPython 3.11).
+# Read once per ADD: module constants, not enum member lookups (each a
+# metaclass attribute lookup).
 _LENGTH, _STOP, _ERROR = FinishReason.LENGTH, FinishReason.STOP, FinishReason.ERROR
 _MOCK_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "error": FinishReason.ERROR}
 

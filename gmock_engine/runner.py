@@ -3,7 +3,7 @@
 Per engine (design card):
 
 * one **reader** greenlet per input DEALER (and one for the coordinator
-  socket): receives `[type, payload, aux...]`, decodes it (protocol.py) and
+  socket): receives `[type, payload, aux...]`, decodes it (wire/inputs.py) and
   `deliver`s the message to the stepper. A bad frame is logged and
   dropped; the engine keeps serving. (The loop: `transport.Reader`.)
 * one **stepper** greenlet that owns the `EngineCore`: applies queued input,
@@ -54,7 +54,7 @@ from .supervisor import Supervisor
 #: readers, the sender, the other engines) at least this often.
 YIELD_INTERVAL_S = 0.0001
 #: Input messages the stepper applies between two steps, at most (then it
-#: steps and takes the rest): a cohort of hundreds of ADDs (~25 µs each)
+#: steps and takes the rest): a cohort of hundreds of ADDs, each decoded,
 #: would otherwise hold up the step that serves the first of them, and
 #: every running request's next token, for milliseconds (TTFT at
 #: saturation, step lateness when paced). A count, not a time, so that
@@ -307,8 +307,8 @@ class EngineRunner:
                 # loop iteration with its socket poll; the readers yield when
                 # their socket is empty or the input queue is full, so the
                 # stepper is never starved.
-                # A hub round costs ~9 µs here (its poll, two switches): more
-                # than a step of a few requests. Back-to-back steps yield at
+                # A hub round (its poll, two switches) costs more than a step
+                # of a few requests. Back-to-back steps yield at
                 # most every YIELD_INTERVAL_S (new input waits that long at
                 # most), and at once when the sender has a backlog.
                 if now - yielded >= YIELD_INTERVAL_S or not out_queue.empty():

@@ -13,8 +13,8 @@ Random and file ids come from a pool drawn (or read) once: a request's state
 is its position in the pool, starting at an offset seeded from (seed, engine
 rank, request id), so a run with the same seed and the same request ids
 produces the same tokens, whatever the interleaving of requests (the Rust
-mock's rule, PROTOCOL.md §9.2). Drawing `n` ids is then one list slice,
-which is what makes the per-token path cheap (issue 17): the scheduler's
+mock's rule, docs/protocol.md §9.2). Drawing `n` ids is then one list slice,
+which is what makes the per-token path cheap: the scheduler's
 steady state slices `TokenPool.ids` itself.
 
 The random pool holds RANDOM_POOL_SIZE ids from a 64-bit LCG (Knuth's MMIX
@@ -37,7 +37,7 @@ _LCG_INC = 1442695040888963407
 
 #: blake2b states that have hashed `f"{seed}\0{rank}\0"`, per (seed, rank):
 #: a request's seed copies one and adds its id, instead of formatting and
-#: hashing the whole string (~0.25 µs instead of ~0.6 an ADD, issue 17).
+#: hashing the whole string for every ADD.
 _seed_prefixes: "dict[Tuple[int, int], Any]" = {}
 
 
@@ -106,10 +106,9 @@ class TokenPool:
         that `ids_avoiding(S)[p:p + n] == avoid(ids[p:p + n], S)` at every
         position `p` (n <= POOL_PAD): a request with stop ids draws by a
         slice, as one without does, and makes the same ids as the checked
-        draw would (issue 17: every request of a real frontend names its EOS
-        in `_all_stop_token_ids`, so behind one every token took the checked
-        path). Built once per pool and stop set (the random pool: ~1.2 ms)
-        and shared (AVOIDING_POOLS); None for a pool over
+        draw would (every request of a real frontend names its EOS in
+        `_all_stop_token_ids`, so behind one every token would take the
+        checked path). Built once per pool and stop set and shared (AVOIDING_POOLS); None for a pool over
         AVOIDING_POOL_LIMIT."""
         pool = self.ids
         if len(pool) > AVOIDING_POOL_LIMIT:

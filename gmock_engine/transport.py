@@ -1,7 +1,7 @@
 """Sockets: joining the frontend's handshake, one engine's sockets and the
 loops that own them.
 
-The frontend binds every socket; an engine only connects (PROTOCOL.md §1).
+The frontend binds every socket; an engine only connects (docs/protocol.md §1).
 Per engine identity this module connects the handshake DEALER, sends HELLO,
 takes INIT, connects one DEALER per input address (sending the ready response
 on each) and one PUSH per output address, passes the coordinator gate when
@@ -19,9 +19,9 @@ event), and they stop at the gates the fault layer closes there
 Every wait is a `zmq.green` one: a plain pyzmq call that waits would block
 the whole gevent hub. `RCVTIMEO` does nothing on green sockets, so waits use
 `gevent.Timeout`. What cannot wait (NOBLOCK) goes to libzmq directly
-(`recv_noblock`, `send_noblock`, `readable`): a green call costs 5-9 µs
-more per message (its EVENTS check and enum flag arithmetic after every
-call), which is most of what a step of a few tokens costs (issue 17). That
+(`recv_noblock`, `send_noblock`, `readable`): a green call costs more per
+message (its EVENTS check and enum flag arithmetic after every call), and
+that is most of what a step of a few tokens costs. That
 is safe because each socket direction has one greenlet: nobody else waits on
 the socket for the state check a direct call skips, and the owner waits
 with a wait on the socket's FD (`ReadWaiter`, or the green send on EAGAIN).
@@ -60,7 +60,7 @@ MAX_CUT_REQUESTS = 4096
 #: the socket never signalled (zmq.green's guard against a lost edge: 11.6 s).
 WAIT_SAFETY_NET_S = 120.0
 #: Messages a reader takes in a row before it lets the hub run a round
-#: (~0.4 ms of ADDs; a round costs ~9 µs).
+#: (a round costs little next to decoding this many ADDs).
 READ_SLICE = 16
 
 #: Put on the output queue to end the `Sender` after what is queued before it.
@@ -81,8 +81,7 @@ def recv_noblock(sock: Any) -> List[bytes]:
 
     Each frame is taken as a zmq.Frame and copied out, its `more` flag read
     from the message itself (zmq_msg_more): a socket option read costs
-    ~0.8 µs more in pyzmq 27, which looks every option up in its enum
-    first; a 2-frame message 2.1-2.5 µs where 3.3-3.5 (inproc)."""
+    more in pyzmq, which looks every option up in its enum first."""
     frame = _recv(sock, _NOBLOCK, False)
     frames = [frame.bytes]
     while frame.more:
@@ -108,7 +107,7 @@ class ReadWaiter:
     so a caller that reads it before each wait misses nothing that arrives
     after that look; a wait may return with nothing there: look again.
     zmq.green's own wait costs more for each message that arrives alone
-    (an ADD behind vllm-rs, issue 17): it builds an AsyncResult and starts
+    (an ADD behind vllm-rs): it builds an AsyncResult and starts
     a gevent.Timeout (its guard, every 11.6 s) for every wait, and its FD
     watcher runs a Python callback that reads ZMQ_EVENTS through pyzmq's
     option lookup and sets that AsyncResult, whose links wake the waiter.
@@ -164,8 +163,8 @@ def publish_noblock(sock: Any, frames: Sequence[bytes]) -> None:
     """A multipart message on a PUB, straight to libzmq: a PUB never waits
     (at its high-water mark, or with no subscriber, libzmq drops the
     message), and nobody waits on the socket, so zmq.green's wrapper (its
-    state check after every frame) has nothing to do (issue 17: ~5 % of an
-    engine with KV events on)."""
+    state check after every frame) has nothing to do and would cost every
+    KV event batch."""
     last = len(frames) - 1
     for index, frame in enumerate(frames):
         _send(sock, frame, _NOBLOCK if index == last else _NOBLOCK_SNDMORE)
@@ -339,17 +338,17 @@ class Reader:
                 links.wait_input_open()
             if not readable(sock):
                 # Nothing there: wait for it, then look again. Not a green
-                # recv_multipart, which costs ~9 µs more per message than
-                # this (its per-frame state checks, an EAGAIN exception).
+                # recv_multipart, which costs more per message than this
+                # (its per-frame state checks, an EAGAIN exception).
                 burst = 0
                 wait()
                 continue
             if burst == READ_SLICE:
-                # Paced, a burst (a wave of ADDs, ~25 µs each to decode)
-                # gives the hub a round every READ_SLICE messages, so a step
-                # that falls due meanwhile (its timer) is not held up behind
-                # the whole burst: 256 ADDs at once held paced steps 5-6 ms
-                # late (4 engines, --itl-ms 5). Unpaced, the stepper yields
+                # Paced, a burst (a wave of ADDs, each decoded here) gives
+                # the hub a round every READ_SLICE messages, so a step that
+                # falls due meanwhile (its timer) is not held up behind the
+                # whole burst, which would make it late by the burst's
+                # decoding time. Unpaced, the stepper yields
                 # between its back-to-back steps, and the whole burst is
                 # better taken in at once: the stepper's input slice grows
                 # with the queue (runner.INPUT_SLICE_DIVISOR).
@@ -451,7 +450,7 @@ class Sender:
         the socket never has a second waiter). False: nothing was sent (the
         socket is at its high-water mark); queue the item instead.
 
-        This is the stepper's shortcut when the sender is idle (issue 17):
+        This is the stepper's shortcut when the sender is idle:
         it saves a queue put and get and a greenlet switch per step, and a
         message leaves in the step that made it."""
         if not (self.idle and self.links.outputs_open()):

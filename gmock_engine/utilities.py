@@ -1,5 +1,5 @@
 """Utility calls and the pause/sleep state: pure (vLLM: `EngineCore`'s
-utility methods in `vllm/v1/engine/core.py`, PROTOCOL.md §3.5, §5).
+utility methods in `vllm/v1/engine/core.py`, docs/protocol.md §3.5, §5).
 
 Every call is answered exactly once on the caller's output socket
 (`outputs[client_index]`), with its call id: a result, or a
@@ -287,7 +287,7 @@ def _u_list_loras(u: Utilities, call: UtilityCall) -> List[Outbound]:
     return [u.reply(call, [] if u.lora is None else u.lora.list())]
 
 
-#: Utility methods and their answers (PROTOCOL.md §5, "recommended mock answer").
+#: Utility methods and their answers (docs/protocol.md §5, "recommended mock answer").
 _UTILITIES: Dict[str, Handler] = {
     "get_supported_tasks": _u_supported_tasks,
     "is_sleeping": _u_is_sleeping,

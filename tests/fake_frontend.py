@@ -1,4 +1,4 @@
-"""A fake vLLM frontend for tests: the frontend's side of PROTOCOL.md §1-2.
+"""A fake vLLM frontend for tests: the frontend's side of docs/protocol.md §1-2.
 
 It binds what a real frontend binds (handshake ROUTER, one input ROUTER and
 one output PULL per client, optionally the coordinator's XPUB and PULL),
@@ -26,7 +26,7 @@ from gmock_engine.tools.frontend import REQUEST_INDEX, abort_frames, add_frames,
 from gmock_engine.tools.frontend import engine_core_request as _engine_core_request
 
 DEFAULT_TIMEOUT = 10.0
-#: arrival_time of the observed vllm-rs ADD in PROTOCOL.md §3.2: fixed, so a
+#: arrival_time of the observed vllm-rs ADD in docs/protocol.md §3.2: fixed, so a
 #: test's frames are the same bytes on every run.
 OBSERVED_ARRIVAL_TIME = 1795975013.91
 
@@ -280,7 +280,7 @@ _ERA_DEFAULTS = {"resumable": False, "abort_immediately": False, "client_index":
 def era_request(layout: Any, request_id: str = "r", prompt: Sequence[int] = (1, 2, 3),
                 sampling: Optional[Dict[str, Any]] = None, **fields: Any) -> List[Any]:
     """A full EngineCoreRequest array in `layout` (a wire.eras.WireLayout), as
-    that era's Python frontend sends it (PROTOCOL.md §8.1): its fields by name,
+    that era's Python frontend sends it (docs/protocol.md §8.1): its fields by name,
     sampling {"max_tokens": 4} unless given, arrival now, nil for the rest."""
     values = {**_ERA_DEFAULTS, "request_id": request_id, "prompt_token_ids": list(prompt),
               "sampling_params": {"max_tokens": 4} if sampling is None else sampling,

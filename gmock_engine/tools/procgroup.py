@@ -55,7 +55,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
     greeting). Falls back to the ephemeral range when the rest is taken."""
     low, high = ephemeral_range()
     candidates = [p for p in range(_LOWEST_PORT, 65536) if not low <= p <= high]
-    # a random handful is plenty (a shuffle of all ~30 000 took ~50 ms)
+    # a random handful is plenty (shuffling every candidate port costs for nothing)
     candidates = random.Random().sample(candidates, min(len(candidates), 16 * count))
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     socks: List[socket.socket] = []

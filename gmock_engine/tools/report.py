@@ -22,7 +22,7 @@ INSTALL_HINT = "pip install 'gmock-engine[report]' (in a checkout: .venv/bin/pip
 
 #: Finish reasons of the engine's ledger (gmock_engine/metrics.py REASONS).
 REASONS = ("length", "stop", "abort", "error", "repetition")
-#: Engine faults (README, Fault injection): they hit every request for a while,
+#: Engine faults (docs/faults.md): they hit every request for a while,
 #: so their intervals are shaded on every time axis; request faults (one
 #: request each, often every interval) only show in the faults chart.
 ENGINE_FAULTS = ("crash", "hang", "stall_outputs", "slow_steps")

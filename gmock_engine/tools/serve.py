@@ -21,7 +21,7 @@ What it does, in order:
      everything at once. Children run in sessions of their own (tools/
      procgroup.py) and get SIGTERM if this process dies (PR_SET_PDEATHSIG).
 
-Exit status (also in --help and the README):
+Exit status (also in --help and docs/operations.md):
   0  stopped by SIGINT/SIGTERM, both sides exited on SIGTERM
   1  stopped, but a process needed SIGKILL (named on stderr)
   2  bad configuration or --port taken: nothing was started
@@ -216,7 +216,7 @@ class _Signals:
     def __init__(self) -> None:
         self.received: List[int] = []
         self.installing = True
-        #: SIGHUP's target once the engine runs: it re-reads its config (README, "Live reconfiguration")
+        #: SIGHUP's target once the engine runs: it re-reads its config (docs/reload.md)
         self.engine_pid: Optional[int] = None
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)

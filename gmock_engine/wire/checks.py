@@ -4,7 +4,7 @@
 `vllm_xargs` is checked here, by `check_xargs`, which the engine calls once
 per ADD that carries any (EngineCore.add_request: after the checks that
 need its settings and the fault layer, which may add P/D delays): the mock
-scenarios (`mock_*`, README "Per-request scenarios"), the P/D scenarios and
+scenarios (`mock_*`, docs/scheduling-and-latency.md, "Per-request scenarios"), the P/D scenarios and
 `kv_transfer_params`. A wrong type or an out-of-range value raises
 `BadValue` naming the key and the value: nothing is coerced, and the request
 ends with ERROR instead of the engine carrying a value it cannot send (a
@@ -24,7 +24,7 @@ from .types import TOKEN_ID_LIMIT, BadValue
 MAX_XARGS_TTFT_MS = 3_600_000
 #: The P/D scenario keys of vllm_xargs (kv_transfer.py).
 KV_XARGS = ("mock_kv_load", "mock_kv_transfer_delay_ms")
-#: The vllm_xargs keys the engine reads (README, "Per-request scenarios"); any
+#: The vllm_xargs keys the engine reads (docs/scheduling-and-latency.md, "Per-request scenarios"); any
 #: other `mock_` key is refused, so a typo is an error and not a silent no-op.
 MOCK_XARGS = ("mock_output_len", "mock_stop_token_id", "mock_finish", "mock_fail_after", "mock_ttft_ms") + KV_XARGS
 #: Upper bound of mock_kv_transfer_delay_ms (one hour).

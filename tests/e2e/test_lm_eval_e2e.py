@@ -2,7 +2,7 @@
 loglikelihood (multiple-choice) task offline through the real frontends,
 with a custom task YAML over a local JSON dataset (no hub). Loglikelihood
 tasks send completions with `echo` + `logprobs` and read the prompt's and
-continuation's token logprobs back: they need what issue 12 built.
+continuation's token logprobs back: they need prompt logprobs and echo.
 
 lm-eval is installed by this module into its own venv in the frontends'
 cache ($GMOCK_FRONTENDS_HOME/lmeval-venv, ~1 min and ~0.9 GB the first time;
@@ -25,7 +25,7 @@ from test_frontends import DP1_TOPOLOGIES
 
 #: The Python frontend only: vllm-rs 0.33 answers lm-eval's batched token-id
 #: prompts (`"prompt": [[ids]]`) with 400 "data did not match any variant of
-#: untagged enum Prompt" (README, "Logprobs").
+#: untagged enum Prompt" (docs/logprobs.md).
 pytestmark = [pytest.mark.e2e, pytest.mark.parametrize("stack", DP1_TOPOLOGIES[:1], indirect=True, ids=lambda t: t.id)]
 
 LM_EVAL = "lm-eval[api]==0.4.13"

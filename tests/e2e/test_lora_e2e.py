@@ -1,4 +1,4 @@
-"""LoRA adapters through the real frontends (README "LoRA adapters").
+"""LoRA adapters through the real frontends (docs/lora.md).
 
 Each frontend starts with a static adapter (`--lora-modules sql=DIR`, plus
 `--enable-lora` for `vllm serve`) and runtime updates allowed; the engine runs

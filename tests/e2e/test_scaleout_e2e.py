@@ -1,4 +1,4 @@
-"""Scale-out end to end (issue 13): DP 8 served by several gmock_engine processes.
+"""Scale-out end to end: DP 8 served by several gmock_engine processes.
 
 Topologies (each a `Topology` with its `engine_processes`, see e2e_harness):
 

@@ -1,4 +1,4 @@
-"""The scheduler seen through a real frontend's /metrics (issue 5's headline).
+"""The scheduler seen through a real frontend's /metrics (its batch limit and queue).
 
 gmock_engine runs with --max-num-seqs 64 and paced steps; 300 concurrent
 streams must show, at the peak, exactly 64 running and 236 waiting in the

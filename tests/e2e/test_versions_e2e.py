@@ -11,6 +11,8 @@ $GMOCK_FRONTENDS_HOME (tools/frontends.py): a Rust one is one wheel download
 venv's torch (~40 s, ~0.45 GB). `GMOCK_E2E_VERSIONS` picks a subset by id
 (e.g. "rs-0.22.0-pinned,py-0.28.0"; "none" for none). The stack timings (with
 `install_s`) are printed at the end of the session, as for the other stacks.
+
+§N: section N of docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def pinned(version: str) -> tuple:
 
 #: Each older version with the engine's default (`--protocol-version auto`), and
 #: the 0.21-0.25 ones also pinned, since auto cannot tell them from 0.26-0.27
-#: (both send 20-element ADDs; README "Frontend versions", PROTOCOL.md §8.2).
+#: (both send 20-element ADDs; docs/wire-versions.md, docs/protocol.md §8.2).
 VERSION_TOPOLOGIES = [
     h.Topology("rust", dp=1, version="0.22.0", engine_processes=pinned("0.22.0"), label="pinned"),
     h.Topology("rust", dp=1, version="0.25.0"),

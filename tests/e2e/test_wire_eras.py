@@ -24,6 +24,8 @@ extracted without their .so files into `.../wire-eras/trees`. Skipped with
 the reason when the 0.32 venv (tests/e2e/install_frontends.sh) is absent.
 About 1.3 minutes on 2 cores once the trees exist (two children at a
 time, 3-6 s of imports each: a process per version, 7-10 s each, took 3).
+
+§N: section N of docs/protocol.md.
 """
 
 from __future__ import annotations

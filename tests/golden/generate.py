@@ -20,6 +20,8 @@ fields), so one script serves every version from 0.11 on; a value for a
 field the version lacks is simply not passed. The logical values are the
 only inputs: tests/unit/test_golden_frames.py rebuilds the same content with
 gmock_engine.wire and compares.
+
+§N: section N of docs/protocol.md.
 """
 
 from __future__ import annotations

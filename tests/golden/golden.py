@@ -7,6 +7,8 @@ gmock_engine.wire for a layout; `differences` compares two unpacked
 messages and names each index that differs. Used by
 tests/unit/test_golden_frames.py (against the stored frames) and by
 tests/e2e/test_wire_eras.py (which has the real decoders read our frames).
+
+§N: section N of docs/protocol.md.
 """
 
 from __future__ import annotations

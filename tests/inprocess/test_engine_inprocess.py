@@ -2,6 +2,8 @@
 
 Real sockets (tcp and ipc), real greenlets; the fake frontend plays the
 frontend's side of the handshake and traffic (tests/fake_frontend.py).
+
+§N: section N of docs/protocol.md.
 """
 
 import contextlib
@@ -426,8 +428,8 @@ def test_on_stop_drains_every_stream_then_exits(mode):
 def test_a_stop_with_the_frontend_gone_and_outputs_backed_up_is_clean_and_says_what_was_lost():
     """The frontend stopped reading: the PUSH is at its high-water mark, the
     sender blocked in send, the output queue full. A stop must still exit 0
-    within its budget (the sender used to be woken by its socket closing,
-    with a ZMQError, exit 1), and --send-dead-on-exit must say that
+    within its budget (not by waking the sender with its socket closing,
+    which ends in a ZMQError and exit 1), and --send-dead-on-exit must say that
     ENGINE_CORE_DEAD could not go out rather than drop it silently."""
     from loguru import logger
 
@@ -480,8 +482,8 @@ def test_the_input_slice_grows_with_the_running_batch():
     """3000 long ADDs at once: between two steps the stepper takes in at
     most max(INPUT_SLICE, running // INPUT_SLICE_DIVISOR) of them, so the
     intake grows as the batch does and all are running well before
-    3000 / INPUT_SLICE steps (issue 17: at its CPU limit an unpaced engine
-    must not leave ADDs queued in front of the scheduler)."""
+    3000 / INPUT_SLICE steps (at its CPU limit an unpaced engine must not
+    leave ADDs queued in front of the scheduler)."""
     from gmock_engine.runner import INPUT_SLICE, INPUT_SLICE_DIVISOR
 
     frontend = FakeFrontend(num_clients=1, dp=1)
@@ -509,7 +511,7 @@ def test_the_input_slice_grows_with_the_running_batch():
 
 def test_a_flood_of_adds_is_admitted_in_slices_between_steps():
     """2000 ADDs at once: each step admits at most runner.INPUT_SLICE of
-    them (issue 17), so the first ones get their first token while the rest
+    them, so the first ones get their first token while the rest
     are still being taken in, and none is lost."""
     from gmock_engine.runner import INPUT_SLICE
 

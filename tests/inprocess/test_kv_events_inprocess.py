@@ -1,6 +1,6 @@
 """KV-cache events over real sockets: one gmock_engine App against the fake
 frontend, a ZMQ SUB and a replay DEALER as a router would hold them
-(PROTOCOL.md Appendix D), the event-plane faults, hostile replay requests.
+(docs/protocol.md Appendix D), the event-plane faults, hostile replay requests.
 """
 
 import contextlib

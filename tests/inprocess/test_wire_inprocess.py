@@ -1,4 +1,4 @@
-"""The wire layout over real sockets (PROTOCOL.md §8.2): `--protocol-version
+"""The wire layout over real sockets (docs/protocol.md §8.2): `--protocol-version
 auto` settles on the era of the first ADD and answers every request in it;
 an explicit version wins; /metrics says which layout is in use."""
 

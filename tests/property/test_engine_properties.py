@@ -47,6 +47,8 @@ does nothing). The wire test runs once per focus (xargs, tokens, stops,
 utility, scheduler, sampling, all), each its own search.
 
 Profiles, example counts and the printed case total: conftest.py here.
+
+§N: section N of docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -325,7 +327,7 @@ def sampling_params(draw, vocab: int, features: frozenset):
         params["extra_args"] = draw(extra_args(adversarial))
     if "sampling" in features:
         # logprobs (new_logprobs / new_prompt_logprobs_tensors on the wire,
-        # PROTOCOL.md Appendix E) and the sampling controls that pick ids
+        # docs/protocol.md Appendix E) and the sampling controls that pick ids
         count = st.integers(0, 5)
         for key in ("logprobs", "prompt_logprobs"):
             if draw(st.booleans()):

@@ -1,4 +1,4 @@
-"""The shape README's "Architecture" promises: the wire protocol and the
+"""The shape docs/architecture.md promises: the wire protocol and the
 engine's parts are pure (no zmq, no gevent), so they run and are tested
 without sockets or a hub."""
 

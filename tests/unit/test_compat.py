@@ -1,5 +1,5 @@
 """tools/compat.py without frontends: version lists, the wheel listing over HTTP
-ranges, the results table and the README markers, how install failures count."""
+ranges, the results table and the page's markers, how install failures count."""
 
 from __future__ import annotations
 

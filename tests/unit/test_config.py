@@ -165,7 +165,7 @@ def test_configuration_reference_page_is_current_and_lists_every_option():
             assert ("| yes, " in row) == (action.dest in reload.RELOADABLE), row
 
 
-# -- issue 11: each option group declared once, in the README's order --------------
+# -- each option group declared once, in the reference page's order ----------------
 
 
 def _options(parser):
@@ -191,7 +191,7 @@ def test_configuration_page_lists_the_options_in_the_parsers_order():
     assert page == [a.option_strings[0] for a in _options(build_parser())]
 
 
-# -- issue 10 A: no abbreviations; every source form is reported right ---------------
+# -- no abbreviations; every source form is reported right --------------------------
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,6 @@
-"""The pure engine: step, finish, determinism, aborts, utilities (no sockets)."""
+"""The pure engine: step, finish, determinism, aborts, utilities (no sockets).
+
+§N: section N of docs/protocol.md."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""The wire layouts of every vLLM era (WIRE_LAYOUTS, PROTOCOL.md §8):
+"""The wire layouts of every vLLM era (WIRE_LAYOUTS, docs/protocol.md §8):
 version -> era, ADD fingerprints and `auto`, and outputs each era decodes.
 
 The golden frames of each version's own msgspec types are checked in

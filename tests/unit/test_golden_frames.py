@@ -11,6 +11,8 @@ For every version with a golden file:
   §4.3, Appendix E), index by index (`golden.differences` says where not).
 The expected values all come from the golden files; nothing here restates
 a layout.
+
+§N: section N of docs/protocol.md.
 """
 
 from __future__ import annotations

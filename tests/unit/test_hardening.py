@@ -1,4 +1,4 @@
-"""Issue 10: no value in a request can stop the engine, and what it tells the
+"""No value in a request can stop the engine, and what it tells the
 frontends stays true (bad vllm_xargs, stop ids covering the vocabulary,
 preemption at admission, stale KV usage, the ledger's window, log floods)."""
 

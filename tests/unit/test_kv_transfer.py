@@ -1,6 +1,8 @@
 """P/D disaggregation (kv_transfer.py) in the pure engine: the producer's
 kv_transfer_params, the consumer's transfer wait, failed loads, bad params,
-the config flags and the kv-transfer-* faults (no sockets)."""
+the config flags and the kv-transfer-* faults (no sockets).
+
+§N: section N of docs/protocol.md."""
 
 import pytest
 from loguru import logger

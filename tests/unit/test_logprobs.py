@@ -1,6 +1,8 @@
 """Synthetic logprobs (logprobs.py) and their wire form (wire.outputs.logprobs_lists):
 decoded here with the frontends' rules (Appendix E), and checked for the
-self-consistency a client or an evaluation harness can see."""
+self-consistency a client or an evaluation harness can see.
+
+§N: section N of docs/protocol.md."""
 
 import math
 import struct

@@ -1,6 +1,8 @@
 """LoRA adapters: the registry's LRU/pin semantics (vLLM's
 LRUCacheWorkerLoRAManager), the utilities, ADDs naming an adapter, max_loras
-in the scheduler, and the per-adapter SchedulerStats (no sockets)."""
+in the scheduler, and the per-adapter SchedulerStats (no sockets).
+
+§N: section N of docs/protocol.md."""
 
 import json
 
@@ -86,7 +88,7 @@ def test_bad_lora_requests_raise_bad_value(value, words):
 
 
 def test_decode_add_keeps_the_lora_request_of_a_real_rs_fe_layout():
-    # the observed Rs-FE ADD (PROTOCOL.md §3.2) with a LoRARequest at index 6
+    # the observed Rs-FE ADD (docs/protocol.md §3.2) with a LoRARequest at index 6
     add_frame = ["cmpl-1", [4], None, {"max_tokens": 3}, None, 1.0, ["sql", 1, "/a"], None, None, None, None, 0, 0, 0, None, False, "cmpl", None, {}, False, None, None]
     request = decode_add(unpack(pack(add_frame)), Wire())
     assert request.lora_request == ["sql", 1, "/a"]

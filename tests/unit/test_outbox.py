@@ -1,5 +1,7 @@
 """Outbox.flush: one EngineCoreOutputs per client of the call, stats on the
-first only, every id in finished_requests of its own client's message."""
+first only, every id in finished_requests of its own client's message.
+
+§N: section N of docs/protocol.md."""
 
 from gmock_engine.ledger import Ledger
 from gmock_engine.outbox import COORDINATOR, Outbox

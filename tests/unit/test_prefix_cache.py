@@ -1,5 +1,7 @@
 """Prefix caching as vLLM's block pool: hashes, hits, LRU eviction, the KV
-events it records, and hits in PrefillStats and SchedulerStats."""
+events it records, and hits in PrefillStats and SchedulerStats.
+
+§N: section N of docs/protocol.md."""
 
 import pytest
 

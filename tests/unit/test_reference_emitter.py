@@ -1,5 +1,5 @@
 """The reference emitter is the floor gmock is measured against (bench.py):
-it must send what gmock sends, or the ratio means nothing (issue 17)."""
+it must send what gmock sends, or the ratio means nothing."""
 
 import sys
 

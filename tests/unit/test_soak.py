@@ -39,7 +39,7 @@ def test_a_clean_soak_passes():
 
 @pytest.mark.parametrize("aborted", [99, 101, 1, 0])
 def test_without_faults_aborts_must_equal_disconnects(aborted):
-    # README: "client disconnects == engine aborts" when no fault is injected;
+    # docs/operations.md: "client disconnects = engine aborts" when no fault is injected;
     # "more than 0" let a lost ABORT (or an invented one) pass.
     verdict = judge({"ok": 900, "aborted_by_client": 100, "failed": 0}, books(aborted))
     assert verdict["verdict"] == "FAIL"

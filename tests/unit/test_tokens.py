@@ -1,4 +1,6 @@
-"""tokens.py: the one place tokens are made."""
+"""tokens.py: the one place tokens are made.
+
+§N: section N of docs/protocol.md."""
 
 import collections
 

@@ -1,4 +1,6 @@
-"""gmock_engine.wire against real frames from ../shared/traces (copied into tests/data)."""
+"""gmock_engine.wire against real frames captured from the frontends (tests/data/frames.json).
+
+§N: section N of docs/protocol.md."""
 
 import json
 import os
@@ -291,7 +293,7 @@ def test_the_short_reading_of_sampling_params_is_the_full_one(record, stops):
     """An ADD whose SamplingParams name none of the rare keys (every traced
     one) takes _decode_stops' short reading: the request is the one the full
     reading makes of the same ADD, which a rare key with its absent value
-    forces (issue 17: the ADD path)."""
+    forces (the short reading keeps the ADD path cheap)."""
     payload = unpack(_frames(record)[1])
     payload[3].update(stops)
     assert _RARE_SAMPLING_KEYS.isdisjoint(payload[3])
