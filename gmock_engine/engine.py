@@ -6,12 +6,13 @@ decode step (`step`); both return the messages to send as
 `(client_index, EngineCoreOutputs array)` pairs, in order. The parts, where
 vLLM keeps them:
 
-* request.py: a request's state and its planned end (the `vllm_xargs`
-  scenarios, stop ids, EOS lengths), every client value checked;
+* wire/checks.py: an ADD's `vllm_xargs` checked once, before anything plans;
+* request.py: a request's state (`RequestStatus`) and its planned end (the
+  `vllm_xargs` scenarios, stop ids, EOS lengths);
 * request_queue.py: the waiting queue (FCFS on a deque, priority on a heap);
 * kv_cache_manager.py: KV blocks and the prefix cache behind them;
 * kv_transfer.py: P/D disaggregation (a producer's kv_transfer_params, a
-  consumer's KV transfer wait), every client value checked;
+  consumer's KV transfer wait);
 * scheduler.py: what a step does (running first, admission, preemption,
   chunked prefill, LoRA slots, P/D waits), its plan in sched_output.py;
 * output_processor.py (lanes.py its steady path): the tokens of each
@@ -34,17 +35,14 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from loguru import logger
 
 from . import kv_transfer
-from . import options
 from .kv_cache_manager import KVCacheManager
-from .latency import LatencyModel
 from .ledger import CHECKED_MEMORY, Ledger
-from .lengths import OutputLengths
 from .logprobs import LogprobModel
 from .logs import Throttle, short
 from .lora import AdapterRegistry, decode_lora_request
@@ -58,10 +56,11 @@ from .scheduler import PauseState, Scheduler
 from .tokens import RandomTokens, TokenSource, request_seed
 from .utilities import PAUSE_MODES, SUPPORTED_UTILITIES, Utilities
 from .wire.checks import MAX_XARGS_TTFT_MS, MOCK_XARGS, NO_XARGS, BadXargs, Xargs, check_xargs
-from .wire.eras import Wire, WireLayout
+from .wire.eras import WireLayout
 from .wire.inputs import AbortRequests, EngineCoreRequest, InputMessage, InvalidRequest, StartDPWave, UtilityCall
 from .wire.outputs import engine_core_event, engine_core_output, request_error
 from .wire.types import BadValue, EngineCoreEventType, FinishReason
+from .settings import RELOADABLE_SETTINGS, EngineSettings
 
 __all__ = [
     "COORDINATOR",
@@ -82,75 +81,6 @@ __all__ = [
 
 #: read once per ADD: a module constant, not an enum member lookup (a metaclass attribute lookup per use)
 _QUEUED = EngineCoreEventType.QUEUED
-
-
-@dataclass
-class EngineSettings:
-    """What one engine needs to know; built by the entry point from the config."""
-
-    rank: int
-    num_clients: int
-    output_token_chunk_size: int = 1
-    vocab_size: int = 32000
-    seed: int = 0
-    log_requests: bool = False
-    supported_tasks: Tuple[str, ...] = ("generate",)
-    num_gpu_blocks: int = 65536
-    block_size: int = 16
-    #: INIT named a DP coordinator: stats also go to it (client index -1, §6.2).
-    has_coordinator: bool = False
-    #: Running-batch limit; None: unlimited (the default unless configured).
-    max_num_seqs: Optional[int] = None
-    #: "fcfs", or "priority": lower `priority` first, then arrival (as vLLM).
-    scheduling_policy: str = "fcfs"
-    latency: LatencyModel = field(default_factory=LatencyModel)
-    #: Tokens until EOS (lengths.py); None: requests end by max_tokens only.
-    output_lengths: Optional[OutputLengths] = None
-    #: prompt + output never beyond this (then LENGTH), as a real engine.
-    max_model_len: int = 1 << 20
-    #: tokens.py source; None: random ids from [0, vocab_size).
-    token_source: Optional[TokenSource] = None
-    #: KV blocks enforced (None: only reported): a running request holds
-    #: ceil(tokens / block_size); when they run out the newest is preempted.
-    kv_blocks: Optional[int] = None
-    #: Per-step token budget enforced (None: unlimited): decodes first, then
-    #: prefill in chunks of what is left.
-    max_num_batched_tokens: Optional[int] = None
-    #: Prefix caching: prompt blocks seen before are not prefilled again.
-    prefix_caching: bool = False
-    #: KV events (--kv-events-config): the prefix cache records what it
-    #: stores, evicts and clears, for `take_kv_events` (kv_event_publisher.py publishes).
-    kv_events: bool = False
-    #: Synthetic logprobs (logprobs.py): the top-1 token's mean probability,
-    #: and how often the sampled token is the top-1.
-    logprobs_top1: float = 0.6
-    logprobs_sampled_top1: float = 0.75
-    #: A ledger violation raises LedgerViolation (the process stops) instead of only being logged.
-    strict_ledger: bool = False
-    #: LoRA (lora.py): adapters per batch (GPU slots) and registered (CPU
-    #: cache; None: = max_loras, as vLLM), the largest rank accepted, and
-    #: whether an adapter's directory is checked as vLLM's worker reads it.
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_cpu_loras: Optional[int] = None
-    max_lora_rank: int = 16
-    lora_check_adapter_dir: bool = True
-    #: The wire layout of the frontend (fixed by --protocol-version or
-    #: detected from the first ADD; shared by the process's engines, §8.2).
-    wire: Wire = field(default_factory=Wire)
-    #: P/D disaggregation (--kv-role / --kv-transfer-config, kv_transfer.py); None: off.
-    kv_transfer: Optional[kv_transfer.KVTransferSettings] = None
-    #: The steady state's outputs are lists reused from step to step
-    #: (OutputProcessor.reuse_outputs): a message `step` returns is only valid
-    #: until the next step. The runtime encodes each message as it is made;
-    #: off for callers that keep what `step` returned.
-    reuse_outputs: bool = False
-
-
-#: The EngineSettings a reload (SIGHUP, reload.py) may change while requests
-#: run (`EngineCore.reconfigure`); every other one is fixed at start. The
-#: options declare which field they feed (options.py, Option.setting).
-RELOADABLE_SETTINGS = options.RELOADABLE_SETTINGS
 
 
 @dataclass

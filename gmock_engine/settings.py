@@ -16,14 +16,84 @@ Pure: neither gevent nor zmq.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple
 
-from . import kv_transfer, lengths, tokens
-from .wire.eras import Wire
-from .engine import EngineSettings
+from . import kv_transfer, lengths, options, tokens
 from .faults import FaultSpec
 from .latency import LatencyModel
+from .lengths import OutputLengths
+from .tokens import TokenSource
+from .wire.eras import Wire
+
+
+@dataclass
+class EngineSettings:
+    """What one engine needs to know; built by the entry point from the config."""
+
+    rank: int
+    num_clients: int
+    output_token_chunk_size: int = 1
+    vocab_size: int = 32000
+    seed: int = 0
+    log_requests: bool = False
+    supported_tasks: Tuple[str, ...] = ("generate",)
+    num_gpu_blocks: int = 65536
+    block_size: int = 16
+    #: INIT named a DP coordinator: stats also go to it (client index -1, §6.2).
+    has_coordinator: bool = False
+    #: Running-batch limit; None: unlimited (the default unless configured).
+    max_num_seqs: Optional[int] = None
+    #: "fcfs", or "priority": lower `priority` first, then arrival (as vLLM).
+    scheduling_policy: str = "fcfs"
+    latency: LatencyModel = field(default_factory=LatencyModel)
+    #: Tokens until EOS (lengths.py); None: requests end by max_tokens only.
+    output_lengths: Optional[OutputLengths] = None
+    #: prompt + output never beyond this (then LENGTH), as a real engine.
+    max_model_len: int = 1 << 20
+    #: tokens.py source; None: random ids from [0, vocab_size).
+    token_source: Optional[TokenSource] = None
+    #: KV blocks enforced (None: only reported): a running request holds
+    #: ceil(tokens / block_size); when they run out the newest is preempted.
+    kv_blocks: Optional[int] = None
+    #: Per-step token budget enforced (None: unlimited): decodes first, then
+    #: prefill in chunks of what is left.
+    max_num_batched_tokens: Optional[int] = None
+    #: Prefix caching: prompt blocks seen before are not prefilled again.
+    prefix_caching: bool = False
+    #: KV events (--kv-events-config): the prefix cache records what it
+    #: stores, evicts and clears, for `take_kv_events` (kv_event_publisher.py publishes).
+    kv_events: bool = False
+    #: Synthetic logprobs (logprobs.py): the top-1 token's mean probability,
+    #: and how often the sampled token is the top-1.
+    logprobs_top1: float = 0.6
+    logprobs_sampled_top1: float = 0.75
+    #: A ledger violation raises LedgerViolation (the process stops) instead of only being logged.
+    strict_ledger: bool = False
+    #: LoRA (lora.py): adapters per batch (GPU slots) and registered (CPU
+    #: cache; None: = max_loras, as vLLM), the largest rank accepted, and
+    #: whether an adapter's directory is checked as vLLM's worker reads it.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_cpu_loras: Optional[int] = None
+    max_lora_rank: int = 16
+    lora_check_adapter_dir: bool = True
+    #: The wire layout of the frontend (fixed by --protocol-version or
+    #: detected from the first ADD; shared by the process's engines, §8.2).
+    wire: Wire = field(default_factory=Wire)
+    #: P/D disaggregation (--kv-role / --kv-transfer-config, kv_transfer.py); None: off.
+    kv_transfer: Optional[kv_transfer.KVTransferSettings] = None
+    #: The steady state's outputs are lists reused from step to step
+    #: (OutputProcessor.reuse_outputs): a message `step` returns is only valid
+    #: until the next step. The runtime encodes each message as it is made;
+    #: off for callers that keep what `step` returned.
+    reuse_outputs: bool = False
+
+
+#: The EngineSettings a reload (SIGHUP, reload.py) may change while requests
+#: run (`EngineCore.reconfigure`); every other one is fixed at start. The
+#: options declare which field they feed (options.py, Option.setting).
+RELOADABLE_SETTINGS = options.RELOADABLE_SETTINGS
 
 
 @dataclass(frozen=True)
