@@ -50,9 +50,11 @@ from .outbox import COORDINATOR, STATS_INTERVAL_S, LedgerViolation, Outbound, Ou
 from .prefix_cache import PrefixCache
 from .request import Request, plan
 from .request_queue import FCFSRequestQueue
-from .output_processor import MOCK_FAILURE_MESSAGE, OutputProcessor, Sampler
+from .output_processor import MOCK_FAILURE_MESSAGE, OutputProcessor
 from .request import RequestStatus
-from .scheduler import PauseState, Scheduler
+from .sampler import Sampler
+from .sched_output import PauseState
+from .scheduler import Scheduler
 from .tokens import RandomTokens, TokenSource, request_seed
 from .utilities import PAUSE_MODES, SUPPORTED_UTILITIES, Utilities
 from .wire.checks import MAX_XARGS_TTFT_MS, MOCK_XARGS, NO_XARGS, BadXargs, Xargs, check_xargs

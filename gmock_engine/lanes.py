@@ -26,11 +26,11 @@ from .wire.outputs import RAW_VIEW_EXT, logprobs_lists
 from .logprobs import ROW_POOL_MAX_K
 from .outbox import Outbox
 from .request import Request
-from .scheduler import PauseState
+from .sched_output import PauseState
 from .tokens import POOL_PAD, TokenPool
 
 if TYPE_CHECKING:
-    from .output_processor import Sampler
+    from .sampler import Sampler
 
 #: Stop sets whose lanes draw from a stop-free copy of the pool
 #: (tokens.TokenPool.ids_avoiding), per engine; requests with any other

@@ -26,13 +26,12 @@ from .wire.outputs import engine_core_output, logprobs_lists, prefill_stats, req
 from .wire.types import FinishReason
 from .kv_cache_manager import KVCacheManager
 from .lanes import LaneBooks
-from .logprobs import LogprobModel
 from .outbox import Outbox
 from .kv_transfer import KV_LOAD_FAILURE_MESSAGE
 from .request import Request
-from .sched_output import SchedulerOutput
+from .sched_output import BatchObserver, SchedulerOutput
+from .sampler import Sampler
 from .scheduler import Scheduler
-from .tokens import TokenSource
 
 #: The error of a request ended by mock_fail_after (vllm_xargs, or --fault-error-mid-stream).
 MOCK_FAILURE_MESSAGE = "mock failure on request (vllm_xargs mock_fail_after or --fault-error-mid-stream)"
@@ -41,22 +40,7 @@ MOCK_FAILURE_MESSAGE = "mock failure on request (vllm_xargs mock_fail_after or -
 _LENGTH, _STOP, _ERROR = FinishReason.LENGTH, FinishReason.STOP, FinishReason.ERROR
 
 
-class Sampler:
-    """Where a request's tokens and logprobs come from: the token source
-    (tokens.py) and the logprob model (logprobs.py) of its ADD. A request
-    keeps its sampler to its end: its generator state belongs to that
-    source, so a reload that changes --token-source or the logprob settings
-    changes them for new requests only (vLLM's sampler is one per engine;
-    here a request's tokens stay deterministic per its arrival settings)."""
-
-    __slots__ = ("tokens", "logprobs")
-
-    def __init__(self, tokens: TokenSource, logprobs: LogprobModel) -> None:
-        self.tokens = tokens
-        self.logprobs = logprobs
-
-
-class OutputProcessor(LaneBooks):
+class OutputProcessor(LaneBooks, BatchObserver):
     """The tokens, logprobs and outputs of each step the scheduler plans."""
 
     def __init__(self, scheduler: Scheduler, reuse_outputs: bool = False) -> None:

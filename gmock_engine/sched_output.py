@@ -11,9 +11,38 @@ slots, and the shared empty tuple where nothing happened.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+import enum
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Sequence, Tuple
 
 from .request import Request
+
+if TYPE_CHECKING:
+    from .sampler import Sampler
+
+
+class PauseState(enum.Enum):
+    """As in vLLM's scheduler: PAUSED_NEW holds new requests but keeps
+    stepping the running ones; PAUSED_ALL steps nothing."""
+
+    UNPAUSED = "unpaused"
+    PAUSED_NEW = "paused_new"
+    PAUSED_ALL = "paused_all"
+
+
+class BatchObserver:
+    """What the scheduler tells the part that makes the outputs (the output
+    processor, which sets itself as `Scheduler.output_processor`) about the
+    running batch, so that the scheduler needs none of its code: a request
+    left the batch, the whole batch left, a reload brought a new sampler."""
+
+    def drop(self, request: Request) -> None:
+        """`request` left the running batch (finished, aborted, preempted)."""
+
+    def clear(self, running: Iterable[Request]) -> None:
+        """Every running request left the batch at once."""
+
+    def reconfigure(self, sampler: "Sampler", changed: bool) -> None:
+        """A reload: `sampler` is for new requests; `changed`: its token source is new."""
 
 
 class SchedulerOutput:

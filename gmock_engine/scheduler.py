@@ -27,7 +27,6 @@ new token source or logprob setting is for the requests that come after.
 
 from __future__ import annotations
 
-import enum
 import random
 import sys
 from collections import Counter
@@ -42,21 +41,12 @@ from .wire.outputs import engine_core_event, request_error, scheduler_stats
 from .wire.types import EngineCoreEventType, FinishReason
 from .request import FINISHED_STATUS, Request, RequestStatus
 from .request_queue import create_request_queue
-from .sched_output import SchedulerOutput
+from .sched_output import BatchObserver, PauseState, SchedulerOutput
 from .tokens import TokenSource
 
 if TYPE_CHECKING:
     from .logprobs import LogprobModel
-    from .output_processor import OutputProcessor, Sampler
-
-
-class PauseState(enum.Enum):
-    """As in vLLM's scheduler: PAUSED_NEW holds new requests but keeps
-    stepping the running ones; PAUSED_ALL steps nothing."""
-
-    UNPAUSED = "unpaused"
-    PAUSED_NEW = "paused_new"
-    PAUSED_ALL = "paused_all"
+    from .sampler import Sampler
 
 
 # Enum members read on the per-step and per-request paths, bound once:
@@ -112,7 +102,7 @@ class Scheduler:
         self.running: Dict[str, Request] = {}
         #: What makes the outputs (output_processor.py): told of every running
         #: request that leaves the batch, and of a new sampler. Set by it.
-        self.output_processor: Optional["OutputProcessor"] = None
+        self.output_processor: Optional[BatchObserver] = None
         self.waiting = create_request_queue(policy)
         #: Running requests whose prefill is not done: id -> ready_at (inf: chunks left).
         self.prefilling: Dict[str, float] = {}

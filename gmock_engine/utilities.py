@@ -18,7 +18,8 @@ from .logs import Throttle, short
 from .lora import AdapterRegistry, LoRAError, decode_lora_request
 from .outbox import Outbound
 from .wire.checks import cut
-from .scheduler import PauseState, Scheduler
+from .sched_output import PauseState
+from .scheduler import Scheduler
 from .wire.inputs import UtilityCall
 from .wire.outputs import utility_reply
 from .wire.types import BadValue

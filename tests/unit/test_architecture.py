@@ -21,6 +21,7 @@ PURE = [
     "kv_cache_manager",
     "prefix_cache",
     "scheduler",
+    "sampler",
     "sched_output",
     "output_processor",
     "lanes",
