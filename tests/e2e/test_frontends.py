@@ -457,7 +457,7 @@ BENCH_PROMPTS = 200
 def test_vllm_bench_serve(stack, model_dir, frontends):
     """vLLM's own benchmark client: 200 random prompts at 50 req/s, none may fail."""
     if stack.topology.frontend != "python":
-        pytest.skip("bench serve is run against the Python frontend only (issue matrix)")
+        pytest.skip("bench serve runs against the Python frontend only: it is that frontend's own client")
     argv = [str(frontends.python), str(h.VLLM_CLI), "bench", "serve", "--backend", "openai",
             "--base-url", stack.base_url, "--model", h.MODEL_NAME, "--tokenizer", str(model_dir),
             "--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "32",
