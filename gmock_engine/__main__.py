@@ -3,7 +3,8 @@
 `gmock-engine bench ...` runs the load driver (tools/bench.py), a plain pyzmq
 program that starts the engine as a subprocess; `gmock-engine serve ...`
 (`./run.sh serve`) a real frontend and the engine behind it (tools/serve.py),
-plain Python that starts and watches processes. Everything else is the
+plain Python that starts and watches processes; `gmock-engine record ...`
+(`./run.sh record`) the record tap (tools/record.py), plain pyzmq. Everything else is the
 engine, which needs gevent's monkey-patching before anything else imports
 socket, threading or time-related modules (STYLE.md pitfall 1): it is the
 first thing the engine path does.
@@ -22,6 +23,10 @@ def main() -> None:
         from gmock_engine.tools.serve import main as serve_main
 
         sys.exit(serve_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["record"]:
+        from gmock_engine.tools.record import main as record_main
+
+        sys.exit(record_main(sys.argv[2:]))
 
     from gevent import monkey
 

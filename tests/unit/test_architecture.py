@@ -39,6 +39,7 @@ PURE = [
     "settings",
     "tools.serve_config",
     "tools.config_reference",
+    "trace",
 ]
 
 
