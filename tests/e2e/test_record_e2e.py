@@ -1,6 +1,7 @@
 """The record tap (docs/record.md) between a real frontend and the mock engine:
 the frontend serves streams with exact token counts through it, and the
-trace holds every ADD and every request's tokens and finish."""
+trace holds every ADD and every request's tokens and finish. §N: section N of
+docs/protocol.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The record tap (`python -m gmock_engine record`, docs/record.md) in its own
 process, between the fake frontend and (1) an engine of the test's own that
 shows every frame it gets and sends, (2) the mock engine in its own process.
+§N: section N of docs/protocol.md.
 """
 
 import contextlib
