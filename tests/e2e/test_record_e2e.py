@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 
 import pytest
 
@@ -45,7 +46,7 @@ def _env():
     return {k: v for k, v in os.environ.items() if not k.startswith("GMOCK_E2E_") and k != "GMOCK_FRONTENDS_HOME"}
 
 
-@pytest.fixture(scope="module", params=[h.Topology("python", dp=1), h.Topology("rust", dp=2)], ids=lambda t: t.id)
+@pytest.fixture(scope="module", params=[h.Topology("python", dp=1), h.Topology("python", dp=2, api_servers=2), h.Topology("rust", dp=2)], ids=lambda t: t.id)
 def tapped(request, frontends, model_dir, tmp_path_factory):
     s = TapStack(request.param, frontends, model_dir, tmp_path_factory.mktemp(f"record-{request.param.id}"), engine_args=["--itl-ms", "2"])
     s.start()
@@ -86,6 +87,12 @@ def test_streams_through_the_tap_are_exact_and_traced(tapped):
         assert sum(q["tokens"] for _, q in mine) == add["max_tokens"]
         assert mine[-1][1]["finish_reason"] == 1
         assert {rank for rank, _ in mine} == {add["rank"]}
+    # what each engine counted itself (its summary line at exit) is what the trace holds for its rank
+    summaries = re.findall(r"engine (\d+) summary: .*\btokens=(\d+) utility_calls=(\d+)", tapped.engine_log_text())
+    assert sorted(int(rank) for rank, _, _ in summaries) == head["ranks"], tapped.engine_log_text()[-2000:]
+    for rank, tokens, calls in summaries:
+        assert sum(q["tokens"] for r in outputs if r["rank"] == int(rank) for q in r["requests"]) == int(tokens)
+        assert sum(1 for r in records if r["kind"] == "utility" and r["rank"] == int(rank)) == int(calls)
     if tapped.topology.frontend == "python":
         # its API server's startup utility calls (§5) went through the tap as well
         assert {"reset_mm_cache", "get_supported_tasks"} <= {r["method"] for r in records if r["kind"] == "utility"}
