@@ -236,3 +236,61 @@ def test_mock_engine_behind_the_tap(tmp_path, token_ids):
             assert all("token_ids" not in q for q in mine)
     assert any(r["stats"] and "num_running_reqs" in r["stats"] for r in outputs)
     assert sorted(set().union(*(r["finished_requests"] or () for r in outputs))) == sorted(lengths)
+
+
+def test_an_engine_outside_the_ranks_is_not_relayed(tmp_path):
+    frontend = FakeFrontend(num_clients=1, dp=1)
+    ctx = zmq.Context()
+    engine_hs = f"ipc://{tmp_path}/tap-hs"
+    args = ["record", "--handshake-address", frontend.handshake_address, "--engine-handshake-address", engine_hs, "-o", str(tmp_path / "t.jsonl")]
+    try:
+        with process(tmp_path, "tap", args) as tap:
+            stranger = RawEngine(ctx, 5, engine_hs)
+            stranger.hs.send(stranger.hello)
+            with gevent.Timeout(10):
+                while "not one of ranks [0]: ignored" not in (tmp_path / "tap.log").read_text():
+                    gevent.sleep(0.05)
+            with pytest.raises(gevent.Timeout), gevent.Timeout(0.5):
+                frontend.handshake.recv_multipart()
+            engine = RawEngine(ctx, 0, engine_hs)
+            accept = gevent.spawn(frontend.accept_engines, timeout=10)
+            with gevent.Timeout(10):
+                engine.join()
+            accept.get()
+            assert list(frontend.hellos) == [0]
+            stop_tap(tap, tmp_path)
+    finally:
+        ctx.destroy(linger=0)
+        frontend.close()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--engine-handshake-address", "tcp://127.0.0.1:1"], "--handshake-address"),
+        (["--handshake-address", "127.0.0.1:1", "--engine-handshake-address", "tcp://127.0.0.1:1"], "must be tcp://host:port or ipc://path"),
+        (["--handshake-address", "tcp://127.0.0.1:1", "--engine-handshake-address", "tcp://127.0.0.1:2", "--engine-count", "0"], "at least 1"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(tmp_path, args, message):
+    with process(tmp_path, "tap", ["record", *args]) as tap:
+        assert wait_exit(tap, 30) == 2
+    assert message in (tmp_path / "tap.log").read_text()
+
+
+def test_binder_addresses():
+    from gmock_engine.tools.record import Binder
+
+    class Sock:
+        def bind(self, address):
+            self.bound = address
+
+        def bind_to_random_port(self, address):
+            self.bound = address
+            return 4242
+
+    sock = Sock()
+    assert Binder("ipc:///tmp/x/hs").bind(sock, "r0-c0-in") == "ipc:///tmp/x/hs-r0-c0-in-1" == sock.bound
+    assert Binder("tcp://10.1.2.3:9").bind(sock, "a") == "tcp://10.1.2.3:4242" and sock.bound == "tcp://10.1.2.3"
+    assert Binder("tcp://0.0.0.0:9").bind(sock, "a") == "tcp://127.0.0.1:4242" and sock.bound == "tcp://0.0.0.0"
+    assert Binder("tcp://*:9", advertise_host="h.example").bind(sock, "a") == "tcp://h.example:4242"
