@@ -15,20 +15,25 @@ else in INIT (coordinator addresses, the frontend's stats address, the
 parallel config) stays, so the engines talk to a DP coordinator directly
 and what they echo in the registration and READY (§2.5, §2.7) is still the
 frontend's. After that every frame is relayed both ways as it came; the
-trace writer (gmock_engine/trace.py) decodes copies in its own thread.
+trace writer (gmock_engine/trace.py) decodes copies in a process of its own.
 
-Plain pyzmq and threads (no gevent): one poller loop relays, one thread
-writes the trace.
+Plain pyzmq (no gevent): one poller loop relays and hands each relayed data
+message, with its receive time, to a PUSH socket; the writer process PULLs,
+decodes and writes. Decoding in a thread instead would hold the GIL while
+the relay wants to forward the next frame.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
 import os
-import queue
+import shutil
 import signal
+import struct
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -45,6 +50,8 @@ log = logging.getLogger("gmock_engine.record")
 
 #: Poll timeout: how soon a stop request is noticed.
 POLL_MS = 200
+#: How long closing waits for the writer to take what is still queued for it.
+TRACE_LINGER_MS = 60_000
 #: Engine PUSH sockets linger so the last outputs (and ENGINE_CORE_DEAD) get out.
 OUTPUT_LINGER_MS = 1000
 
@@ -87,13 +94,15 @@ class Tap:
         frontend_handshake: str,
         engine_handshake: str,
         ranks: Sequence[int],
-        trace: "queue.Queue[Any]",
+        trace_address: str,
         advertise_host: Optional[str] = None,
     ) -> None:
         self.ctx = zmq.Context()
         self.frontend_handshake = frontend_handshake
         self.ranks = set(ranks)
-        self.trace = trace
+        #: copies of the relayed data messages, to the writer process
+        self.trace = _socket(self.ctx, zmq.PUSH)
+        self.trace.connect(trace_address)
         self.binder = Binder(engine_handshake, advertise_host)
         self.engine_hs = _socket(self.ctx, zmq.ROUTER)
         self.engine_hs.bind(engine_handshake)
@@ -167,7 +176,7 @@ class Tap:
     # -- the loop --------------------------------------------------------------
 
     def run(self) -> None:
-        """Relay until stop(); every relayed data frame also goes to the trace queue."""
+        """Relay until stop(); every relayed data message also goes to the writer."""
         while not self.stopping.is_set():
             for sock, _ in self.poller.poll(POLL_MS):
                 self._drain(sock)
@@ -184,10 +193,10 @@ class Tap:
             role, rank, client = self.roles[sock]
             if role == "frontend_in":
                 self.engine_inputs[rank, client].send_multipart([engine_identity(rank), *frames])
-                self.trace.put(("in", time.time(), rank, client, frames))
+                self.trace.send_multipart([_IN, _HEAD.pack(time.time(), rank, client), *frames])
             elif role == "engine_out":
                 self.frontend_outputs[rank, client].send_multipart(frames)
-                self.trace.put(("out", time.time(), rank, client, frames))
+                self.trace.send_multipart([_OUT, _HEAD.pack(time.time(), rank, client), *frames])
             elif role == "engine_in":
                 # the registration (§2.5), or anything else the engine says on its input socket
                 self.frontend_inputs[rank, client].send_multipart(frames[1:])
@@ -200,6 +209,9 @@ class Tap:
     def close(self) -> None:
         for sock in list(self.roles) + [self.engine_hs]:
             sock.close(linger=0)
+        # everything queued for the writer, then the end mark (ipc: delivered, however many)
+        self.trace.send(_END)
+        self.trace.close(linger=TRACE_LINGER_MS)
         for sock in self.frontend_outputs.values():
             sock.close(linger=OUTPUT_LINGER_MS)
         self.ctx.term()
@@ -212,18 +224,36 @@ def _status(payload: Sequence[bytes]) -> str:
         return "an undecodable handshake message"
 
 
-def write_trace(path: str, items: "queue.Queue[Any]", meta: Dict[str, Any], token_ids: bool) -> None:
-    """The writer thread: decode and write until the None sentinel."""
-    with open(path, "w", encoding="utf-8") as stream:
-        writer = TraceWriter(stream, token_ids=token_ids, **meta)
-        while True:
-            item = items.get()
-            if item is None:
-                break
-            direction, t, rank, client, frames = item
-            (writer.input if direction == "in" else writer.output)(t, rank, client, frames)
-            if items.empty():
-                writer.flush()
+#: Writer messages: [kind, _HEAD(t, rank, client), *frames] or [_END].
+_IN, _OUT, _END = b"i", b"o", b"end"
+_HEAD = struct.Struct("<dii")
+
+
+def write_trace(address: str, path: str, meta: Dict[str, Any], token_ids: bool) -> None:
+    """The writer process: PULL, decode and write until the end mark.
+
+    It ignores SIGTERM/SIGINT (a process-group signal reaches it too): the
+    tap sends the end mark after its last relayed message, so the trace is
+    complete when this returns."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context()
+    pull = _socket(ctx, zmq.PULL)
+    pull.bind(address)
+    try:
+        with open(path, "w", encoding="utf-8") as stream:
+            writer = TraceWriter(stream, token_ids=token_ids, **meta)
+            while True:
+                message = pull.recv_multipart()
+                if message[0] == _END:
+                    break
+                t, rank, client = _HEAD.unpack(message[1])
+                (writer.input if message[0] == _IN else writer.output)(t, rank, client, message[2:])
+                if not pull.poll(0):
+                    writer.flush()
+    finally:
+        pull.close(linger=0)
+        ctx.term()
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -250,11 +280,15 @@ def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=os.environ.get("GMOCK_LOG_LEVEL", "INFO").upper(), format="%(asctime)s record %(levelname)s %(message)s")
     ranks = list(range(args.data_parallel_start_rank, args.data_parallel_start_rank + args.engine_count))
-    items: "queue.Queue[Any]" = queue.Queue()
+    workdir = tempfile.mkdtemp(prefix="gmock-record-")
+    trace_address = f"ipc://{workdir}/trace"
     meta = {"created": time.time(), "ranks": ranks, "frontend_handshake": args.handshake_address, "clock": "time.time"}
-    writer = threading.Thread(target=write_trace, args=(args.output, items, meta, args.record_token_ids), name="trace-writer")
+    # spawn, not fork: the child gets no copy of this process's state
+    writer = multiprocessing.get_context("spawn").Process(
+        target=write_trace, args=(trace_address, args.output, meta, args.record_token_ids), name="trace-writer"
+    )
     writer.start()
-    tap = Tap(args.handshake_address, args.engine_handshake_address, ranks, items, args.advertise_host)
+    tap = Tap(args.handshake_address, args.engine_handshake_address, ranks, trace_address, args.advertise_host)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: tap.stop())
     log.info("tap: engines %s on %s, frontend %s, trace %s", ranks, args.engine_handshake_address, args.handshake_address, args.output)
@@ -262,8 +296,8 @@ def main(argv: Sequence[str]) -> int:
         tap.run()
     finally:
         tap.close()
-        items.put(None)
         writer.join()
+        shutil.rmtree(workdir, ignore_errors=True)
     log.info("trace written to %s", args.output)
     return 0
 
