@@ -50,6 +50,8 @@ log = logging.getLogger("gmock_engine.record")
 
 #: Poll timeout: how soon a stop request is noticed.
 POLL_MS = 200
+#: The READY relayed on the handshake DEALER gets this long to leave before it closes.
+HANDSHAKE_LINGER_MS = 1000
 #: How long closing waits for the writer to take what is still queued for it.
 TRACE_LINGER_MS = 60_000
 #: Engine PUSH sockets linger so the last outputs (and ENGINE_CORE_DEAD) get out.
@@ -141,6 +143,11 @@ class Tap:
         sock.send_multipart(payload)
         log.info("engine %d: %s relayed to the frontend", rank, status)
         if status == "READY":
+            # As an engine does (transport.py): the frontend closes its handshake ROUTER once
+            # every engine is READY, and an open DEALER would keep reconnecting to it.
+            self.poller.unregister(sock)
+            del self.roles[sock], self.frontend_hs[rank]
+            sock.close(linger=HANDSHAKE_LINGER_MS)
             self.ready.add(rank)
             if self.ready == self.ranks:
                 log.info("all %d engine(s) ready", len(self.ranks))

@@ -294,3 +294,47 @@ def test_binder_addresses():
     assert Binder("tcp://10.1.2.3:9").bind(sock, "a") == "tcp://10.1.2.3:4242" and sock.bound == "tcp://10.1.2.3"
     assert Binder("tcp://0.0.0.0:9").bind(sock, "a") == "tcp://127.0.0.1:4242" and sock.bound == "tcp://0.0.0.0"
     assert Binder("tcp://*:9", advertise_host="h.example").bind(sock, "a") == "tcp://h.example:4242"
+
+
+def test_the_frontend_handshake_dealer_closes_after_ready(tmp_path):
+    """In process, plain pyzmq: the tap's Tap.run in a thread, the test playing both sides."""
+    import threading
+
+    import zmq as plain_zmq
+
+    from gmock_engine.tools.record import Tap
+
+    ctx = plain_zmq.Context()
+    fe_hs = ctx.socket(plain_zmq.ROUTER)
+    fe_hs.bind(f"ipc://{tmp_path}/fe-hs")
+    writer = ctx.socket(plain_zmq.PULL)
+    writer.bind(f"ipc://{tmp_path}/trace")
+    tap = Tap(f"ipc://{tmp_path}/fe-hs", f"ipc://{tmp_path}/tap-hs", [0], f"ipc://{tmp_path}/trace")
+    thread = threading.Thread(target=tap.run)
+    thread.start()
+    engine = ctx.socket(plain_zmq.DEALER)
+    engine.setsockopt(plain_zmq.IDENTITY, b"\x00\x00")
+    engine.connect(f"ipc://{tmp_path}/tap-hs")
+    try:
+        engine.send(packed({"status": "HELLO"}))
+        assert fe_hs.poll(5000)
+        ident, _ = fe_hs.recv_multipart()
+        fe_hs.send_multipart([ident, packed({"addresses": {"inputs": [f"ipc://{tmp_path}/in"], "outputs": [f"ipc://{tmp_path}/out"]}})])
+        assert engine.poll(5000)
+        engine.recv()
+        assert list(tap.frontend_hs) == [0]
+        engine.send(packed({"status": "READY"}))
+        assert fe_hs.poll(5000)
+        assert unpacked(fe_hs.recv_multipart()[1])["status"] == "READY"
+        deadline = time.monotonic() + 5
+        while tap.frontend_hs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tap.frontend_hs == {} and tap.ready == {0}
+        assert all(role != "frontend_hs" for role, _, _ in tap.roles.values())
+    finally:
+        tap.stop()
+        thread.join(5)
+        tap.close()
+        for sock in (fe_hs, writer, engine):
+            sock.close(linger=0)
+        ctx.term()
