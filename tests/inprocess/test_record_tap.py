@@ -44,7 +44,7 @@ def process(tmp_path, name, args):
     """`python -m gmock_engine <args>`, output to tmp_path/<name>.log; killed at the end if still running."""
     log = open(tmp_path / f"{name}.log", "w+")
     env = {k: v for k, v in os.environ.items() if not k.startswith("GMOCK_")}
-    proc = subprocess.Popen([sys.executable, "-m", "gmock_engine", *args], cwd=REPO_DIR, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "gmock_engine", *args], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         yield proc
     finally:
