@@ -32,7 +32,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from .wire.checks import KV_XARGS, Xargs, check_kv_transfer_params
+from .wire.checks import Xargs, check_kv_transfer_params
 
 #: Roles as `--kv-role` spells them, and vLLM's `kv_role` values (config/kv_transfer.py).
 ROLES = ("producer", "consumer", "both")
@@ -60,9 +60,6 @@ KV_TRANSFER_CONFIG_KEYS = (
 #: the port is offset by the DP rank, as NIXL's.
 DEFAULT_HOST = "localhost"
 DEFAULT_PORT = 5600
-# KV_XARGS (the P/D scenario keys of vllm_xargs, which --fault-kv-transfer-*
-# set) is wire/checks.py's, which checks them; imported above so that the
-# fault layer finds it here.
 #: The error of a failed KV load (vLLM ends it with FinishReason.ERROR, scheduler.py).
 KV_LOAD_FAILURE_MESSAGE = "KV transfer from the prefill engine failed (mock: vllm_xargs mock_kv_load or --fault-kv-transfer-fail)"
 
@@ -276,7 +273,6 @@ __all__: List[str] = [
     "KVPlan",
     "KVTransfer",
     "KVTransferSettings",
-    "KV_XARGS",
     "KV_LOAD_FAILURE_MESSAGE",
     "ROLES",
     "describe",

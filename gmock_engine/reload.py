@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional
 from . import options
 from .config import ConfigError, Source
 from .faults import KINDS
+from .settings import ENFORCED_WHEN_GIVEN, effective
 
 if TYPE_CHECKING:
     from .engine import EngineSettings
@@ -42,9 +43,6 @@ FAULTS = options.reloading(options.FAULT_LAYER)
 #: with when it applies); any other option is fixed while the process runs.
 RELOADABLE = options.RELOADABLE
 
-#: Limits enforced only when given (runner.py): in effect the value, or
-#: unlimited when it comes from the default (then it is only reported).
-ENFORCED_WHEN_GIVEN = frozenset({"max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks"})
 #: Not options to compare: how the configuration is found, a one-shot action.
 NOT_COMPARED = frozenset({"config", "print_config"})
 
@@ -126,13 +124,6 @@ def refused(reason: str) -> Reload:
     return Reload(None, error=reason)
 
 
-def _effective(args: argparse.Namespace, dest: str) -> Any:
-    """What an option does: its value, or None for a limit only reported."""
-    if dest in ENFORCED_WHEN_GIVEN and args.sources[dest].kind == "default":
-        return None
-    return getattr(args, dest)
-
-
 def _show_effective(dest: str, value: Any) -> str:
     if value is None and dest in ENFORCED_WHEN_GIVEN:
         return "unlimited"
@@ -157,7 +148,7 @@ def check(current: argparse.Namespace, load: Callable[[], argparse.Namespace]) -
     for dest, option in options.OPTIONS.items():
         if dest in NOT_COMPARED or not hasattr(new, dest):
             continue
-        old_value, new_value = _effective(current, dest), _effective(new, dest)
+        old_value, new_value = effective(current, dest), effective(new, dest)
         change = None
         if old_value != new_value:
             source = new.sources[dest]

@@ -176,12 +176,22 @@ class Settings:
     logging: LoggingSettings
 
 
+#: Limits in effect only when given: the value, or unlimited (None) when it
+#: comes from the default (then READY only reports it).
+ENFORCED_WHEN_GIVEN = frozenset({"max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks"})
+
+
+def effective(c: Any, name: str) -> Any:
+    """What option `name` of configuration `c` does: its value, or None for
+    a limit of ENFORCED_WHEN_GIVEN left at its default."""
+    if name in ENFORCED_WHEN_GIVEN and c.sources[name].kind == "default":
+        return None
+    return getattr(c, name)
+
+
 def from_config(c: Any) -> Settings:
     """The parts' settings from a parsed configuration (config.parse_config's
     Namespace, with `sources` and `faults`)."""
-
-    def enforced(name: str) -> Optional[int]:
-        return getattr(c, name) if c.sources[name].kind != "default" else None
 
     events = getattr(c, "kv_events_config", None)
     return Settings(
@@ -208,13 +218,13 @@ def from_config(c: Any) -> Settings:
         ),
         scheduler=SchedulerSettings(
             scheduling_policy=c.scheduling_policy,
-            max_num_seqs=enforced("max_num_seqs"),
-            max_num_batched_tokens=enforced("max_num_batched_tokens"),
+            max_num_seqs=effective(c, "max_num_seqs"),
+            max_num_batched_tokens=effective(c, "max_num_batched_tokens"),
         ),
         kv=KVSettings(
             num_gpu_blocks=c.num_gpu_blocks,
             block_size=c.block_size,
-            kv_blocks=enforced("num_gpu_blocks"),
+            kv_blocks=effective(c, "num_gpu_blocks"),
             prefix_caching=c.prefix_caching,
             kv_events=events is not None and events.enabled,
         ),
