@@ -103,8 +103,6 @@ class EngineRunner:
         self.engine: Optional[EngineCore] = None
         #: What the readers, the stepper and the sender share, by name.
         self.links = StageLinks()
-        #: Its queues, for what watches them (metrics, gmock_stats, shutdown).
-        self.in_queue, self.out_queue = self.links.input_queue, self.links.output_queue
         self.handshake: Optional[gevent.Greenlet] = None
         self.readers: List[gevent.Greenlet] = []
         #: Fires the faults with at=T (only when one is configured).

@@ -445,7 +445,7 @@ def test_a_stop_with_the_frontend_gone_and_outputs_backed_up_is_clean_and_says_w
             frontend.add(0, f"long-{i}", max_tokens=10**9)
         runner = app.runners[0]
         with gevent.Timeout(20):
-            while not runner.out_queue.full():
+            while not runner.links.output_queue.full():
                 gevent.sleep(0.05)
         started = time.monotonic()
         app.stop()
