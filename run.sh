@@ -9,6 +9,7 @@
 #                                 workers (default 2; 0: one process)
 #   ./run.sh bench [options]      the load driver (gmock-engine bench --help)
 #   ./run.sh record [options]     the record tap between a frontend and engine cores (docs/record.md)
+#   ./run.sh fit TRACE -o P.ini   a step-time profile from traces of the tap (docs/latency-profile.md)
 #   ./run.sh soak [options]       a real frontend + the engine under steady load, with a verdict
 #   ./run.sh compat [options]     install frontend versions, run a short scenario against each,
 #                                 write docs/wire-versions.md's compatibility table (./run.sh compat --help)

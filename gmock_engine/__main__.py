@@ -4,7 +4,8 @@
 program that starts the engine as a subprocess; `gmock-engine serve ...`
 (`./run.sh serve`) a real frontend and the engine behind it (tools/serve.py),
 plain Python that starts and watches processes; `gmock-engine record ...`
-(`./run.sh record`) the record tap (tools/record.py), plain pyzmq. Everything else is the
+(`./run.sh record`) the record tap (tools/record.py), plain pyzmq; `gmock-engine fit ...`
+(`./run.sh fit`) a step-time profile from its traces (tools/fit.py). Everything else is the
 engine, which needs gevent's monkey-patching before anything else imports
 socket, threading or time-related modules (STYLE.md pitfall 1): it is the
 first thing the engine path does.
@@ -27,6 +28,10 @@ def main() -> None:
         from gmock_engine.tools.record import main as record_main
 
         sys.exit(record_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["fit"]:
+        from gmock_engine.tools.fit import main as fit_main
+
+        sys.exit(fit_main(sys.argv[2:]))
 
     from gevent import monkey
 

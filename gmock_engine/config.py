@@ -353,6 +353,14 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
             f"argument --kv-role: {args.kv_role} (from {sources.of(sources.find('--kv-role'))}) contradicts kv_role "
             f"{role} of --kv-transfer-config (from {sources.of(sources.find('--kv-transfer-config'))})"
         )
+    if args.latency_profile:
+        linear = [f for f in ("--itl-ms", "--itl-ms-per-request", "--prefill-ms-per-token") if getattr(args, f[2:].replace("-", "_"))]
+        if linear:
+            raise ConfigError(
+                f"argument --latency-profile: the profile (from {sources.of(sources.find('--latency-profile'))}) times "
+                f"the steps; {', '.join(f'{f} (from {sources.of(sources.find(f))})' for f in linear)} would be "
+                "ignored: give one or the other"
+            )
     #: Every configured fault, in KINDS order (runner.py hands them to each engine).
     args.faults = [spec for spec in (getattr(args, "fault_" + k.replace("-", "_")) for k in KINDS) if spec is not None]
     _check_kv_events(args, sources)

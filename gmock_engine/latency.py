@@ -17,6 +17,14 @@ figures are off by default (steps back to back, instant prefill).
 * `lora_load_ms` delays the first token of a request whose scheduling
   loaded its LoRA adapter (not registered before, or evicted since; lora.py).
 * `time_scale` multiplies every duration (0.5 = twice as fast).
+
+With a step-time **profile** (`--latency-profile`, latency_profile.py: fitted
+from a real engine's trace) the profile times each step from the plan's
+composition (running batch, prompt tokens prefilled and their attention, the
+tokens the batch holds) instead of the three linear figures above, and
+the first token of a request comes when the step that computed the last of
+its prompt ends, as in a real engine (then `ttft_ms`, if any, is added to
+that; the per-token prefill figure does not apply).
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
+
+from .latency_profile import StepProfile
 
 if TYPE_CHECKING:
     from .sched_output import SchedulerOutput
@@ -40,32 +50,53 @@ class LatencyModel:
     jitter: float = 0.0
     time_scale: float = 1.0
     lora_load_ms: float = 0.0
+    #: The fitted step-time model, when one is given (replaces the step's
+    #: linear figures; see the module docstring).
+    profile: Optional[StepProfile] = None
     #: False when every step and prefill is instant (the Rust mock's mode).
     #: Derived once: the scheduler reads it every step.
     paced: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "paced", bool(self.itl_ms or self.itl_ms_per_request or self.ttft_ms or self.prefill_ms_per_token))
+        object.__setattr__(self, "paced", bool(self.itl_ms or self.itl_ms_per_request or self.ttft_ms or self.prefill_ms_per_token or self.profile))
 
     def _jitter(self, rng: random.Random) -> float:
         return 1.0 + self.jitter * (2.0 * rng.random() - 1.0) if self.jitter else 1.0
 
-    def step_seconds(self, running: int, prefill_tokens: int, rng: random.Random) -> float:
-        """Duration of a step with `running` requests that prefills `prefill_tokens`."""
-        ms = (self.itl_ms + self.itl_ms_per_request * running) * self._jitter(rng)
-        ms += self.prefill_ms_per_token * prefill_tokens
+    def step_seconds(
+        self, running: int, prefill_tokens: int, rng: random.Random, prefill_attention: float = 0.0, context_tokens: int = 0
+    ) -> float:
+        """Duration of a step with `running` requests that prefills
+        `prefill_tokens` (with a profile: also their attention, Σ c·(p + c/2)
+        over the prompt chunks, and the `context_tokens` the batch holds)."""
+        profile = self.profile
+        if profile is not None:
+            ms = profile.sample_ms(running, prefill_tokens, prefill_attention, context_tokens, rng) * self._jitter(rng)
+        else:
+            ms = (self.itl_ms + self.itl_ms_per_request * running) * self._jitter(rng)
+            ms += self.prefill_ms_per_token * prefill_tokens
         return ms * self.time_scale / 1000.0
 
-    def step_time(self, scheduler_output: "SchedulerOutput", rng: random.Random) -> float:
+    def step_time(self, scheduler_output: "SchedulerOutput", rng: random.Random, context_tokens: int = 0) -> float:
         """Duration of the step `scheduler_output` planned (sched_output.py):
-        its running batch and the prompt tokens it prefills."""
-        return self.step_seconds(scheduler_output.num_running_reqs, scheduler_output.num_prefill_tokens, rng)
+        its running batch and the prompt tokens it prefills; `context_tokens`:
+        what the running requests hold (kv_cache_manager's `tokens`)."""
+        return self.step_seconds(
+            scheduler_output.num_running_reqs,
+            scheduler_output.num_prefill_tokens,
+            rng,
+            scheduler_output.prefill_attention,
+            context_tokens,
+        )
 
     def first_token_seconds(self, prompt_len: int, rng: random.Random, ttft_ms: Optional[float] = None) -> float:
         """Time from scheduling to the earliest first token of a request
-        (`ttft_ms` replaces the configured fixed part for one request)."""
+        (`ttft_ms` replaces the configured fixed part for one request). With
+        a profile the prefill's time is its step's, not counted here."""
         fixed = self.ttft_ms if ttft_ms is None else ttft_ms
-        ms = fixed * self._jitter(rng) + self.prefill_ms_per_token * prompt_len
+        ms = fixed * self._jitter(rng)
+        if self.profile is None:
+            ms += self.prefill_ms_per_token * prompt_len
         return ms * self.time_scale / 1000.0
 
     def lora_load_seconds(self) -> float:

@@ -31,6 +31,7 @@ from .validators import (
     int_at_least,
     kv_events_config,
     kv_transfer_config,
+    latency_profile,
     length_spec,
     protocol_version,
     task_list,
@@ -241,6 +242,17 @@ LATENCY = Group(
             type=float_in(0.0, 1.0),
         ),
         _latency("--time-scale", "multiplies every duration of the latency model (0.5 = twice as fast)", default=1.0),
+        Option(
+            "--latency-profile",
+            "a step-time profile fitted from a real engine's trace (./run.sh fit; docs/latency-profile.md): it times "
+            "every step from what is in it, instead of --itl-ms, --itl-ms-per-request and --prefill-ms-per-token; "
+            "re-read on every reload",
+            default=None,
+            type=latency_profile,
+            metavar="FILE",
+            reload=NEXT_STEP,
+            setting="latency",
+        ),
     ),
 )
 

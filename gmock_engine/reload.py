@@ -61,6 +61,8 @@ def show(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, float):
         return f"{value:.15g}"
+    if hasattr(value, "label"):  # a file read with its option (--latency-profile): path and content
+        return str(value.label)
     text = ",".join(str(v) for v in value) if isinstance(value, (tuple, list)) else str(value)
     return repr(text) if not text or any(c.isspace() for c in text) else text
 

@@ -58,7 +58,9 @@ class SchedulerOutput:
       running requests past their prefill (a full chunk each, what the token
       budget reserves) and the prompt tokens prefilled in this step (chunks
       of running requests, then the admitted ones);
-      `total_num_scheduled_tokens` is their sum.
+      `total_num_scheduled_tokens` is their sum; `prefill_attention` is
+      Σ c·(p + c/2) over the step's prompt chunks (c tokens from position
+      p), the attention work of the prefill (latency_profile.py).
     * `preempted_reqs`: the requests preempted in this step (back in the
       waiting queue; nothing is admitted in such a step).
     * `rejected_reqs`: (request, error) of requests the scheduler ended
@@ -74,6 +76,7 @@ class SchedulerOutput:
         "preempted_reqs",
         "rejected_reqs",
         "chunk",
+        "prefill_attention",
     )
 
     def __init__(
@@ -85,6 +88,7 @@ class SchedulerOutput:
         preempted_reqs: Sequence[Request] = (),
         rejected_reqs: Sequence[Tuple[Request, Dict[str, Any]]] = (),
         chunk: int = 1,
+        prefill_attention: float = 0.0,
     ) -> None:
         self.scheduled_new_reqs = scheduled_new_reqs
         self.num_running_reqs = num_running_reqs
@@ -95,6 +99,7 @@ class SchedulerOutput:
         #: tokens a running request past its prefill is scheduled for (its
         #: last output: what remains, if fewer)
         self.chunk = chunk
+        self.prefill_attention = prefill_attention
 
     @property
     def total_num_scheduled_tokens(self) -> int:

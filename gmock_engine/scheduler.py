@@ -27,6 +27,7 @@ new token source or logprob setting is for the requests that come after.
 
 from __future__ import annotations
 
+import math
 import random
 import sys
 from collections import Counter
@@ -108,6 +109,8 @@ class Scheduler:
         self.prefilling: Dict[str, float] = {}
         #: Running requests with prompt tokens still to prefill (token budget).
         self.chunking: Dict[str, Request] = {}
+        #: Σ c·(p + c/2) over the prompt chunks of the step being planned (latency_profile.py)
+        self._prefill_attention = 0.0
         self.pause_state = PauseState.UNPAUSED
         #: Engine time the last step asked its successor to wait (latency model).
         self.step_delay = 0.0
@@ -145,7 +148,7 @@ class Scheduler:
         processor's `reconfigure`)."""
         if latency != self.latency:
             self.latency = latency
-            self.step_delay = latency.step_seconds(len(self.running), 0, self.rng) if latency.paced else 0.0
+            self.step_delay = latency.step_seconds(len(self.running), 0, self.rng, 0.0, self.kv.tokens) if latency.paced else 0.0
         changed = sampler is not self.sampler
         self.sampler = sampler
         if self.output_processor is not None:
@@ -257,8 +260,13 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         running = self.running
         prefill_tokens = 0
+        self._prefill_attention = 0.0
         preempted = self._reserve_decode_blocks(now) if self.kv.enforced and running else _NONE
-        decode_tokens = (len(running) - len(self.prefilling)) * self.chunk
+        prefilling = self.prefilling
+        # a request whose prefill ended in the last step has its first token
+        # now: it decodes in this step, as in vLLM, and takes its budget
+        busy = sum(1 for ready_at in prefilling.values() if ready_at > now) if prefilling else 0
+        decode_tokens = (len(running) - busy) * self.chunk
         if budget is not None:
             budget -= decode_tokens
             if self.chunking:
@@ -270,19 +278,27 @@ class Scheduler:
         if not preempted and self.waiting:
             new, rejected = [], []
             prefill_tokens += self._admit(now, budget, new, rejected)
-        return SchedulerOutput(new, len(running), decode_tokens, prefill_tokens, preempted, rejected, self.chunk)
+        return SchedulerOutput(
+            new, len(running), decode_tokens, prefill_tokens, preempted, rejected, self.chunk, self._prefill_attention
+        )
 
     def finish_step(self, scheduler_output: SchedulerOutput, finished: List[Request]) -> None:
-        """After the outputs of the step `scheduler_output` planned: the next
-        step is timed from the plan (latency.py), and the requests that
-        ended in it leave the batch (their KV is freed)."""
-        if self.latency.paced:
-            self.step_delay = self.latency.step_time(scheduler_output, self.rng)
+        """After the outputs of the step `scheduler_output` planned: the
+        requests that ended in it leave the batch (their KV is freed), and
+        the next step is timed (latency.py) from the plan's prefill and what
+        runs on: the requests that will have tokens when it ends, with
+        what they hold then (their last output counted; the ones that just
+        ended are not in it, as in a real engine, whose next step no
+        longer holds them)."""
         running = self.running
         for request in finished:
             del running[request.request_id]
             self._release(request)
             request.status = FINISHED_STATUS[request.finish]
+        if self.latency.paced:
+            if finished:
+                scheduler_output.num_running_reqs = len(running)
+            self.step_delay = self.latency.step_time(scheduler_output, self.rng, self.kv.tokens)
 
     def remote_kvs_arrived(self, request: Request) -> None:
         """A running P/D request's prefill wait is over (its KV is here):
@@ -385,6 +401,7 @@ class Scheduler:
                 continue
             take = target if budget is None else min(target, budget)
             prefill_tokens += take
+            self._prefill_attention += take * (request.cached_tokens + take / 2)
             if budget is not None:
                 budget -= take
             request.prefill_left = target - take
@@ -400,6 +417,8 @@ class Scheduler:
                 request.ready_at = now
             if loaded:
                 request.ready_at += latency.lora_load_seconds()
+            if latency.profile is not None and request.ready_at <= now:
+                request.ready_at = math.nextafter(now, math.inf)  # at the end of this step, which computes the prompt
             if request.prefill_left or request.ready_at > now:
                 self.prefilling[request.request_id] = float("inf") if request.prefill_left else request.ready_at
         for request in reversed(skipped):
@@ -447,6 +466,7 @@ class Scheduler:
             if budget <= 0:
                 break
             take = min(request.prefill_left, budget)
+            self._prefill_attention += take * (request.num_tokens - request.prefill_left + take / 2)
             request.prefill_left -= take
             budget -= take
             prefilled += take
@@ -454,6 +474,8 @@ class Scheduler:
                 self.kv.computed(request, request.num_tokens - request.prefill_left)
             if not request.prefill_left:
                 del self.chunking[request.request_id]
+                if self.latency.profile is not None and request.ready_at <= now:
+                    request.ready_at = math.nextafter(now, math.inf)  # at the end of this step
                 if request.ready_at > now:
                     self.prefilling[request.request_id] = request.ready_at
                 else:

@@ -203,6 +203,7 @@ def from_config(c: Any) -> Settings:
             jitter=c.jitter,
             time_scale=c.time_scale,
             lora_load_ms=c.lora_load_ms,
+            profile=c.latency_profile.profile if c.latency_profile else None,
         ),
         generation=GenerationSettings(
             output_token_chunk_size=c.output_token_chunk_size,

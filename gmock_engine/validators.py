@@ -95,6 +95,19 @@ def token_source(text: str) -> str:
     raise argparse.ArgumentTypeError(f"{text!r} is not random, echo or file:PATH")
 
 
+def latency_profile(text: str) -> Any:
+    """--latency-profile: a step-time profile file, read (a ProfileFile)."""
+    from .latency_profile import ProfileError, read_profile_file
+
+    path = text.strip()
+    try:
+        return read_profile_file(path)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{path!r}: cannot read it ({exc.strerror or exc})") from None
+    except ProfileError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 @dataclass(frozen=True)
 class IdRange:
     """--token-id-range: [low, high); prints as it is written."""

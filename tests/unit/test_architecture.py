@@ -31,6 +31,7 @@ PURE = [
     "ledger",
     "faults",
     "latency",
+    "latency_profile",
     "lengths",
     "reload",
     "config",
@@ -40,6 +41,8 @@ PURE = [
     "tools.serve_config",
     "tools.config_reference",
     "trace",
+    "tools.steps",
+    "tools.fit",
 ]
 
 

@@ -1,0 +1,225 @@
+"""A step-time profile: how long a real engine's step takes for what is in it.
+
+Fitted from a recorded trace of a real engine core (`./run.sh fit`,
+tools/fit.py; docs/latency-profile.md) and read by the latency model
+(latency.py) when `--latency-profile FILE` is given. Pure: the file format,
+the prediction and the sampling of the step-to-step spread.
+
+A step's time, in ms, is the sum of
+
+* `step_ms(batch)`: a table over the running batch (the requests in the
+  step, decoding or prefilling), linear between its points and extrapolated
+  from the last two beyond them: the fixed cost of a step and the per-request
+  cost, which is not linear on real hardware;
+* `prefill_ms_per_token × prefill tokens` (the prompt tokens computed in
+  the step, prefix-cache hits excluded);
+* `prefill_attention_ms × Σ c·(p + c/2) / 1000` over the prompt chunks of
+  the step (c tokens from position p): the attention over the prompt, which
+  grows with the square of its length;
+* `context_ms_per_ktoken × context tokens / 1000`: the tokens the batch
+  holds (prompt and generated tokens of every running request), which every
+  decode step's attention reads;
+
+times a factor drawn from the step's spread: the quantiles of measured /
+predicted step time of the fit, one set for steps that prefill and one for
+steps that only decode, sampled by inverse transform.
+
+The file is INI (one section, `[latency-profile]`), so an ops team keeps one
+per GPU type and model beside their engine config and edits it by hand.
+"""
+
+from __future__ import annotations
+
+import configparser
+import hashlib
+import random
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
+
+FORMAT_VERSION = 1
+SECTION = "latency-profile"
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message says which key and why."""
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """A fitted step-time model (see the module docstring); times in ms."""
+
+    batch: Tuple[int, ...]
+    step_ms: Tuple[float, ...]
+    prefill_ms_per_token: float = 0.0
+    prefill_attention_ms: float = 0.0
+    context_ms_per_ktoken: float = 0.0
+    #: quantiles of measured / predicted at evenly spaced probabilities 0..1
+    spread_decode: Tuple[float, ...] = ()
+    spread_prefill: Tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.batch or len(self.batch) != len(self.step_ms):
+            raise ProfileError("batch and step_ms need the same number of values (at least one)")
+        if any(b < 1 for b in self.batch) or any(b >= c for b, c in zip(self.batch, self.batch[1:])):
+            raise ProfileError("batch: increasing request counts, each at least 1")
+        for name in ("prefill_ms_per_token", "prefill_attention_ms", "context_ms_per_ktoken"):
+            if not getattr(self, name) >= 0.0:
+                raise ProfileError(f"{name}: must be >= 0")
+        if any(not v >= 0.0 for v in self.step_ms):
+            raise ProfileError("step_ms: values must be >= 0")
+        for name in ("spread_decode", "spread_prefill"):
+            values = getattr(self, name)
+            if len(values) == 1 or any(not v >= 0.0 for v in values) or any(a > b for a, b in zip(values, values[1:])):
+                raise ProfileError(f"{name}: at least two non-decreasing factors >= 0 (or none)")
+
+    def batch_ms(self, batch: int) -> float:
+        """The table's step time for `batch` running requests."""
+        xs, ys = self.batch, self.step_ms
+        if len(xs) == 1:
+            return ys[0]
+        i = bisect_right(xs, batch) - 1
+        if i < 0:
+            i = 0  # below the first point: the first segment, extended
+        elif i >= len(xs) - 1:
+            i = len(xs) - 2  # beyond the last: the last segment, extended
+        x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+        return max(0.0, y0 + (y1 - y0) * (batch - x0) / (x1 - x0))
+
+    def predict_ms(self, batch: int, prefill_tokens: int = 0, prefill_attention: float = 0.0, context_tokens: int = 0) -> float:
+        """The step time the profile predicts, ms, before its spread.
+        `prefill_attention` is Σ c·(p + c/2) over the step's prompt chunks."""
+        return (
+            self.batch_ms(batch)
+            + self.prefill_ms_per_token * prefill_tokens
+            + self.prefill_attention_ms * prefill_attention / 1000.0
+            + self.context_ms_per_ktoken * context_tokens / 1000.0
+        )
+
+    def spread(self, prefill: bool, rng: random.Random) -> float:
+        """A factor drawn from the measured spread of such steps (1.0: none)."""
+        q = self.spread_prefill if prefill else self.spread_decode
+        if not q:
+            return 1.0
+        x = rng.random() * (len(q) - 1)
+        i = int(x)
+        if i >= len(q) - 1:
+            return q[-1]
+        return q[i] + (q[i + 1] - q[i]) * (x - i)
+
+    def sample_ms(self, batch: int, prefill_tokens: int, prefill_attention: float, context_tokens: int, rng: random.Random) -> float:
+        """One step's time, ms: the prediction times a drawn spread."""
+        return self.predict_ms(batch, prefill_tokens, prefill_attention, context_tokens) * self.spread(prefill_tokens > 0, rng)
+
+
+def _floats(text: str) -> Tuple[float, ...]:
+    return tuple(float(v) for v in text.replace(",", " ").split())
+
+
+_KEYS = ("version", "batch", "step_ms", "prefill_ms_per_token", "prefill_attention_ms", "context_ms_per_ktoken", "spread_decode", "spread_prefill")
+
+
+def parse_profile(text: str, source: str = "<profile>") -> StepProfile:
+    """A profile from its INI text; ProfileError names `source` and the key."""
+    parser = configparser.ConfigParser(interpolation=None, inline_comment_prefixes=("#", ";"))
+    try:
+        parser.read_string(text, source=source)
+    except configparser.Error as exc:
+        raise ProfileError(f"{source}: not an INI file ({exc.__class__.__name__}: {exc})") from None
+    if not parser.has_section(SECTION):
+        raise ProfileError(f"{source}: no [{SECTION}] section")
+    section = parser[SECTION]
+    unknown = sorted(set(section) - set(_KEYS))
+    if unknown:
+        raise ProfileError(f"{source}: unknown key(s) {', '.join(unknown)} in [{SECTION}] (known: {', '.join(_KEYS)})")
+    values: Dict[str, object] = {}
+    try:
+        version = int(section.get("version", str(FORMAT_VERSION)))
+    except ValueError:
+        raise ProfileError(f"{source}: version: not an integer") from None
+    if version > FORMAT_VERSION:
+        raise ProfileError(f"{source}: version {version} is newer than this engine reads ({FORMAT_VERSION})")
+    for key in _KEYS[1:]:
+        if key not in section:
+            if key in ("batch", "step_ms"):
+                raise ProfileError(f"{source}: missing key {key}")
+            continue
+        try:
+            numbers = _floats(section[key])
+        except ValueError:
+            raise ProfileError(f"{source}: {key}: not a list of numbers: {section[key]!r}") from None
+        if key == "batch":
+            if any(n != int(n) for n in numbers):
+                raise ProfileError(f"{source}: batch: request counts are whole numbers")
+            values[key] = tuple(int(n) for n in numbers)
+        elif key in ("step_ms", "spread_decode", "spread_prefill"):
+            values[key] = numbers
+        else:
+            if len(numbers) != 1:
+                raise ProfileError(f"{source}: {key}: one number expected")
+            values[key] = numbers[0]
+    try:
+        return StepProfile(**values)  # type: ignore[arg-type]
+    except ProfileError as exc:
+        raise ProfileError(f"{source}: {exc}") from None
+
+
+def read_profile(path: str) -> StepProfile:
+    """The profile in file `path` (OSError when unreadable, ProfileError when invalid)."""
+    return read_profile_file(path).profile
+
+
+@dataclass(frozen=True)
+class ProfileFile:
+    """`--latency-profile`'s value: the path and what was read from it.
+    Two are equal when path and content are, so a reload that reads an
+    edited file under the same path sees a change and applies it."""
+
+    path: str
+    profile: StepProfile
+    digest: str
+
+    def __str__(self) -> str:
+        return self.path  # as written in a config file (--print-config)
+
+    @property
+    def label(self) -> str:
+        """The path and a digest of its content (the reload line)."""
+        return f"{self.path} (sha256 {self.digest[:12]})"
+
+
+def read_profile_file(path: str) -> ProfileFile:
+    """File `path` and its profile (OSError when unreadable, ProfileError when invalid)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    return ProfileFile(path, parse_profile(text, source=path), hashlib.sha256(data).hexdigest())
+
+
+def _join(values: Sequence[float], digits: int = 4) -> str:
+    return " ".join(f"{v:.{digits}g}" for v in values)
+
+
+def format_profile(profile: StepProfile, comment: Optional[Sequence[str]] = None) -> str:
+    """The INI text of `profile`, with `comment` lines on top (parse_profile reads it back)."""
+    lines = [f"# {line}".rstrip() for line in (comment or ())]
+    lines += [
+        f"[{SECTION}]",
+        f"version = {FORMAT_VERSION}",
+        "# running requests in the step, and the step time at each (ms): linear in between",
+        f"batch = {' '.join(str(b) for b in profile.batch)}",
+        f"step_ms = {_join(profile.step_ms, 5)}",
+        "# ms per prompt token computed in the step (prefix-cache hits excluded)",
+        f"prefill_ms_per_token = {profile.prefill_ms_per_token:.5g}",
+        "# ms per 1000 of sum c*(p + c/2) over the step's prompt chunks (c tokens from position p)",
+        f"prefill_attention_ms = {profile.prefill_attention_ms:.5g}",
+        "# ms per 1000 tokens held by the running requests (prompt + generated)",
+        f"context_ms_per_ktoken = {profile.context_ms_per_ktoken:.5g}",
+        "# measured / predicted step time, quantiles at evenly spaced probabilities",
+        f"spread_decode = {_join(profile.spread_decode)}",
+        f"spread_prefill = {_join(profile.spread_prefill)}",
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,332 @@
+"""`./run.sh fit TRACE... -o profile.ini`: a step-time profile from recorded traces.
+
+Reads the steps of a real engine from traces of the record tap (steps.py),
+fits candidate step-time models to them, picks the one that predicts best
+on held-out steps (k-fold cross-validation over contiguous blocks of steps,
+so that a fold is a stretch of time the model has not seen), prints every
+candidate's error and the chosen one's residuals, and writes the chosen
+one as a profile the engine reads with `--latency-profile`
+(latency_profile.py; docs/latency-profile.md).
+
+The candidates (all non-negative least squares on the step time, weighted
+by 1/time² so that every step counts by its relative error):
+
+* `linear`: a + b·batch + c·prefill tokens, the form of the hand-set
+  flags (--itl-ms, --itl-ms-per-request, --prefill-ms-per-token);
+* `linear+attention`: that, plus the prompt's attention (Σ c·(p + c/2)) and
+  the context the batch holds;
+* `table`: a step time per batch size, linear between points at 1, 2, 4, 8,
+  … as far as the steps reach (the non-linear growth with the batch), plus
+  the three other terms.
+
+The spread around the chosen model (measured / predicted, steps that
+prefill apart from those that only decode) goes into the profile as
+quantiles; the engine draws each step's factor from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from ..latency_profile import StepProfile, format_profile
+from ..trace import TraceFormatError, read_trace
+from .steps import Step, steps_from_trace
+
+#: Steps shorter than this (ms) are not steps of a model's forward pass
+#: (e.g. a stats-only message right after another): left out of the fit.
+MIN_STEP_MS = 0.05
+#: Quantiles of the spread written to the profile (evenly spaced, 0..1).
+SPREAD_POINTS = 41
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model form made for a set of steps: the features of a step and
+    the profile from fitted coefficients."""
+
+    features: Callable[[Step], List[float]]
+    profile: Callable[[Sequence[float]], StepProfile]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A model form by name; `make` shapes it to the steps it is fitted to
+    (the table's points go where those steps are)."""
+
+    name: str
+    make: Callable[[Sequence[Step]], Model]
+
+
+#: A point of the table needs this many steps with a batch near it (from
+#: half to twice its size); beyond the last such point the table extends
+#: its last segment.
+MIN_POINT_SUPPORT = 8
+
+
+def table_points(steps: Sequence[Step]) -> Tuple[int, ...]:
+    """Batch sizes 1, 2, 4, … that the steps support (at least two)."""
+    batches = sorted(s.batch for s in steps)
+    points = [1, 2]
+    while True:
+        nxt = points[-1] * 2
+        lo, hi = bisect_left(batches, nxt // 2 + 1), bisect_right(batches, nxt * 2)
+        if hi - lo < MIN_POINT_SUPPORT or bisect_left(batches, nxt) >= len(batches):
+            return tuple(points)
+        points.append(nxt)
+
+
+def _hats(knots: Sequence[int], batch: int) -> List[float]:
+    """Weights of the table's points for `batch` (linear interpolation,
+    extended beyond the ends as StepProfile.batch_ms does)."""
+    n = len(knots)
+    row = [0.0] * n
+    i = 0
+    while i < n - 2 and batch >= knots[i + 1]:
+        i += 1
+    w = (batch - knots[i]) / (knots[i + 1] - knots[i])
+    row[i] = 1.0 - w
+    row[i + 1] = w
+    return row
+
+
+def _linear(c: Sequence[float], attention: float = 0.0, context: float = 0.0) -> StepProfile:
+    return StepProfile(
+        batch=(1, 2),
+        step_ms=(c[0] + c[1], c[0] + 2 * c[1]),
+        prefill_ms_per_token=c[2],
+        prefill_attention_ms=attention,
+        context_ms_per_ktoken=context,
+    )
+
+
+def _table(steps: Sequence[Step]) -> Model:
+    knots = table_points(steps)
+    n = len(knots)
+    return Model(
+        lambda s: _hats(knots, s.batch) + [float(s.prefill_tokens), s.prefill_attention / 1000.0, s.context_tokens / 1000.0],
+        lambda c: StepProfile(
+            batch=knots,
+            step_ms=tuple(c[:n]),
+            prefill_ms_per_token=c[n],
+            prefill_attention_ms=c[n + 1],
+            context_ms_per_ktoken=c[n + 2],
+        ),
+    )
+
+
+CANDIDATES = (
+    Candidate("linear", lambda _: Model(lambda s: [1.0, float(s.batch), float(s.prefill_tokens)], _linear)),
+    Candidate(
+        "linear+attention",
+        lambda _: Model(
+            lambda s: [1.0, float(s.batch), float(s.prefill_tokens), s.prefill_attention / 1000.0, s.context_tokens / 1000.0],
+            lambda c: _linear(c, c[3], c[4]),
+        ),
+    ),
+    Candidate("table", _table),
+)
+
+
+def nnls(rows: Sequence[Sequence[float]], ys: Sequence[float], weights: Sequence[float], sweeps: int = 3000) -> List[float]:
+    """Weighted least squares with every coefficient >= 0 (coordinate descent
+    on the normal equations; the problems here have a handful of columns).
+    A column that is zero in every row gets 0."""
+    p = len(rows[0])
+    g = [[0.0] * p for _ in range(p)]
+    b = [0.0] * p
+    for row, y, w in zip(rows, ys, weights):
+        for i in range(p):
+            ri = row[i] * w
+            if ri:
+                b[i] += ri * y
+                gi = g[i]
+                for j in range(p):
+                    gi[j] += ri * row[j]
+    x = [0.0] * p
+    for _ in range(sweeps):
+        change = 0.0
+        for j in range(p):
+            if g[j][j] <= 0.0:
+                continue
+            gx = sum(g[j][k] * x[k] for k in range(p))
+            new = max(0.0, x[j] + (b[j] - gx) / g[j][j])
+            change = max(change, abs(new - x[j]))
+            x[j] = new
+        if change < 1e-12:
+            break
+    return x
+
+
+def _usable(steps: Sequence[Step]) -> List[Step]:
+    return [s for s in steps if s.duration_ms >= MIN_STEP_MS and s.batch > 0]
+
+
+def fit_candidate(candidate: Candidate, steps: Sequence[Step]) -> StepProfile:
+    """The candidate's profile fitted to `steps` (no spread yet)."""
+    model = candidate.make(steps)
+    rows = [model.features(s) for s in steps]
+    ys = [s.duration_ms for s in steps]
+    return model.profile(nnls(rows, ys, [1.0 / (y * y) for y in ys]))
+
+
+def predict(profile: StepProfile, step: Step) -> float:
+    """The profile's step time for a recorded step, ms (before its spread)."""
+    return profile.predict_ms(step.batch, step.prefill_tokens, step.prefill_attention, step.context_tokens)
+
+
+def relative_errors(profile: StepProfile, steps: Sequence[Step]) -> List[float]:
+    """(predicted - measured) / measured per step."""
+    return [(predict(profile, s) - s.duration_ms) / s.duration_ms for s in steps]
+
+
+def cross_validate(candidate: Candidate, steps: Sequence[Step], folds: int) -> List[float]:
+    """Relative errors of each step predicted by a fit on the other folds
+    (contiguous blocks of steps)."""
+    n = len(steps)
+    errors: List[float] = []
+    for k in range(folds):
+        lo, hi = n * k // folds, n * (k + 1) // folds
+        train = list(steps[:lo]) + list(steps[hi:])
+        if not train or lo == hi:
+            continue
+        errors.extend(relative_errors(fit_candidate(candidate, train), steps[lo:hi]))
+    return errors
+
+
+def quantile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile of an ascending list."""
+    if not sorted_values:
+        return math.nan
+    x = q * (len(sorted_values) - 1)
+    i = int(x)
+    if i >= len(sorted_values) - 1:
+        return sorted_values[-1]
+    return sorted_values[i] + (sorted_values[i + 1] - sorted_values[i]) * (x - i)
+
+
+def spread(profile: StepProfile, steps: Sequence[Step], points: int = SPREAD_POINTS) -> Tuple[float, ...]:
+    """Quantiles of measured / predicted at `points` evenly spaced probabilities."""
+    ratios = sorted(s.duration_ms / p for s in steps if (p := predict(profile, s)) > 0)
+    if len(ratios) < 2:
+        return ()
+    return tuple(quantile(ratios, i / (points - 1)) for i in range(points))
+
+
+def summary(errors: Sequence[float]) -> str:
+    """Mean |error|, its median and p90, and the bias, in %."""
+    if not errors:
+        return "no steps"
+    a = sorted(abs(e) for e in errors)
+    mean = sum(a) / len(a)
+    bias = sum(errors) / len(errors)
+    return f"mean |err| {100 * mean:5.1f} %  median {100 * quantile(a, 0.5):5.1f} %  p90 {100 * quantile(a, 0.9):5.1f} %  bias {100 * bias:+5.1f} %"
+
+
+@dataclass
+class FitResult:
+    """The chosen profile (with its spread) and what the fit printed."""
+
+    profile: StepProfile
+    chosen: str
+    report: List[str]
+
+
+def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None) -> FitResult:
+    """Fit every candidate (or only `model`), choose by cross-validated mean
+    relative error, and add the spread of the chosen one."""
+    usable = _usable(steps)
+    if len(usable) < max(10, folds * 2):
+        raise ValueError(f"{len(usable)} usable steps: too few to fit (record a longer run)")
+    max_batch = max(s.batch for s in usable)
+    forms = [c for c in CANDIDATES if model is None or c.name == model]
+    if not forms:
+        raise ValueError(f"unknown model {model!r} (known: {', '.join(c.name for c in CANDIDATES)})")
+    report = [
+        f"{len(usable)} steps ({sum(1 for s in usable if s.prefill_tokens)} with prefill), batch 1..{max_batch}, "
+        f"{folds}-fold cross-validation over contiguous blocks",
+    ]
+    best: Optional[Tuple[float, Candidate]] = None
+    for form in forms:
+        cv = cross_validate(form, usable, folds)
+        mean = sum(abs(e) for e in cv) / len(cv) if cv else math.inf
+        report.append(f"  {form.name:17s} held-out: {summary(cv)}")
+        if best is None or mean < best[0]:
+            best = (mean, form)
+    assert best is not None
+    chosen = best[1]
+    profile = fit_candidate(chosen, usable)
+    decode = [s for s in usable if not s.prefill_tokens]
+    prefill = [s for s in usable if s.prefill_tokens]
+    profile = StepProfile(
+        batch=profile.batch,
+        step_ms=profile.step_ms,
+        prefill_ms_per_token=profile.prefill_ms_per_token,
+        prefill_attention_ms=profile.prefill_attention_ms,
+        context_ms_per_ktoken=profile.context_ms_per_ktoken,
+        spread_decode=spread(profile, decode),
+        spread_prefill=spread(profile, prefill),
+    )
+    report.append(f"chosen: {chosen.name}; its residuals on the steps it was fitted to:")
+    for name, group in (("decode-only steps", decode), ("steps with prefill", prefill)):
+        report.append(f"  {name:18s} ({len(group):5d}): {summary(relative_errors(profile, group))}")
+    by_batch: dict = {}
+    for s in decode:
+        by_batch.setdefault(s.batch, []).append(s)
+    report.append("  decode steps by batch: measured median / predicted (ms)")
+    for b in sorted(by_batch):
+        group = by_batch[b]
+        if len(group) >= 5:
+            measured = quantile(sorted(s.duration_ms for s in group), 0.5)
+            predicted = quantile(sorted(predict(profile, s) for s in group), 0.5)
+            report.append(f"    batch {b:4d} ({len(group):5d} steps): {measured:8.3f} / {predicted:8.3f}")
+    return FitResult(profile, chosen.name, report)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`gmock-engine fit`: exit status 0, or 2 with a message naming the trace."""
+    parser = argparse.ArgumentParser(prog="gmock-engine fit", description=__doc__.split("\n\n")[0])
+    parser.add_argument("traces", nargs="+", metavar="TRACE", help="trace files of the record tap (docs/record.md)")
+    parser.add_argument("-o", "--output", default="profile.ini", help="the profile to write (default profile.ini)")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the recorded engine's token budget per step (its log says it), to place chunked prefills; "
+        "default: no chunking assumed",
+    )
+    parser.add_argument("--folds", type=int, default=5, help="cross-validation folds (default 5)")
+    parser.add_argument("--model", default=None, help="fit only this candidate (linear, linear+attention, table)")
+    args = parser.parse_args(argv)
+    steps: List[Step] = []
+    for path in args.traces:
+        try:
+            _, records = read_trace(path)
+        except (OSError, TraceFormatError) as exc:
+            print(f"gmock-engine fit: {path}: {exc}", file=sys.stderr)
+            return 2
+        found = steps_from_trace(records, args.max_num_batched_tokens)
+        print(f"{path}: {len(found)} steps")
+        steps.extend(found)
+    try:
+        result = fit(steps, folds=args.folds, model=args.model)
+    except ValueError as exc:
+        print(f"gmock-engine fit: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(result.report))
+    comment = [
+        "gmock_engine latency profile: ./run.sh --latency-profile THIS_FILE (docs/latency-profile.md)",
+        f"fitted by ./run.sh fit from {', '.join(args.traces)}; model {result.chosen}",
+    ]
+    with open(args.output, "w", encoding="utf-8") as f:
+        f.write(format_profile(result.profile, comment))
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""A recorded engine's steps, read back from a trace (gmock_engine/trace.py).
+
+A real engine core sends one EngineCoreOutputs per client at the end of
+each step (with SchedulerStats to client 0 even when no request has a
+token: docs/protocol.md §7.1), so consecutive output messages of one engine
+are consecutive steps. For each step this module works out what the fit
+(tools/fit.py) needs, with the features defined as the mock's scheduler
+computes them (sched_output.py, kv_cache_manager.py), so that a profile
+fitted here times the mock's steps the same way:
+
+* its duration: from the end of the previous step, or, when the engine had
+  nothing to do then, from the arrival of the ADD that woke it; a step ends
+  at its outputs' engine timestamp (§4.2), moved onto the tap's clock by
+  the smallest lag between the two: the tap's receive times come late in
+  bursts when the machine is short of CPU, the engine's stamps do not;
+* `batch`: the requests in the step: those with tokens in it, and those
+  whose prompt the step computed a chunk of without a token yet;
+* `prefill_tokens` and `prefill_attention` (Σ c·(p + c/2) over the chunks):
+  a request's uncached prompt (its `num_cached_tokens` excluded) is computed
+  in the steps from its arrival to its first token, first come first
+  served within the token budget (`max_num_batched_tokens`, as vLLM's
+  scheduler: decodes first, then prompt chunks); a request with its first
+  token in a step finishes its prompt there;
+* `context_tokens`: the tokens the requests of the step hold when it
+  begins: prompt plus tokens generated before it (the mock's
+  `KVCacheManager.tokens` when it times the step).
+
+Utility replies are not steps. Records of several engines are split by rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional
+
+
+@dataclass
+class Step:
+    """One engine step as recorded (times in seconds on the tap's clock)."""
+
+    rank: int
+    start: float
+    end: float
+    batch: int
+    decode: int
+    prefill_tokens: int
+    prefill_attention: float
+    context_tokens: int
+    #: the engine was idle before this step (it started on an ADD's arrival)
+    woke: bool
+
+    @property
+    def duration_ms(self) -> float:
+        """The step's time, ms."""
+        return (self.end - self.start) * 1000.0
+
+
+class _Pending:
+    """A request between its ADD and its first token."""
+
+    __slots__ = ("request_id", "arrival", "prompt_len", "cached", "done")
+
+    def __init__(self, request_id: str, arrival: float, prompt_len: int, cached: int) -> None:
+        self.request_id = request_id
+        self.arrival = arrival
+        self.prompt_len = prompt_len
+        self.cached = min(cached, prompt_len)
+        #: uncached prompt tokens computed so far
+        self.done = 0
+
+    @property
+    def left(self) -> int:
+        return self.prompt_len - self.cached - self.done
+
+
+def _step_groups(outputs: List[Dict[str, Any]]) -> List[List[Dict[str, Any]]]:
+    """Output records of one engine grouped per step: one message per client
+    with the same engine timestamp (a step's messages leave back to back)."""
+    groups: List[List[Dict[str, Any]]] = []
+    last: Any = object()
+    for record in outputs:
+        stamp = record.get("engine_timestamp")
+        if groups and stamp is not None and stamp == last:
+            groups[-1].append(record)
+        else:
+            groups.append([record])
+        last = stamp
+    return groups
+
+
+def steps_of_rank(records: Iterable[Dict[str, Any]], rank: int, max_num_batched_tokens: Optional[int] = None) -> List[Step]:
+    """The steps of engine `rank` (see the module docstring); `records` in
+    trace order."""
+    adds: List[Dict[str, Any]] = []
+    aborts: List[Dict[str, Any]] = []
+    outputs: List[Dict[str, Any]] = []
+    cached: Dict[str, int] = {}
+    for record in records:
+        if record.get("rank") != rank:
+            continue
+        kind = record.get("kind")
+        if kind == "add":
+            adds.append(record)
+        elif kind == "abort":
+            aborts.append(record)
+        elif kind == "output" and record.get("utility_call_id") is None:
+            outputs.append(record)
+            for item in record.get("requests", ()):
+                if item.get("num_cached_tokens") and item["id"] not in cached:
+                    cached[item["id"]] = int(item["num_cached_tokens"])
+    adds.sort(key=lambda r: r["t"])
+    aborts.sort(key=lambda r: r["t"])
+    outputs.sort(key=lambda r: r["t"])
+
+    by_id = {add["request_id"]: add for add in adds}
+    admitted: set = set()
+    pending: Dict[str, _Pending] = {}  # FCFS: insertion order is arrival order
+    running: Dict[str, int] = {}  # id -> prompt + generated tokens
+    steps: List[Step] = []
+    ai = bi = 0
+
+    def admit(add: Dict[str, Any]) -> None:
+        rid = add["request_id"]
+        if rid not in admitted:
+            admitted.add(rid)
+            pending[rid] = _Pending(rid, add["t"], int(add.get("prompt_len") or 0), cached.get(rid, 0))
+
+    # The engine's own timestamps time its steps: the tap's receive times
+    # lag behind when it is short of CPU, in bursts. They are moved onto the
+    # tap's clock by the smallest lag seen (the relay's own latency).
+    stamped = [r["t"] - r["engine_timestamp"] for r in outputs if isinstance(r.get("engine_timestamp"), (int, float))]
+    offset = min(stamped) if len(stamped) == len(outputs) and stamped else None
+    prev_end: Optional[float] = None
+    for group in _step_groups(outputs):
+        end = group[0]["engine_timestamp"] + offset if offset is not None else min(r["t"] for r in group)
+        while ai < len(adds) and adds[ai]["request_id"] in admitted:
+            ai += 1
+        start: Optional[float] = prev_end
+        woke = False
+        if not (pending or running):
+            # idle after the previous step: the next ADD woke the engine
+            start = None
+            if ai < len(adds) and adds[ai]["t"] <= end and (prev_end is None or adds[ai]["t"] >= prev_end):
+                start, woke = adds[ai]["t"], True
+        limit = start if start is not None else end
+        while ai < len(adds) and adds[ai]["t"] <= limit:
+            admit(adds[ai])
+            ai += 1
+        while bi < len(aborts) and aborts[bi]["t"] <= limit:
+            for rid in aborts[bi].get("request_ids", ()):
+                pending.pop(rid, None)
+                running.pop(rid, None)
+            bi += 1
+        tokens: Dict[str, int] = {}
+        finished: List[str] = []
+        for record in group:
+            for item in record.get("requests", ()):
+                rid = item["id"]
+                tokens[rid] = tokens.get(rid, 0) + int(item.get("tokens") or 0)
+                if item.get("finish_reason") is not None:
+                    finished.append(rid)
+            finished.extend(record.get("finished_requests") or ())
+        for rid in tokens:
+            if rid not in running and rid not in pending and rid in by_id and rid not in admitted:
+                admit(by_id[rid])  # its ADD reached the tap after the step began (clock noise)
+        decode = sum(1 for rid in tokens if rid in running)
+        budget = None if max_num_batched_tokens is None else max_num_batched_tokens - decode
+        prefill = 0
+        attention = 0.0
+        batch = decode
+        for rid, req in list(pending.items()):
+            first = rid in tokens
+            if first:
+                take = req.left
+            elif budget is None or (start is not None and req.arrival > start):
+                continue  # not scheduled: unlimited, it would have had its first token now
+            else:
+                take = max(0, min(req.left - 1, budget))
+            if budget is not None:
+                budget -= take
+            attention += take * (req.cached + req.done + take / 2)
+            prefill += take
+            req.done += take
+            if first:
+                del pending[rid]
+                running[rid] = req.prompt_len
+                batch += 1
+            elif take:
+                batch += 1
+        context = sum(running.values()) + sum(p.prompt_len for p in pending.values() if p.done)
+        for rid, n in tokens.items():
+            if rid in running:
+                running[rid] += n
+        if start is not None:
+            steps.append(Step(rank, start, end, batch, decode, prefill, attention, context, woke))
+        for rid in finished:
+            running.pop(rid, None)
+            pending.pop(rid, None)
+        prev_end = end
+    return steps
+
+
+def steps_from_trace(records: List[Dict[str, Any]], max_num_batched_tokens: Optional[int] = None) -> List[Step]:
+    """The steps of every engine in a trace's records, engine by engine."""
+    ranks = sorted({r["rank"] for r in records if r.get("kind") == "output" and "rank" in r})
+    steps: List[Step] = []
+    for rank in ranks:
+        steps.extend(steps_of_rank(records, rank, max_num_batched_tokens))
+    return steps

@@ -1,0 +1,176 @@
+"""The fit (tools/fit.py, tools/steps.py) on traces of a known model.
+
+The traces come from the engine itself on a virtual clock, timed by a
+profile whose values the test knows: the steps read back from the trace
+must be the steps the engine timed, and the fit must recover the profile.
+That ties the fit's definitions of a step's composition to the engine's.
+"""
+
+import random
+
+import msgpack
+import pytest
+
+from gmock_engine.latency import LatencyModel
+from gmock_engine.latency_profile import StepProfile
+from gmock_engine.tools import fit as fitting
+from gmock_engine.tools.steps import steps_from_trace
+from gmock_engine.trace import output_record
+from gmock_engine.wire.inputs import EngineCoreRequest
+from engine_steps import Clock, engine_with
+
+TRUE = StepProfile(
+    batch=(1, 2, 4, 8, 16),
+    step_ms=(5.0, 5.6, 6.5, 9.0, 14.0),
+    prefill_ms_per_token=0.03,
+    prefill_attention_ms=0.02,
+    context_ms_per_ktoken=0.08,
+)
+
+
+class Recorder:
+    """The engine's latency model, recording what each step was timed from."""
+
+    def __init__(self, model):
+        self._model = model
+        self.timed = []
+        #: the engine clock of each step timed
+        self.starts = []
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def step_time(self, plan, rng, context_tokens=0):
+        self.timed.append((plan.num_running_reqs, plan.num_prefill_tokens, plan.prefill_attention, context_tokens))
+        return self._model.step_time(plan, rng, context_tokens)
+
+
+def workload(n, seed, max_prompt=1024, rates=(3.0, 12.0, 30.0)):
+    """`n` requests in phases of Poisson arrivals at each of `rates` (per s):
+    batches from 1 to about 16."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rates[i * len(rates) // n])
+        out.append((t, f"r{i}", rng.randint(8, max_prompt), rng.randint(4, 64)))
+    return out
+
+
+def simulate(profile, arrivals, seed=0, **settings):
+    """Run the engine with `profile` over `arrivals` (t, id, prompt_len,
+    max_tokens) on a virtual clock; return (trace records, recorder)."""
+    clock = Clock(0.0)
+    engine = engine_with(clock, latency=LatencyModel(profile=profile), seed=seed, **settings)
+    recorder = Recorder(engine.scheduler.latency)
+    engine.scheduler.latency = recorder
+    records, pending = [], list(arrivals)
+    due = last_call = None
+    for _ in range(200000):
+        if not pending and not engine.has_work:
+            return records, recorder
+        if pending and (due is None or pending[0][0] <= due):
+            t, rid, prompt_len, max_tokens = pending.pop(0)
+            clock.now = max(clock.now, t)
+            engine.apply(EngineCoreRequest(rid, prompt_len, max_tokens, True))
+            records.append({"kind": "add", "t": clock.now, "rank": 0, "client": 0, "request_id": rid,
+                            "prompt_len": prompt_len, "max_tokens": max_tokens})
+            if due is None:
+                due = clock.now
+            continue
+        clock.now = max(clock.now, due)
+        started = clock.now
+        timed = len(recorder.timed)
+        # this step call ends a step of the engine if the last one timed the gap up to it
+        ended = bool(recorder.starts) and recorder.starts[-1] == last_call and recorder.timed[-1][0] > 0
+        last_call = started
+        sent = engine.step()
+        if len(recorder.timed) > timed:
+            recorder.starts.append(started)
+        for client, message in sent:
+            records.append(output_record(clock.now, 0, client, [msgpack.packb(message, use_bin_type=True)]))
+        if not sent and ended:  # a real engine sends its SchedulerStats every step, tokens or not
+            records.append({"kind": "output", "t": clock.now, "rank": 0, "client": 0, "engine_timestamp": clock.now,
+                            "requests": [], "finished_requests": None, "stats": {}})
+        due = engine.next_step_time(started) if engine.has_work else None
+    raise AssertionError("simulation did not end")
+
+
+def test_steps_read_back_are_the_steps_the_engine_timed():
+    records, recorder = simulate(TRUE, workload(120, seed=1))
+    steps = steps_from_trace(records)
+    # a step read back spans the engine's gap from one step of its own to the
+    # next, which sent that step's tokens: the engine timed the gap from the plan
+    # it made when the gap began
+    timed = {round(t, 9): c for t, c in zip(recorder.starts, recorder.timed)}
+    assert len(steps) > 300
+    checked = 0
+    for step in steps:
+        expected = timed.get(round(step.start, 9))
+        if expected is None:
+            continue
+        assert (step.batch, step.prefill_tokens, step.context_tokens) == (expected[0], expected[1], expected[3]), step
+        assert step.prefill_attention == pytest.approx(expected[2])
+        assert step.duration_ms == pytest.approx(TRUE.predict_ms(*expected), rel=1e-6)
+        checked += 1
+    assert checked > 0.8 * len(steps)
+
+
+def test_fit_recovers_the_profile_and_prefers_the_table():
+    records, _ = simulate(TRUE, workload(300, seed=2))
+    result = fitting.fit(steps_from_trace(records))
+    assert result.chosen == "table"
+    p = result.profile
+    for b in (1, 2, 4, 8):
+        assert p.batch_ms(b) == pytest.approx(TRUE.batch_ms(b), rel=0.03), b
+    assert p.prefill_ms_per_token == pytest.approx(TRUE.prefill_ms_per_token, rel=0.05)
+    assert p.prefill_attention_ms == pytest.approx(TRUE.prefill_attention_ms, rel=0.05)
+    assert p.context_ms_per_ktoken == pytest.approx(TRUE.context_ms_per_ktoken, rel=0.1)
+    # no noise in the engine: the spread is a point at 1
+    assert p.spread_decode[0] == pytest.approx(1.0, abs=0.01) and p.spread_decode[-1] == pytest.approx(1.0, abs=0.01)
+
+
+def test_fit_recovers_the_spread():
+    spread = tuple(0.8 + 0.4 * i / 10 for i in range(11))  # uniform on [0.8, 1.2]
+    noisy = StepProfile(TRUE.batch, TRUE.step_ms, TRUE.prefill_ms_per_token, TRUE.prefill_attention_ms,
+                        TRUE.context_ms_per_ktoken, spread_decode=spread, spread_prefill=spread)
+    records, _ = simulate(noisy, workload(300, seed=3))
+    result = fitting.fit(steps_from_trace(records))
+    p = result.profile
+    for b in (2, 4):  # the table's shape
+        assert p.batch_ms(b) / p.batch_ms(1) == pytest.approx(TRUE.batch_ms(b) / TRUE.batch_ms(1), rel=0.06), b
+    # what the engine draws, prediction x spread, is the engine's own distribution
+    # (41 points: q[2] is the 5 % quantile, q[38] the 95 %)
+    q = p.spread_decode
+    for i, expected in ((2, 0.82), (20, 1.0), (38, 1.18)):
+        assert p.batch_ms(1) * q[i] == pytest.approx(TRUE.batch_ms(1) * expected, rel=0.03), i
+
+
+def test_a_linear_engine_is_fitted_as_linear_figures():
+    linear = StepProfile(batch=(1, 2), step_ms=(6.0, 6.5), prefill_ms_per_token=0.05)
+    records, _ = simulate(linear, workload(200, seed=4, max_prompt=512))
+    result = fitting.fit(steps_from_trace(records), model="linear")
+    p = result.profile
+    assert p.batch_ms(1) == pytest.approx(6.0, rel=0.02) and p.batch_ms(9) == pytest.approx(10.0, rel=0.02)
+    assert p.prefill_ms_per_token == pytest.approx(0.05, rel=0.03)
+
+
+def test_chunked_prefill_is_placed_within_the_token_budget():
+    records, recorder = simulate(TRUE, workload(60, seed=5, rates=(100.0,)), max_num_batched_tokens=512)
+    steps = steps_from_trace(records, max_num_batched_tokens=512)
+    assert max(s.prefill_tokens for s in steps) <= 512
+    assert sum(s.prefill_tokens for s in steps) == sum(c[1] for c in recorder.timed)
+    result = fitting.fit(steps)
+    assert result.profile.prefill_ms_per_token == pytest.approx(TRUE.prefill_ms_per_token, rel=0.15)
+
+
+def test_too_few_steps_is_an_error():
+    records, _ = simulate(TRUE, workload(1, seed=6))
+    with pytest.raises(ValueError, match="too few"):
+        fitting.fit(steps_from_trace(records))
+
+
+def test_nnls_keeps_coefficients_non_negative():
+    rows = [[1.0, float(x)] for x in range(10)]
+    ys = [5.0 - 0.1 * x for x in range(10)]  # a falling line: the slope would be negative
+    a, b = fitting.nnls(rows, ys, [1.0] * 10)
+    assert b == 0.0 and a == pytest.approx(sum(ys) / len(ys))

@@ -1,0 +1,136 @@
+"""The step-time profile (latency_profile.py): its file, its arithmetic, and
+the engine timed by it on a virtual clock."""
+
+import random
+
+import pytest
+
+from gmock_engine.config import ConfigError, parse_config
+from gmock_engine.latency import LatencyModel
+from gmock_engine.latency_profile import ProfileError, StepProfile, format_profile, parse_profile
+from gmock_engine.settings import from_config
+from gmock_engine.wire.inputs import EngineCoreRequest
+from engine_steps import Clock, engine_with
+
+PROFILE = StepProfile(
+    batch=(1, 2, 4),
+    step_ms=(5.0, 6.0, 9.0),
+    prefill_ms_per_token=0.02,
+    prefill_attention_ms=0.01,
+    context_ms_per_ktoken=0.5,
+)
+
+
+def test_table_interpolates_and_extends_its_ends():
+    assert PROFILE.batch_ms(1) == 5.0 and PROFILE.batch_ms(3) == pytest.approx(7.5)
+    assert PROFILE.batch_ms(8) == pytest.approx(15.0)  # last segment: +1.5 ms per request
+    assert PROFILE.batch_ms(0) == pytest.approx(4.0)  # first segment, extended down
+    assert PROFILE.predict_ms(2, 100, 5000.0, 2000) == pytest.approx(6.0 + 2.0 + 0.05 + 1.0)
+
+
+def test_the_file_round_trips_and_is_read_as_written():
+    noisy = StepProfile(PROFILE.batch, PROFILE.step_ms, 0.02, 0.01, 0.5, spread_decode=(0.9, 1.0, 1.2), spread_prefill=(1.0, 1.1))
+    text = format_profile(noisy, ["a comment"])
+    assert text.startswith("# a comment\n[latency-profile]")
+    assert parse_profile(text) == noisy
+    hand = "[latency-profile]\nbatch = 1, 8   # by hand\nstep_ms = 4 12\n"
+    assert parse_profile(hand) == StepProfile(batch=(1, 8), step_ms=(4.0, 12.0))
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("batch = 1\n", "not an INI file"),
+        ("[other]\nbatch = 1\n", "no \\[latency-profile\\] section"),
+        ("[latency-profile]\nstep_ms = 1\n", "missing key batch"),
+        ("[latency-profile]\nbatch = 1 2\nstep_ms = 1\n", "same number of values"),
+        ("[latency-profile]\nbatch = 2 1\nstep_ms = 1 2\n", "increasing"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = x\n", "step_ms: not a list of numbers"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1\nitl = 3\n", "unknown key\\(s\\) itl"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1\nprefill_ms_per_token = -1\n", "prefill_ms_per_token: must be >= 0"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_decode = 1.2 0.9\n", "spread_decode: at least two non-decreasing"),
+        ("[latency-profile]\nversion = 9\nbatch = 1\nstep_ms = 1\n", "newer than this engine reads"),
+        ("[latency-profile]\nbatch = 1.5\nstep_ms = 1\n", "whole numbers"),
+    ],
+)
+def test_a_bad_profile_says_what_is_wrong(text, message):
+    with pytest.raises(ProfileError, match=message):
+        parse_profile(text, source="p.ini")
+
+
+def test_spread_draws_between_its_quantiles():
+    p = StepProfile((1,), (10.0,), spread_decode=(0.5, 1.0, 2.0))
+    rng = random.Random(1)
+    draws = sorted(p.spread(False, rng) for _ in range(4000))
+    assert draws[0] >= 0.5 and draws[-1] <= 2.0
+    assert draws[2000] == pytest.approx(1.0, abs=0.05)  # the median quantile
+    assert p.spread(True, rng) == 1.0  # no prefill spread given: none
+
+
+def test_first_token_ends_the_step_that_computed_the_prompt_then_steps_by_the_profile():
+    clock = Clock(0.0)
+    engine = engine_with(clock, latency=LatencyModel(profile=PROFILE))
+    engine.apply(EngineCoreRequest("r", 100, 3, True))
+    assert engine.step() == []  # admitted and prefilled: no token before the step ends
+    due = engine.next_step_time(0.0)
+    # batch 1, 100 prompt tokens from position 0 (attention 100 * 50), 100 held
+    assert due == pytest.approx(PROFILE.predict_ms(1, 100, 5000.0, 100) / 1000.0)
+    clock.now = due
+    [(_, message)] = engine.step()
+    assert [len(o[1]) for o in message[1]] == [1]  # the first token
+    # the next step decodes one request holding 101 tokens
+    assert engine.next_step_time(due) - due == pytest.approx(PROFILE.predict_ms(1, 0, 0.0, 101) / 1000.0)
+
+
+def test_a_request_that_ended_does_not_time_the_next_step():
+    clock = Clock(0.0)
+    engine = engine_with(clock, latency=LatencyModel(profile=PROFILE))
+    engine.apply(EngineCoreRequest("short", 10, 1, True))
+    engine.apply(EngineCoreRequest("long", 10, 50, True))
+    engine.step()
+    clock.now = engine.next_step_time(0.0)
+    engine.step()  # both first tokens; "short" ends
+    # one request (long, 11 tokens) runs on
+    assert engine.next_step_time(clock.now) - clock.now == pytest.approx(PROFILE.predict_ms(1, 0, 0.0, 11) / 1000.0)
+
+
+def test_option_reads_the_file_and_a_bad_one_stops_with_flag_and_file(tmp_path):
+    path = tmp_path / "gpu.ini"
+    path.write_text(format_profile(PROFILE))
+    settings = from_config(parse_config(["--latency-profile", str(path)], env={}))
+    assert settings.latency.profile == PROFILE and settings.latency.paced
+    bad = tmp_path / "bad.ini"
+    bad.write_text("[latency-profile]\nbatch = 1\n")
+    with pytest.raises(ConfigError, match=r"--latency-profile.*bad\.ini.*missing key step_ms"):
+        parse_config(["--latency-profile", str(bad)], env={})
+    with pytest.raises(ConfigError, match=r"--latency-profile.*nowhere\.ini.*cannot read"):
+        parse_config(["--latency-profile", str(tmp_path / "nowhere.ini")], env={})
+
+
+def test_profile_and_linear_figures_together_are_refused(tmp_path):
+    path = tmp_path / "gpu.ini"
+    path.write_text(format_profile(PROFILE))
+    with pytest.raises(ConfigError, match=r"--latency-profile.*--itl-ms \(from command line\).*one or the other"):
+        parse_config(["--latency-profile", str(path), "--itl-ms", "5"], env={})
+    # the fixed TTFT part and the time scale still apply with a profile
+    c = parse_config(["--latency-profile", str(path), "--ttft-ms", "3", "--time-scale", "0.5"], env={})
+    assert from_config(c).latency.ttft_ms == 3
+
+
+def test_a_reload_reads_the_profile_again_and_applies_an_edit(tmp_path):
+    from gmock_engine import reload
+
+    path = tmp_path / "gpu.ini"
+    path.write_text(format_profile(PROFILE))
+    argv = ["--latency-profile", str(path)]
+    current = parse_config(argv, env={})
+    assert reload.check(current, lambda: parse_config(argv, env={})).changes == []
+    edited = StepProfile(PROFILE.batch, (4.0, 5.0, 8.0))
+    path.write_text(format_profile(edited))
+    result = reload.check(current, lambda: parse_config(argv, env={}))
+    [change] = result.changes
+    assert change.flag == "--latency-profile" and str(path) in str(change) and "sha256" in str(change)
+    assert from_config(result.config).latency.profile == edited
+    path.write_text("[latency-profile]\nbatch = 1\n")  # broken: refused, nothing changes
+    refused = reload.check(current, lambda: parse_config(argv, env={}))
+    assert refused.error and "missing key step_ms" in refused.error
