@@ -23,8 +23,8 @@ from a real engine's trace) the profile times each step from the plan's
 composition (running batch, prompt tokens prefilled and their attention, the
 tokens the batch holds) instead of the three linear figures above, and
 the first token of a request comes when the step that computed the last of
-its prompt ends, as in a real engine (then `ttft_ms`, if any, is added to
-that; the per-token prefill figure does not apply).
+its prompt ends, as in a real engine (then `ttft_ms`, if any, and the profile's input delay are
+added to that; the per-token prefill figure does not apply).
 """
 
 from __future__ import annotations
@@ -97,6 +97,8 @@ class LatencyModel:
         ms = fixed * self._jitter(rng)
         if self.profile is None:
             ms += self.prefill_ms_per_token * prompt_len
+        else:
+            ms += self.profile.input_delay(rng)
         return ms * self.time_scale / 1000.0
 
     def lora_load_seconds(self) -> float:

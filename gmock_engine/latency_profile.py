@@ -22,7 +22,9 @@ A step's time, in ms, is the sum of
 
 times a factor drawn from the step's spread: the quantiles of measured /
 predicted step time of the fit, one set for steps that prefill and one for
-steps that only decode, sampled by inverse transform.
+steps that only decode, sampled by inverse transform. A request's first
+token also waits for the engine's input delay (from its arrival to its
+queueing in the engine), drawn from its measured quantiles.
 
 The file is INI (one section, `[latency-profile]`), so an ops team keeps one
 per GPU type and model beside their engine config and edits it by hand.
@@ -57,6 +59,9 @@ class StepProfile:
     #: quantiles of measured / predicted at evenly spaced probabilities 0..1
     spread_decode: Tuple[float, ...] = ()
     spread_prefill: Tuple[float, ...] = ()
+    #: quantiles of the engine's input delay, ms: from a request's arrival
+    #: to its queueing in the engine, which its first token waits for
+    input_delay_ms: Tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.batch or len(self.batch) != len(self.step_ms):
@@ -68,7 +73,7 @@ class StepProfile:
                 raise ProfileError(f"{name}: must be >= 0")
         if any(not v >= 0.0 for v in self.step_ms):
             raise ProfileError("step_ms: values must be >= 0")
-        for name in ("spread_decode", "spread_prefill"):
+        for name in ("spread_decode", "spread_prefill", "input_delay_ms"):
             values = getattr(self, name)
             if len(values) == 1 or any(not v >= 0.0 for v in values) or any(a > b for a, b in zip(values, values[1:])):
                 raise ProfileError(f"{name}: at least two non-decreasing factors >= 0 (or none)")
@@ -98,25 +103,44 @@ class StepProfile:
 
     def spread(self, prefill: bool, rng: random.Random) -> float:
         """A factor drawn from the measured spread of such steps (1.0: none)."""
-        q = self.spread_prefill if prefill else self.spread_decode
-        if not q:
-            return 1.0
-        x = rng.random() * (len(q) - 1)
-        i = int(x)
-        if i >= len(q) - 1:
-            return q[-1]
-        return q[i] + (q[i + 1] - q[i]) * (x - i)
+        return _draw(self.spread_prefill if prefill else self.spread_decode, rng, 1.0)
+
+    def input_delay(self, rng: random.Random) -> float:
+        """A request's input delay, ms, drawn from the measured ones (0: none)."""
+        return _draw(self.input_delay_ms, rng, 0.0)
 
     def sample_ms(self, batch: int, prefill_tokens: int, prefill_attention: float, context_tokens: int, rng: random.Random) -> float:
         """One step's time, ms: the prediction times a drawn spread."""
         return self.predict_ms(batch, prefill_tokens, prefill_attention, context_tokens) * self.spread(prefill_tokens > 0, rng)
 
 
+def _draw(q: Tuple[float, ...], rng: random.Random, none: float) -> float:
+    """A value drawn by inverse transform from quantiles `q` at evenly spaced
+    probabilities (linear in between); `none` when there are none."""
+    if not q:
+        return none
+    x = rng.random() * (len(q) - 1)
+    i = int(x)
+    if i >= len(q) - 1:
+        return q[-1]
+    return q[i] + (q[i + 1] - q[i]) * (x - i)
+
+
 def _floats(text: str) -> Tuple[float, ...]:
     return tuple(float(v) for v in text.replace(",", " ").split())
 
 
-_KEYS = ("version", "batch", "step_ms", "prefill_ms_per_token", "prefill_attention_ms", "context_ms_per_ktoken", "spread_decode", "spread_prefill")
+_KEYS = (
+    "version",
+    "batch",
+    "step_ms",
+    "prefill_ms_per_token",
+    "prefill_attention_ms",
+    "context_ms_per_ktoken",
+    "spread_decode",
+    "spread_prefill",
+    "input_delay_ms",
+)
 
 
 def parse_profile(text: str, source: str = "<profile>") -> StepProfile:
@@ -152,7 +176,7 @@ def parse_profile(text: str, source: str = "<profile>") -> StepProfile:
             if any(n != int(n) for n in numbers):
                 raise ProfileError(f"{source}: batch: request counts are whole numbers")
             values[key] = tuple(int(n) for n in numbers)
-        elif key in ("step_ms", "spread_decode", "spread_prefill"):
+        elif key in ("step_ms", "spread_decode", "spread_prefill", "input_delay_ms"):
             values[key] = numbers
         else:
             if len(numbers) != 1:
@@ -221,5 +245,7 @@ def format_profile(profile: StepProfile, comment: Optional[Sequence[str]] = None
         "# measured / predicted step time, quantiles at evenly spaced probabilities",
         f"spread_decode = {_join(profile.spread_decode)}",
         f"spread_prefill = {_join(profile.spread_prefill)}",
+        "# ms from a request's arrival to the engine queueing it, quantiles at evenly spaced probabilities",
+        f"input_delay_ms = {_join(profile.input_delay_ms)}",
     ]
     return "\n".join(lines) + "\n"

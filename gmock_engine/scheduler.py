@@ -111,6 +111,8 @@ class Scheduler:
         self.chunking: Dict[str, Request] = {}
         #: Σ c·(p + c/2) over the prompt chunks of the step being planned (latency_profile.py)
         self._prefill_attention = 0.0
+        #: engine time the step being planned began
+        self._step_started = 0.0
         self.pause_state = PauseState.UNPAUSED
         #: Engine time the last step asked its successor to wait (latency model).
         self.step_delay = 0.0
@@ -261,6 +263,7 @@ class Scheduler:
         running = self.running
         prefill_tokens = 0
         self._prefill_attention = 0.0
+        self._step_started = now
         preempted = self._reserve_decode_blocks(now) if self.kv.enforced and running else _NONE
         prefilling = self.prefilling
         # a request whose prefill ended in the last step has its first token
@@ -299,6 +302,21 @@ class Scheduler:
             if finished:
                 scheduler_output.num_running_reqs = len(running)
             self.step_delay = self.latency.step_time(scheduler_output, self.rng, self.kv.tokens)
+            if self.latency.profile is not None and scheduler_output.scheduled_new_reqs:
+                self._after_admission_step(scheduler_output.scheduled_new_reqs)
+
+    def _after_admission_step(self, admitted: Any) -> None:
+        """With a profile, a request admitted with a wait before its first
+        token (the profile's input delay, a fixed TTFT) has it that long
+        after the step that computed its prompt ends, not after the step
+        began: the wait stands for time before the step in a real engine."""
+        prefilling, step_started = self.prefilling, self._step_started
+        end_of_step = math.nextafter(step_started, math.inf)
+        for request in admitted:
+            ready_at = prefilling.get(request.request_id)
+            if ready_at is not None and end_of_step < ready_at < math.inf and request.scheduled_at == step_started:
+                request.ready_at = ready_at + self.step_delay
+                prefilling[request.request_id] = request.ready_at
 
     def remote_kvs_arrived(self, request: Request) -> None:
         """A running P/D request's prefill wait is over (its KV is here):

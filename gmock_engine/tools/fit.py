@@ -35,7 +35,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..latency_profile import StepProfile, format_profile
 from ..trace import TraceFormatError, read_trace
-from .steps import Step, steps_from_trace
+from .steps import Step, input_delays_ms, steps_from_trace
 
 #: Steps shorter than this (ms) are not steps of a model's forward pass
 #: (e.g. a stats-only message right after another): left out of the fit.
@@ -212,9 +212,11 @@ def quantile(sorted_values: Sequence[float], q: float) -> float:
 def spread(profile: StepProfile, steps: Sequence[Step], points: int = SPREAD_POINTS) -> Tuple[float, ...]:
     """Quantiles of measured / predicted at `points` evenly spaced probabilities."""
     ratios = sorted(s.duration_ms / p for s in steps if (p := predict(profile, s)) > 0)
-    if len(ratios) < 2:
-        return ()
-    return tuple(quantile(ratios, i / (points - 1)) for i in range(points))
+    return _quantiles(ratios, points) if len(ratios) >= 2 else ()
+
+
+def _quantiles(sorted_values: Sequence[float], points: int = SPREAD_POINTS) -> Tuple[float, ...]:
+    return tuple(quantile(sorted_values, i / (points - 1)) for i in range(points))
 
 
 def summary(errors: Sequence[float]) -> str:
@@ -236,9 +238,10 @@ class FitResult:
     report: List[str]
 
 
-def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None) -> FitResult:
+def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None, input_delays: Sequence[float] = ()) -> FitResult:
     """Fit every candidate (or only `model`), choose by cross-validated mean
-    relative error, and add the spread of the chosen one."""
+    relative error, and add the spread of the chosen one and the quantiles
+    of `input_delays` (ms)."""
     usable = _usable(steps)
     if len(usable) < max(10, folds * 2):
         raise ValueError(f"{len(usable)} usable steps: too few to fit (record a longer run)")
@@ -270,7 +273,14 @@ def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None) -> F
         context_ms_per_ktoken=profile.context_ms_per_ktoken,
         spread_decode=spread(profile, decode),
         spread_prefill=spread(profile, prefill),
+        input_delay_ms=_quantiles(sorted(input_delays)) if len(input_delays) >= 2 else (),
     )
+    if profile.input_delay_ms:
+        d = sorted(input_delays)
+        report.append(
+            f"input delay (ADD relayed -> engine queued), {len(d)} requests: p50 {quantile(d, 0.5):.2f} ms, "
+            f"p90 {quantile(d, 0.9):.2f} ms, p99 {quantile(d, 0.99):.2f} ms"
+        )
     report.append(f"chosen: {chosen.name}; its residuals on the steps it was fitted to:")
     for name, group in (("decode-only steps", decode), ("steps with prefill", prefill)):
         report.append(f"  {name:18s} ({len(group):5d}): {summary(relative_errors(profile, group))}")
@@ -303,6 +313,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--model", default=None, help="fit only this candidate (linear, linear+attention, table)")
     args = parser.parse_args(argv)
     steps: List[Step] = []
+    delays: List[float] = []
     for path in args.traces:
         try:
             _, records = read_trace(path)
@@ -312,8 +323,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         found = steps_from_trace(records, args.max_num_batched_tokens)
         print(f"{path}: {len(found)} steps")
         steps.extend(found)
+        delays.extend(input_delays_ms(records))
     try:
-        result = fit(steps, folds=args.folds, model=args.model)
+        result = fit(steps, folds=args.folds, model=args.model, input_delays=delays)
     except ValueError as exc:
         print(f"gmock-engine fit: {exc}", file=sys.stderr)
         return 2

@@ -9,7 +9,9 @@ computes them (sched_output.py, kv_cache_manager.py), so that a profile
 fitted here times the mock's steps the same way:
 
 * its duration: from the end of the previous step, or, when the engine had
-  nothing to do then, from the arrival of the ADD that woke it; a step ends
+  nothing to do then, from when it scheduled the request whose ADD woke it
+  (its SCHEDULED event, §4.5; the ADD's arrival when the engine sends no
+  events); a step ends
   at its outputs' engine timestamp (§4.2), moved onto the tap's clock by
   the smallest lag between the two: the tap's receive times come late in
   bursts when the machine is short of CPU, the engine's stamps do not;
@@ -108,6 +110,7 @@ def steps_of_rank(records: Iterable[Dict[str, Any]], rank: int, max_num_batched_
             for item in record.get("requests", ()):
                 if item.get("num_cached_tokens") and item["id"] not in cached:
                     cached[item["id"]] = int(item["num_cached_tokens"])
+    scheduled = _first_events(outputs, SCHEDULED)
     adds.sort(key=lambda r: r["t"])
     aborts.sort(key=lambda r: r["t"])
     outputs.sort(key=lambda r: r["t"])
@@ -142,6 +145,9 @@ def steps_of_rank(records: Iterable[Dict[str, Any]], rank: int, max_num_batched_
             start = None
             if ai < len(adds) and adds[ai]["t"] <= end and (prev_end is None or adds[ai]["t"] >= prev_end):
                 start, woke = adds[ai]["t"], True
+                stamp = scheduled.get(adds[ai]["request_id"])
+                if stamp is not None and offset is not None and stamp + offset <= end:
+                    start = stamp + offset  # the engine's own time it scheduled the request
         limit = start if start is not None else end
         while ai < len(adds) and adds[ai]["t"] <= limit:
             admit(adds[ai])
@@ -198,6 +204,42 @@ def steps_of_rank(records: Iterable[Dict[str, Any]], rank: int, max_num_batched_
             pending.pop(rid, None)
         prev_end = end
     return steps
+
+
+#: EngineCoreEvent types (docs/protocol.md §4.5).
+QUEUED, SCHEDULED = 1, 2
+
+
+def _first_events(outputs: List[Dict[str, Any]], kind: int) -> Dict[str, float]:
+    """Request id -> the engine-clock time of its first event of `kind`."""
+    found: Dict[str, float] = {}
+    for record in outputs:
+        for item in record.get("requests", ()):
+            for event in item.get("events") or ():
+                if event[0] == kind and item["id"] not in found and isinstance(event[1], (int, float)):
+                    found[item["id"]] = float(event[1])
+    return found
+
+
+def input_delays_ms(records: List[Dict[str, Any]]) -> List[float]:
+    """Per request, ms from the tap relaying its ADD to the engine queueing
+    it (its QUEUED event, §4.5): the engine's input path (receiving,
+    decoding, preparing the request), which a request's first token waits
+    for on top of its steps. The engine clock is moved onto the tap's by
+    the smallest lag of its outputs; a request the tap was slow to stamp can
+    come out below 0 and counts as 0."""
+    delays: List[float] = []
+    for rank in sorted({r["rank"] for r in records if r.get("kind") == "output" and "rank" in r}):
+        outputs = [r for r in records if r.get("kind") == "output" and r.get("rank") == rank and r.get("utility_call_id") is None]
+        stamped = [r["t"] - r["engine_timestamp"] for r in outputs if isinstance(r.get("engine_timestamp"), (int, float))]
+        if not stamped:
+            continue
+        offset = min(stamped)
+        queued = _first_events(outputs, QUEUED)
+        for add in records:
+            if add.get("kind") == "add" and add.get("rank") == rank and add["request_id"] in queued:
+                delays.append(max(0.0, (queued[add["request_id"]] + offset - add["t"]) * 1000.0))
+    return delays
 
 
 def steps_from_trace(records: List[Dict[str, Any]], max_num_batched_tokens: Optional[int] = None) -> List[Step]:

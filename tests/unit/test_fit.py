@@ -174,3 +174,23 @@ def test_nnls_keeps_coefficients_non_negative():
     ys = [5.0 - 0.1 * x for x in range(10)]  # a falling line: the slope would be negative
     a, b = fitting.nnls(rows, ys, [1.0] * 10)
     assert b == 0.0 and a == pytest.approx(sum(ys) / len(ys))
+
+
+def test_engine_clock_times_steps_and_the_input_delay():
+    """The engine's stamps time the steps (the tap's receive times lag); its
+    QUEUED event against the relayed ADD gives the input delay."""
+    from gmock_engine.tools.steps import input_delays_ms
+
+    # engine clock = tap clock - 5 s; outputs reach the tap 0.1 ms late, the second 40 ms late
+    records = [
+        {"kind": "add", "t": 10.000, "rank": 0, "client": 0, "request_id": "a", "prompt_len": 64, "max_tokens": 2},
+        {"kind": "output", "t": 10.0101, "rank": 0, "client": 0, "engine_timestamp": 5.010, "finished_requests": None,
+         "requests": [{"id": "a", "tokens": 1, "finish_reason": None, "events": [[1, 5.002], [2, 5.0025]]}]},
+        {"kind": "output", "t": 10.0540, "rank": 0, "client": 0, "engine_timestamp": 5.014, "finished_requests": ["a"],
+         "requests": [{"id": "a", "tokens": 1, "finish_reason": 1}]},
+    ]
+    first, second = steps_from_trace(records)
+    assert first.woke and first.duration_ms == pytest.approx(7.5)  # from SCHEDULED, on the engine clock
+    assert (first.batch, first.prefill_tokens, second.batch, second.decode) == (1, 64, 1, 1)
+    assert second.duration_ms == pytest.approx(4.0)  # not the 43.9 ms between the receive times
+    assert input_delays_ms(records) == [pytest.approx(2.1)]

@@ -134,3 +134,20 @@ def test_a_reload_reads_the_profile_again_and_applies_an_edit(tmp_path):
     path.write_text("[latency-profile]\nbatch = 1\n")  # broken: refused, nothing changes
     refused = reload.check(current, lambda: parse_config(argv, env={}))
     assert refused.error and "missing key step_ms" in refused.error
+
+
+def test_the_input_delay_holds_the_first_token_not_the_batch():
+    slow_input = StepProfile(batch=(1, 2), step_ms=(2.0, 2.0), input_delay_ms=(7.0, 7.0))
+    clock = Clock(0.0)
+    engine = engine_with(clock, latency=LatencyModel(profile=slow_input))
+    engine.apply(EngineCoreRequest("r", 10, 2, True))
+    times = []
+    for _ in range(10):
+        if not engine.has_work:
+            break
+        sent = engine.step()
+        if sent:
+            times.append(clock.now)
+        clock.now = engine.next_step_time(clock.now)
+    # the first token 7 ms after the 2 ms step that computed the prompt; then steps every 2 ms
+    assert times[0] == pytest.approx(9.0 / 1000) and times[1] - times[0] == pytest.approx(2.0 / 1000)
