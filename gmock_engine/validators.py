@@ -95,6 +95,21 @@ def token_source(text: str) -> str:
     raise argparse.ArgumentTypeError(f"{text!r} is not random, echo or file:PATH")
 
 
+def replay_trace(text: str) -> Any:
+    """--replay: a record tap's trace file, read (replay.load) into the
+    recorded requests the engines replay."""
+    from .replay import load
+
+    path = text.strip()
+    try:
+        return load(path)
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"{path!r}: {exc}") from None
+
+
+replay_trace.__name__ = "trace file"
+
+
 @dataclass(frozen=True)
 class IdRange:
     """--token-id-range: [low, high); prints as it is written."""

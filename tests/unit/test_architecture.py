@@ -40,6 +40,7 @@ PURE = [
     "tools.serve_config",
     "tools.config_reference",
     "trace",
+    "replay",
 ]
 
 
