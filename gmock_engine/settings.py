@@ -251,8 +251,8 @@ def from_config(c: Any) -> Settings:
             strict_ledger=c.strict_ledger,
         ),
         replay=replay.settings_from(
-            getattr(c, "replay", None),
-            getattr(c, "replay_match", "arrival"),
+            c.replay,
+            c.replay_match,
             range(c.data_parallel_start_rank, c.data_parallel_start_rank + c.engine_count),
             c.data_parallel_size or c.data_parallel_start_rank + c.engine_count,
         ),

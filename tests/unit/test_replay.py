@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gmock_engine import replay, trace
+from gmock_engine import reload, trace
 from gmock_engine.config import ConfigError, parse_config
 from gmock_engine.replay import RecordedOutput, ReplaySettings, load, recorded_requests, settings_from
 from gmock_engine.settings import from_config
@@ -120,6 +120,16 @@ def test_configuration_reaches_the_engine_settings(tmp_path):
     assert from_config(parse_config([], env={})).replay is None
     with pytest.raises(ConfigError, match="--replay-match"):
         parse_config(["--replay", path, "--replay-match", "order"], env={})
+
+
+def test_a_reload_finds_an_unchanged_trace_unchanged_and_keeps_a_changed_one_out(tmp_path):
+    path = write_trace(tmp_path / "t.jsonl")
+    current = parse_config(["--replay", path], env={})
+    found = reload.check(current, lambda: parse_config(["--replay", path], env={}))
+    assert found.error is None and not found.fixed and not found.changes
+    write_trace(tmp_path / "t.jsonl", RECORDS[:2])  # --replay is fixed while running
+    found = reload.check(current, lambda: parse_config(["--replay", path], env={}))
+    assert [c.flag for c in found.fixed] == ["--replay"] and found.config.replay is current.replay
 
 
 # -- a pure EngineCore replaying ----------------------------------------------------
