@@ -32,6 +32,9 @@ from .wire.types import FinishReason
 
 #: --replay-match values.
 MATCH_MODES = ("arrival", "id")
+#: finish_reason wire values (§4.4) a replay reproduces; another value (a
+#: newer vLLM's) counts as no end recorded
+_FINISHES = {int(reason): reason for reason in FinishReason}
 
 
 @dataclass(frozen=True)
@@ -266,13 +269,13 @@ def follow(request: Any, recorded: RecordedRequest, eos_token_id: Optional[int],
     recorded ids it draws them (tokens.RecordedTokens) and nothing reshapes
     them (stop ids, allowed ids, the planned last token); without, its
     source's ids end on the stop id or EOS a STOP needs. A recording with
-    no end keeps the planned end; its outputs past the recording are the
-    engine's. Its timing: `Replaying`, from its arrival (`queued_at`)."""
+    no end (or a finish_reason this engine does not know) keeps the planned
+    end; its outputs past the recording are the engine's. Its timing: `Replaying`, from its arrival (`queued_at`)."""
     total = recorded.num_tokens
     ids = recorded.token_ids
-    if recorded.finish_reason is not None:
+    finish = _FINISHES.get(recorded.finish_reason) if recorded.finish_reason is not None else None
+    if finish is not None:
         if total <= cap:
-            finish = FinishReason(recorded.finish_reason)
             request.max_tokens, request.finish = total, finish
             stop = recorded.stop_reason if finish is FinishReason.STOP else None
             request.stop_reason = stop

@@ -194,6 +194,15 @@ def test_uncovered_requests_fall_back_to_the_model_and_aborted_recordings_go_on(
     assert timed_outputs(sent, "unknown")[-1][0] == 100.0
 
 
+def test_an_unknown_finish_reason_counts_as_no_end(tmp_path):
+    records = [add(0.0, "u"), out(0.1, 0, req("u", [4, 5], finish=9))]
+    engine, clock = engine_replaying(tmp_path, records=records)
+    engine.apply(request("u", max_tokens=3))
+    sent = drive(engine, clock)
+    assert tokens_of(sent, "u")[:2] == [4, 5] and len(tokens_of(sent, "u")) == 3
+    assert outputs_of(sent, "u")[-1][5] == FinishReason.LENGTH
+
+
 def test_an_end_without_tokens_and_an_error(tmp_path):
     engine, clock = engine_replaying(tmp_path, match="id")
     engine.apply(request("d"))
