@@ -48,6 +48,7 @@ from .logs import Throttle, short
 from .lora import AdapterRegistry, decode_lora_request
 from .outbox import COORDINATOR, STATS_INTERVAL_S, LedgerViolation, Outbound, Outbox, StatsCadence
 from .prefix_cache import PrefixCache
+from .replay import follow
 from .request import Request, plan
 from .request_queue import FCFSRequestQueue
 from .output_processor import MOCK_FAILURE_MESSAGE, OutputProcessor
@@ -299,6 +300,8 @@ class EngineCore:
         if not self._valid_client(client, f"ADD {short(rid)}"):
             return []
         self.ledger.started(rid)
+        # --replay: every ADD takes its turn, as each was recorded (replay.py)
+        recorded = self.settings.replay.take(self.rank, rid) if self.settings.replay is not None else None
         # A duplicate first: even an abort_immediately ADD must not end the original.
         if rid in self.scheduler.running or rid in self.scheduler.waiting:
             self.throttle.warning("duplicate request id", "ADD {}: duplicate of an active request id; answered with ERROR", short(rid))
@@ -355,6 +358,8 @@ class EngineCore:
             self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
             return self._answer_now(client, rid, FinishReason.ERROR, request_error("validation_error", reason))
         plan(entry, request, xargs, sampler.tokens, settings.max_model_len, settings.output_lengths, settings.seed, self.rank)
+        if recorded is not None:
+            follow(entry, recorded, request.eos_token_id, min(max_tokens, max(0, settings.max_model_len - request.prompt_len)))
         try:
             # (P/D params ride in extra_args: most requests carry none)
             entry.kv = self._plan_kv_transfer(entry, request, xargs) if request.extra_args else None

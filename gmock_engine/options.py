@@ -34,6 +34,7 @@ from .validators import (
     latency_profile,
     length_spec,
     protocol_version,
+    replay_trace,
     task_list,
     token_source,
     zmq_address,
@@ -278,6 +279,27 @@ ENDINGS = Group(
     ),
 )
 
+REPLAY = Group(
+    "replay of a recorded run (docs/record.md, Replay)",
+    (
+        Option(
+            "--replay",
+            "a trace of ./run.sh record: each request the trace covers gets its recorded outputs (token ids if "
+            "recorded, else the token source's; the recorded counts, finish and stop_reason), none before its "
+            "recorded time from its arrival; the client's max_tokens still caps it; other requests as configured",
+            type=replay_trace,
+            metavar="TRACE",
+        ),
+        Option(
+            "--replay-match",
+            "which recorded request an ADD replays: arrival (the k-th ADD the k-th recorded one; per rank when the "
+            "trace has as many ranks as the deployment) or id (the recorded request of the same request id)",
+            default="arrival",
+            type=choice(("arrival", "id")),
+        ),
+    ),
+)
+
 SCHEDULER = Group(
     "scheduler",
     (
@@ -502,6 +524,7 @@ GROUPS: Tuple[Group, ...] = (
     GENERATION,
     LATENCY,
     ENDINGS,
+    REPLAY,
     SCHEDULER,
     LORA,
     KV_EVENTS,

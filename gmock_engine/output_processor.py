@@ -106,6 +106,8 @@ class OutputProcessor(LaneBooks, BatchObserver):
             full = self._full
             for request in scheduler_output.scheduled_new_reqs:
                 full[request.request_id] = request  # its next output carries events
+                if request.replay is not None:
+                    self._replay_wait(request, request.replay.due())
         return self._emit(now, outbox)
 
     def _emit(self, now: float, outbox: Outbox) -> List[Request]:
@@ -165,7 +167,11 @@ class OutputProcessor(LaneBooks, BatchObserver):
             if outputs is None:
                 outputs = batches[request.client_index] = []
             remaining = request.max_tokens - request.num_output_tokens
-            n = chunk if chunk < remaining else remaining
+            replaying = request.replay
+            if replaying is None:
+                n = chunk if chunk < remaining else remaining
+            else:
+                n = replaying.next_count(remaining, chunk)  # --replay: the recorded output's count
             tokens, new_logprobs = self.make_tokens(request, n, n == remaining)
             first = request.num_output_tokens == 0
             events = request.pending_events
@@ -208,6 +214,9 @@ class OutputProcessor(LaneBooks, BatchObserver):
             if finish is not None:
                 outbox.finish(request.client_index, request.request_id)
                 done.append(request)
+            elif replaying is not None:
+                # never in a lane: each output waits for its recorded time
+                self._replay_wait(request, replaying.advance(), now)
             elif (not request.shaped or self._rows_lane(request)) and request.sampler is sampler and remaining - n > chunk:
                 # from its next output on, a lane does what this path would
                 # (until its last output, a preemption or a reload)
@@ -238,6 +247,25 @@ class OutputProcessor(LaneBooks, BatchObserver):
         if last and request.last_token is not None and tokens:
             tokens[-1] = request.last_token
         return tokens, None if request.num_logprobs is None else self._logprobs(request, tokens, position)
+
+    def _replay_wait(self, request: Request, due: Optional[float], now: Optional[float] = None) -> None:
+        """--replay (replay.py): no output of `request` before `due`, its
+        next recorded output's time. It waits as a prefill does (`prefilling`:
+        no token until then; `Scheduler.next_step_time` wakes the engine
+        then when nothing else runs); a new request (`now` None) waits for
+        the later of its prefill and its recorded first output."""
+        if due is None:
+            return
+        prefilling = self._scheduler.prefilling
+        if now is None:
+            if due <= request.ready_at:
+                return
+            request.ready_at = due
+            if prefilling.get(request.request_id) == float("inf"):
+                return  # chunks left: their last one waits for ready_at (Scheduler._continue_prefills)
+        elif due <= now:
+            return
+        prefilling[request.request_id] = due
 
     def _logprobs(self, request: Request, tokens: List[int], position: Any) -> Optional[List[Any]]:
         """new_logprobs for this output's tokens (logprobs.py, Appendix E);

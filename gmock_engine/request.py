@@ -110,6 +110,8 @@ class Request:
         # P/D disaggregation (kv_transfer.py)
         "kv",
         "status",
+        # --replay (replay.py)
+        "replay",
     )
 
     def __init__(
@@ -185,6 +187,8 @@ class Request:
         self.kv: Any = None
         #: Where it is (RequestStatus), kept by the scheduler.
         self.status = _WAITING
+        #: --replay: the recording it follows (replay.Replaying), None: the engine's model.
+        self.replay: Any = None
 
     @property
     def num_tokens(self) -> int:

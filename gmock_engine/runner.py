@@ -256,12 +256,21 @@ class EngineRunner:
                 # it), so an ABORT or a new request takes effect at once.
                 # Paced, the drain goes on between steps until one is due:
                 # slices larger than INPUT_SLICE would only make steps late.
-                if in_queue.empty():
+                applied = not in_queue.empty()
+                if not applied:
                     more_input = False
                 elif paced:
                     more_input = self._drain_input(INPUT_SLICE)
                 else:
                     more_input = self._drain_input(max(INPUT_SLICE, engine.num_running // INPUT_SLICE_DIVISOR))
+                if applied and next_step_at is not None and engine.has_work:
+                    # Input may let the next step come sooner: a step put off
+                    # until a prefill (or a replayed output, --replay) is due
+                    # admits a new request at the latency model's time instead
+                    # (Scheduler.next_step_time).
+                    sooner = stretched(started, engine.next_step_time(started))
+                    if sooner is not None and sooner < next_step_at:
+                        next_step_at = sooner
                 if publish is not None:
                     publish(engine.take_kv_events())  # e.g. reset_prefix_cache's AllBlocksCleared, at once
                 if not input_open():

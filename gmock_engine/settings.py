@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple
 
-from . import kv_transfer, lengths, options, tokens
+from . import kv_transfer, lengths, options, replay, tokens
 from .faults import FaultSpec
 from .latency import LatencyModel
 from .lengths import OutputLengths
@@ -88,6 +88,8 @@ class EngineSettings:
     #: until the next step. The runtime encodes each message as it is made;
     #: off for callers that keep what `step` returned.
     reuse_outputs: bool = False
+    #: --replay (replay.py): the trace requests follow and how ADDs are matched to it; None: off.
+    replay: Optional[replay.ReplaySettings] = None
 
 
 #: The EngineSettings a reload (SIGHUP, reload.py) may change while requests
@@ -174,6 +176,8 @@ class Settings:
     #: every configured --fault-*, in faults.KINDS order
     faults: Tuple[FaultSpec, ...]
     logging: LoggingSettings
+    #: --replay, --replay-match; None: off
+    replay: Optional[replay.ReplaySettings] = None
 
 
 #: Limits in effect only when given: the value, or unlimited (None) when it
@@ -247,6 +251,12 @@ def from_config(c: Any) -> Settings:
             summary_interval=c.summary_interval,
             strict_ledger=c.strict_ledger,
         ),
+        replay=replay.settings_from(
+            c.replay,
+            c.replay_match,
+            range(c.data_parallel_start_rank, c.data_parallel_start_rank + c.engine_count),
+            c.data_parallel_size or c.data_parallel_start_rank + c.engine_count,
+        ),
     )
 
 
@@ -296,4 +306,5 @@ def engine_settings(
         max_lora_rank=lora.max_lora_rank,
         lora_check_adapter_dir=lora.lora_check_adapter_dir,
         wire=wire,
+        replay=parts.replay,
     )

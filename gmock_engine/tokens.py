@@ -3,7 +3,8 @@
 Sources (`--token-source`): `random` (default; `--token-id-range` narrows it,
 e.g. to ids a tokenizer decodes to clean text), `echo` (the request's own
 prompt ids, over and over) and `file:PATH` (ids read from a file, each
-request starting at its own seeded offset). Every source has the same
+request starting at its own seeded offset); a request replayed from a trace
+(`--replay`, replay.py) has its own, `RecordedTokens`. Every source has the same
 calls: `initial_state(request_id, prompt_token_ids)` and `draw(state, n)`,
 and for stop ids (a real engine stops on them, the mock's plan decides the
 end): `only_emits(state, ids)` (can the request make no other id?) and
@@ -235,6 +236,37 @@ class FileTokens(TokenPool):
         return _avoid_by_increment(tokens, ids)
 
 
+class RecordedTokens:
+    """A replayed request's own source (replay.py, --replay): the ids a
+    recorded run emitted for it, in order, then `fallback`'s (the engine's
+    source) for any token past the recording. The state is (position in the
+    recording, the fallback's state). No `ids` pool: its rows of logprobs
+    are drawn per token (logprobs.LogprobModel.pooled)."""
+
+    __slots__ = ("recorded", "fallback")
+
+    def __init__(self, recorded: Sequence[int], fallback: "TokenSource") -> None:
+        self.recorded = recorded
+        self.fallback = fallback
+
+    def initial_state(self, request_id: str, prompt_token_ids: Optional[Sequence[int]] = None) -> Tuple[int, Any]:
+        return (0, self.fallback.initial_state(request_id, prompt_token_ids))
+
+    def draw(self, state: Tuple[int, Any], n: int) -> Tuple[List[int], Tuple[int, Any]]:
+        position, rest = state
+        tokens = list(self.recorded[position : position + n])
+        if len(tokens) < n:
+            more, rest = self.fallback.draw(rest, n - len(tokens))
+            tokens += more
+        return tokens, (position + len(tokens), rest)
+
+    def only_emits(self, state: Tuple[int, Any], ids: AbstractSet[int]) -> bool:
+        return self.fallback.only_emits(state[1], ids)
+
+    def avoid(self, tokens: List[int], ids: AbstractSet[int]) -> List[int]:
+        return self.fallback.avoid(tokens, ids)
+
+
 def _avoid_by_increment(tokens: List[int], ids: AbstractSet[int]) -> List[int]:
     """Echo and file ids: a drawn id in `ids` becomes the next larger id
     that is not (wrapping below 2**32, the largest id a frontend decodes)."""
@@ -263,7 +295,7 @@ def read_token_file(path: str) -> List[int]:
     return ids
 
 
-TokenSource = Union[RandomTokens, EchoTokens, FileTokens]
+TokenSource = Union[RandomTokens, EchoTokens, FileTokens, RecordedTokens]
 
 
 def make_source(spec: str, vocab_size: int, seed: int, rank: int, id_range: Optional[Tuple[int, int]] = None) -> TokenSource:

@@ -108,6 +108,21 @@ def latency_profile(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def replay_trace(text: str) -> Any:
+    """--replay: a record tap's trace file, read (replay.load) into the
+    recorded requests the engines replay."""
+    from .replay import load
+
+    path = text.strip()
+    try:
+        return load(path)
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"{path!r}: {exc}") from None
+
+
+replay_trace.__name__ = "trace file"
+
+
 @dataclass(frozen=True)
 class IdRange:
     """--token-id-range: [low, high); prints as it is written."""

@@ -21,6 +21,9 @@ LENGTHS = (4, 6, 9)
 class TapStack(h.Stack):
     """A stack whose engines join the tap, which joins the frontend."""
 
+    #: the tap's further options (test_replay_e2e: --record-token-ids)
+    tap_args: tuple = ()
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         (self.tap_port,) = h.free_ports(1)
@@ -35,7 +38,7 @@ class TapStack(h.Stack):
         t = self.topology
         argv = [h.RUN_SH, "record", "--handshake-address", f"tcp://127.0.0.1:{self.hs_port}",
                 "--engine-handshake-address", f"tcp://127.0.0.1:{self.tap_port}",
-                "--engine-count", str(t.dp), "-o", self.trace_path]  # fmt: skip
+                "--engine-count", str(t.dp), "-o", self.trace_path, *self.tap_args]  # fmt: skip
         self.tap = h.ProcessGroup("record-tap", argv, self.log_dir / "tap.log", env={"PYTHONUNBUFFERED": "1", **_env()}, cwd=h.REPO)
         super().start_engine()
         self.engines.append(self.tap)

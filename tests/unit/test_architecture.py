@@ -43,6 +43,7 @@ PURE = [
     "trace",
     "tools.steps",
     "tools.fit",
+    "replay",
 ]
 
 
