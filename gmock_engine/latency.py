@@ -23,8 +23,10 @@ from a real engine's trace) the profile times each step from the plan's
 composition (running batch, prompt tokens prefilled and their attention, the
 tokens the batch holds) instead of the three linear figures above, and
 the first token of a request comes when the step that computed the last of
-its prompt ends, as in a real engine (then `ttft_ms`, if any, and the profile's input delay are
-added to that; the per-token prefill figure does not apply).
+its prompt ends, as in a real engine (then `ttft_ms`, if any, is added to that; the per-token
+prefill figure does not apply). A request is admitted no earlier than the
+profile's input delay after its ADD, as a real engine queues it only once
+it has received and prepared it.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ class LatencyModel:
         over the prompt chunks, and the `context_tokens` the batch holds)."""
         profile = self.profile
         if profile is not None:
+            if not running:
+                return 0.0  # nothing ran (e.g. the head of the queue is not in yet): a real engine does not step
             ms = profile.sample_ms(running, prefill_tokens, prefill_attention, context_tokens, rng) * self._jitter(rng)
         else:
             ms = (self.itl_ms + self.itl_ms_per_request * running) * self._jitter(rng)
@@ -97,9 +101,14 @@ class LatencyModel:
         ms = fixed * self._jitter(rng)
         if self.profile is None:
             ms += self.prefill_ms_per_token * prompt_len
-        else:
-            ms += self.profile.input_delay(rng)
         return ms * self.time_scale / 1000.0
+
+    def input_delay_seconds(self, rng: random.Random) -> float:
+        """With a profile, a request's input delay: the time a real engine
+        takes to receive and queue it, before which it cannot be admitted."""
+        if self.profile is None or not self.profile.input_delay_ms:
+            return 0.0
+        return self.profile.input_delay(rng) * self.time_scale / 1000.0
 
     def lora_load_seconds(self) -> float:
         """Extra time to the first token of a request that loaded its adapter."""

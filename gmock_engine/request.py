@@ -112,6 +112,8 @@ class Request:
         "status",
         # --replay (replay.py)
         "replay",
+        # the latency profile's input delay (latency_profile.py)
+        "admit_at",
     )
 
     def __init__(
@@ -128,6 +130,9 @@ class Request:
         self.scheduled_at = queued_at
         #: Engine clock from which its first token may come (prefill done).
         self.ready_at = queued_at
+        #: Engine clock before which it is not admitted: its arrival in a real
+        #: engine, after the input delay of a latency profile.
+        self.admit_at = queued_at
         #: How it ends after `max_tokens` tokens (see `plan`).
         self.finish = _LENGTH
         self.stop_reason: Optional[int] = None

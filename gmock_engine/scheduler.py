@@ -111,8 +111,6 @@ class Scheduler:
         self.chunking: Dict[str, Request] = {}
         #: Σ c·(p + c/2) over the prompt chunks of the step being planned (latency_profile.py)
         self._prefill_attention = 0.0
-        #: engine time the step being planned began
-        self._step_started = 0.0
         self.pause_state = PauseState.UNPAUSED
         #: Engine time the last step asked its successor to wait (latency model).
         self.step_delay = 0.0
@@ -185,13 +183,14 @@ class Scheduler:
         if not self.has_work:
             return None
         due = step_started + self.step_delay
-        if (
-            self.prefilling
-            and not self.chunking  # chunked prefills progress every step
-            and len(self.prefilling) == len(self.running)
-            and not self._head_admissible()
-        ):
-            due = max(due, min(self.prefilling.values()))
+        if self.chunking:
+            return due  # chunked prefills progress every step
+        head = self._head_admit_at()
+        if self.prefilling and len(self.prefilling) == len(self.running):
+            wake = min(self.prefilling.values())
+            due = max(due, wake if head is None else min(wake, head))
+        elif not self.running and head is not None:
+            due = max(due, head)  # nothing runs: the next step is the admission
         return due
 
     def _next_tokens(self, request: Request) -> int:
@@ -199,17 +198,21 @@ class Scheduler:
         remaining = request.max_tokens - request.num_output_tokens
         return self.chunk if self.chunk < remaining else remaining
 
-    def _head_admissible(self) -> bool:
-        """The next waiting request could join the batch now (limit, pause, KV)."""
+    def _head_admit_at(self) -> Optional[float]:
+        """When the next waiting request could join the batch (its admit_at),
+        or None when it cannot for now (limit, pause, KV)."""
         if not (self.waiting and self.can_admit):
-            return False
+            return None
         head = self.waiting.peek_request()
-        return self.kv.fits(self.kv.blocks_to_admit(head, self._next_tokens(head)))
+        return head.admit_at if self.kv.fits(self.kv.blocks_to_admit(head, self._next_tokens(head))) else None
 
     # -- requests in and out ---------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """A new request waits for admission."""
+        """A new request waits for admission (with a latency profile, not
+        before its input delay has passed)."""
+        if self.latency.profile is not None:
+            request.admit_at = request.queued_at + self.latency.input_delay_seconds(self.rng)
         self.waiting.add_request(request)
 
     def remove(self, request_id: str, status: RequestStatus = _ABORTED) -> Optional[Request]:
@@ -263,7 +266,6 @@ class Scheduler:
         running = self.running
         prefill_tokens = 0
         self._prefill_attention = 0.0
-        self._step_started = now
         preempted = self._reserve_decode_blocks(now) if self.kv.enforced and running else _NONE
         prefilling = self.prefilling
         # a request whose prefill ended in the last step has its first token
@@ -302,21 +304,6 @@ class Scheduler:
             if finished:
                 scheduler_output.num_running_reqs = len(running)
             self.step_delay = self.latency.step_time(scheduler_output, self.rng, self.kv.tokens)
-            if self.latency.profile is not None and scheduler_output.scheduled_new_reqs:
-                self._after_admission_step(scheduler_output.scheduled_new_reqs)
-
-    def _after_admission_step(self, admitted: Any) -> None:
-        """With a profile, a request admitted with a wait before its first
-        token (the profile's input delay, a fixed TTFT) has it that long
-        after the step that computed its prompt ends, not after the step
-        began: the wait stands for time before the step in a real engine."""
-        prefilling, step_started = self.prefilling, self._step_started
-        end_of_step = math.nextafter(step_started, math.inf)
-        for request in admitted:
-            ready_at = prefilling.get(request.request_id)
-            if ready_at is not None and end_of_step < ready_at < math.inf and request.scheduled_at == step_started:
-                request.ready_at = ready_at + self.step_delay
-                prefilling[request.request_id] = request.ready_at
 
     def remote_kvs_arrived(self, request: Request) -> None:
         """A running P/D request's prefill wait is over (its KV is here):
@@ -374,6 +361,8 @@ class Scheduler:
         skipped: List[Request] = []
         while waiting and self.can_admit and (budget is None or budget > 0):
             request = waiting.peek_request()
+            if request.admit_at > now:
+                break  # not yet in the engine (the profile's input delay), and first in line
             adapter = request.lora_request
             if adapter is not None and lora is not None:
                 if adapter.lora_int_id not in running_loras and len(running_loras) >= lora.max_loras:

@@ -75,6 +75,13 @@ class _Pending:
         return self.prompt_len - self.cached - self.done
 
 
+def _scheduled_by(scheduled: Dict[str, float], add: Dict[str, Any], offset: Optional[float], end: float) -> bool:
+    """The engine could have scheduled this ADD's request in a step ending at
+    `end`: its SCHEDULED event, when sent, is not later."""
+    stamp = scheduled.get(add["request_id"])
+    return stamp is None or offset is None or stamp + offset <= end
+
+
 def _step_groups(outputs: List[Dict[str, Any]]) -> List[List[Dict[str, Any]]]:
     """Output records of one engine grouped per step: one message per client
     with the same engine timestamp (a step's messages leave back to back)."""
@@ -141,15 +148,18 @@ def steps_of_rank(records: Iterable[Dict[str, Any]], rank: int, max_num_batched_
         start: Optional[float] = prev_end
         woke = False
         if not (pending or running):
-            # idle after the previous step: the next ADD woke the engine
+            # idle after the previous step: the next ADD woke the engine, unless
+            # the engine scheduled it only after this step (a step of nothing,
+            # e.g. the one that reports the last finish)
             start = None
             if ai < len(adds) and adds[ai]["t"] <= end and (prev_end is None or adds[ai]["t"] >= prev_end):
-                start, woke = adds[ai]["t"], True
                 stamp = scheduled.get(adds[ai]["request_id"])
-                if stamp is not None and offset is not None and stamp + offset <= end:
-                    start = stamp + offset  # the engine's own time it scheduled the request
+                if stamp is None or offset is None:
+                    start, woke = adds[ai]["t"], True
+                elif stamp + offset <= end:
+                    start, woke = stamp + offset, True  # the engine's own time it scheduled the request
         limit = start if start is not None else end
-        while ai < len(adds) and adds[ai]["t"] <= limit:
+        while ai < len(adds) and adds[ai]["t"] <= limit and _scheduled_by(scheduled, adds[ai], offset, end):
             admit(adds[ai])
             ai += 1
         while bi < len(aborts) and aborts[bi]["t"] <= limit:

@@ -139,9 +139,9 @@ def test_fit_recovers_the_spread():
     for b in (2, 4):  # the table's shape
         assert p.batch_ms(b) / p.batch_ms(1) == pytest.approx(TRUE.batch_ms(b) / TRUE.batch_ms(1), rel=0.06), b
     # what the engine draws, prediction x spread, is the engine's own distribution
-    # (41 points: q[2] is the 5 % quantile, q[38] the 95 %)
+    # (101 points: q[5] is the 5 % quantile, q[95] the 95 %)
     q = p.spread_decode
-    for i, expected in ((2, 0.82), (20, 1.0), (38, 1.18)):
+    for i, expected in ((5, 0.82), (50, 1.0), (95, 1.18)):
         assert p.batch_ms(1) * q[i] == pytest.approx(TRUE.batch_ms(1) * expected, rel=0.03), i
 
 

@@ -149,5 +149,24 @@ def test_the_input_delay_holds_the_first_token_not_the_batch():
         if sent:
             times.append(clock.now)
         clock.now = engine.next_step_time(clock.now)
-    # the first token 7 ms after the 2 ms step that computed the prompt; then steps every 2 ms
+    # admitted 7 ms after its ADD (it reaches the engine then), prefilled in a 2 ms step,
+    # then steps every 2 ms
     assert times[0] == pytest.approx(9.0 / 1000) and times[1] - times[0] == pytest.approx(2.0 / 1000)
+
+
+def test_a_request_in_input_delay_joins_the_running_batch_at_a_step_boundary():
+    slow_input = StepProfile(batch=(1, 2), step_ms=(4.0, 4.0), input_delay_ms=(5.0, 5.0))
+    clock = Clock(0.0)
+    engine = engine_with(clock, latency=LatencyModel(profile=slow_input))
+    engine.scheduler.latency = LatencyModel(profile=StepProfile(batch=(1, 2), step_ms=(4.0, 4.0)))  # "a" has no delay
+    engine.apply(EngineCoreRequest("a", 10, 20, True))
+    engine.scheduler.latency = LatencyModel(profile=slow_input)
+    engine.apply(EngineCoreRequest("b", 10, 2, True))  # queued at 0, in the engine at 5 ms
+    firsts = {}
+    for _ in range(20):
+        for _, message in engine.step():
+            for output in message[1]:
+                firsts.setdefault(output[0], clock.now)
+        clock.now = engine.next_step_time(clock.now)
+    # steps at 0, 4, 8, 12 ms: "b" is admitted in the step at 8 ms, its token at 12 ms
+    assert firsts == {"a": pytest.approx(0.004), "b": pytest.approx(0.012)}
