@@ -57,6 +57,8 @@ from gmock_engine.tools import frontends, model_dir, procgroup  # noqa: E402
 
 MODEL_NAME = "mock"
 MAX_MODEL_LEN = 2048
+#: The real engine's token budget per step (vLLM's CPU default, not logged): the fit needs it.
+MAX_NUM_BATCHED_TOKENS = 2048
 #: The real engine's model: the frontends' tiny Qwen2 made big enough for the
 #: CPU attention backend (head_dim > 16) and to take measurable time.
 REAL_MODEL_CONFIG = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
@@ -76,7 +78,7 @@ REAL_KV_GIB = 2
 ENGINE_CORE_NICE = 10
 #: gmock_engine with the real engine's limits; `--engine-arg` flags come after (and win).
 MOCK_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--block-size", "32", "--num-gpu-blocks", "32768",
-             "--max-num-seqs", "128", "--max-num-batched-tokens", "2048", "--prefix-caching"]  # fmt: skip
+             "--max-num-seqs", "128", "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS), "--prefix-caching"]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

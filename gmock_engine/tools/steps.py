@@ -218,6 +218,8 @@ def steps_of_rank(records: Iterable[Dict[str, Any]], rank: int, max_num_batched_
 
 #: EngineCoreEvent types (docs/protocol.md §4.5).
 QUEUED, SCHEDULED = 1, 2
+#: An ADD with no other ADD to its engine this long before it came alone.
+ISOLATED_S = 0.02
 
 
 def _first_events(outputs: List[Dict[str, Any]], kind: int) -> Dict[str, float]:
@@ -235,9 +237,12 @@ def input_delays_ms(records: List[Dict[str, Any]]) -> List[float]:
     """Per request, ms from the tap relaying its ADD to the engine queueing
     it (its QUEUED event, §4.5): the engine's input path (receiving,
     decoding, preparing the request), which a request's first token waits
-    for on top of its steps. The engine clock is moved onto the tap's by
-    the smallest lag of its outputs; a request the tap was slow to stamp can
-    come out below 0 and counts as 0."""
+    for on top of its steps. Only requests that came alone (no other ADD to
+    the engine in the ISOLATED_S before) count: in a burst each also waits
+    for the ones before it, and the mock draws each delay independently.
+    The engine clock is moved onto the tap's by the smallest lag of its
+    outputs; a request the tap was slow to stamp can come out below 0 and
+    counts as 0."""
     delays: List[float] = []
     for rank in sorted({r["rank"] for r in records if r.get("kind") == "output" and "rank" in r}):
         outputs = [r for r in records if r.get("kind") == "output" and r.get("rank") == rank and r.get("utility_call_id") is None]
@@ -246,8 +251,11 @@ def input_delays_ms(records: List[Dict[str, Any]]) -> List[float]:
             continue
         offset = min(stamped)
         queued = _first_events(outputs, QUEUED)
-        for add in records:
-            if add.get("kind") == "add" and add.get("rank") == rank and add["request_id"] in queued:
+        previous = None
+        for add in sorted((r for r in records if r.get("kind") == "add" and r.get("rank") == rank), key=lambda r: r["t"]):
+            alone = previous is None or add["t"] - previous >= ISOLATED_S
+            previous = add["t"]
+            if alone and add["request_id"] in queued:
                 delays.append(max(0.0, (queued[add["request_id"]] + offset - add["t"]) * 1000.0))
     return delays
 

@@ -54,6 +54,7 @@ def recorded(frontends, tmp_path_factory):
     stack = fidelity.Stack("real", frontends, model, work / "real-logs", trace, [])
     try:
         stack.start(timeout=400 * h.TIMEOUT_SCALE)
+        assert stack.renice_engine_core(fidelity.ENGINE_CORE_NICE) is not None, "no VLLM::EngineCore process"
         _run(stack, fidelity.WARMUP, work)
         for workload in CALIBRATION:
             _run(stack, workload, work)
