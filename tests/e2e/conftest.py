@@ -38,9 +38,16 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    solo = os.environ.get("GMOCK_SOLO") == "1"
+    skip_solo = pytest.mark.skip(
+        reason="compares timing with a real engine core, which another test's load would distort: "
+        "run alone with GMOCK_SOLO=1 GMOCK_TEST_WORKERS=0 ./run.sh test -m solo (.ci/run does, after the suite)"
+    )
     for item in items:
         if Path(str(item.path)).resolve().parent == E2E_DIR:
             item.add_marker(pytest.mark.e2e)
+        if item.get_closest_marker("solo") is not None and not solo:
+            item.add_marker(skip_solo)
 
 
 def _selected_topologies():
