@@ -113,6 +113,9 @@ WORKLOADS = [
     Workload("c4_256_128", "cal", 48, _random(256, 128), concurrency=4),
     Workload("c16_128_256", "cal", 48, _random(128, 256), concurrency=16),
     Workload("c8_64_128", "cal", 48, _random(64, 128), concurrency=8),
+    # batch sizes between the closed loops', mixed within one stretch of time
+    Workload("c2_256_128", "cal", 24, _random(256, 128), concurrency=2),
+    Workload("poisson6_128_128", "cal", 60, _random(128, 128), rate=6.0),
     Workload("poisson4_256_96", "held", 60, _random(256, 96), rate=4.0),
     Workload("c16_128_256_held", "held", 48, _random(128, 256), concurrency=16, seed=1000),
     Workload("c2_768_128", "held", 32, _random(768, 128), concurrency=2),
