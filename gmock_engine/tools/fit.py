@@ -27,6 +27,7 @@ quantiles; the engine draws each step's factor from them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from bisect import bisect_left, bisect_right
@@ -272,12 +273,8 @@ def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None, inpu
     profile = fit_candidate(chosen, usable)
     decode = [s for s in usable if not s.prefill_tokens]
     prefill = [s for s in usable if s.prefill_tokens]
-    profile = StepProfile(
-        batch=profile.batch,
-        step_ms=profile.step_ms,
-        prefill_ms_per_token=profile.prefill_ms_per_token,
-        prefill_attention_ms=profile.prefill_attention_ms,
-        context_ms_per_ktoken=profile.context_ms_per_ktoken,
+    profile = dataclasses.replace(
+        profile,
         spread_decode=spread(profile, decode),
         spread_prefill=spread(profile, prefill),
         input_delay_ms=_quantiles(sorted(input_delays)) if len(input_delays) >= 2 else (),

@@ -61,15 +61,23 @@ def tapped(request, frontends, model_dir, tmp_path_factory):
     assert s.tap.popen.returncode == 0, s.logs_report()
 
 
-def stream(stack, max_tokens):
+def completion(stack, max_tokens):
+    """(text, completion tokens, finish reasons) of one streamed completion."""
     body = {"model": h.MODEL_NAME, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     with stack.post("/v1/completions", body) as r:
         assert r.status_code == 200, r.text[:500]
         chunks, done = h.read_stream(r)
     assert done
-    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0].get("finish_reason")]
-    return chunks[-1]["usage"]["completion_tokens"], finishes
+    choices = [c["choices"][0] for c in chunks if c.get("choices")]
+    text = "".join(c.get("text") or "" for c in choices)
+    return text, chunks[-1]["usage"]["completion_tokens"], [c["finish_reason"] for c in choices if c.get("finish_reason")]
+
+
+def stream(stack, max_tokens):
+    """(completion tokens, finish reasons) of one streamed completion."""
+    _, tokens, finishes = completion(stack, max_tokens)
+    return tokens, finishes
 
 
 def test_streams_through_the_tap_are_exact_and_traced(tapped):

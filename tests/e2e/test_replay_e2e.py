@@ -6,9 +6,8 @@ a request beyond the trace is served by the engine's model."""
 
 from __future__ import annotations
 
-
 import e2e_harness as h
-from test_record_e2e import PROMPT, TapStack
+from test_record_e2e import TapStack, completion
 
 #: (max_tokens, tokens, finish) of the recorded run: --output-len-dist fixed:5 stops the longer ones
 REQUESTS = ((4, 4, "length"), (9, 5, "stop"), (7, 5, "stop"))
@@ -16,19 +15,6 @@ REQUESTS = ((4, 4, "length"), (9, 5, "stop"), (7, 5, "stop"))
 
 class RecordingTap(TapStack):
     tap_args = ("--record-token-ids",)
-
-
-def completion(stack, max_tokens):
-    """(text, completion tokens, finish reasons) of one streamed completion."""
-    body = {"model": h.MODEL_NAME, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    with stack.post("/v1/completions", body) as r:
-        assert r.status_code == 200, r.text[:500]
-        chunks, done = h.read_stream(r)
-    assert done
-    choices = [c["choices"][0] for c in chunks if c.get("choices")]
-    text = "".join(c.get("text") or "" for c in choices)
-    return text, chunks[-1]["usage"]["completion_tokens"], [c["finish_reason"] for c in choices if c.get("finish_reason")]
 
 
 def test_a_recorded_run_replays_to_the_same_text(frontends, model_dir, tmp_path):
