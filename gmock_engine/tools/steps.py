@@ -100,27 +100,13 @@ def _step_groups(outputs: List[Dict[str, Any]]) -> List[List[Dict[str, Any]]]:
 def steps_of_rank(records: Iterable[Dict[str, Any]], rank: int, max_num_batched_tokens: Optional[int] = None) -> List[Step]:
     """The steps of engine `rank` (see the module docstring); `records` in
     trace order."""
-    adds: List[Dict[str, Any]] = []
-    aborts: List[Dict[str, Any]] = []
-    outputs: List[Dict[str, Any]] = []
+    adds, aborts, outputs = _engine_records(records, rank)
     cached: Dict[str, int] = {}
-    for record in records:
-        if record.get("rank") != rank:
-            continue
-        kind = record.get("kind")
-        if kind == "add":
-            adds.append(record)
-        elif kind == "abort":
-            aborts.append(record)
-        elif kind == "output" and record.get("utility_call_id") is None:
-            outputs.append(record)
-            for item in record.get("requests", ()):
-                if item.get("num_cached_tokens") and item["id"] not in cached:
-                    cached[item["id"]] = int(item["num_cached_tokens"])
+    for record in outputs:
+        for item in record.get("requests", ()):
+            if item.get("num_cached_tokens") and item["id"] not in cached:
+                cached[item["id"]] = int(item["num_cached_tokens"])
     scheduled = _first_events(outputs, SCHEDULED)
-    adds.sort(key=lambda r: r["t"])
-    aborts.sort(key=lambda r: r["t"])
-    outputs.sort(key=lambda r: r["t"])
 
     by_id = {add["request_id"]: add for add in adds}
     admitted: set = set()
@@ -136,10 +122,8 @@ def steps_of_rank(records: Iterable[Dict[str, Any]], rank: int, max_num_batched_
             pending[rid] = _Pending(rid, add["t"], int(add.get("prompt_len") or 0), cached.get(rid, 0))
 
     # The engine's own timestamps time its steps: the tap's receive times
-    # lag behind when it is short of CPU, in bursts. They are moved onto the
-    # tap's clock by the smallest lag seen (the relay's own latency).
-    stamped = [r["t"] - r["engine_timestamp"] for r in outputs if isinstance(r.get("engine_timestamp"), (int, float))]
-    offset = min(stamped) if len(stamped) == len(outputs) and stamped else None
+    # lag behind when it is short of CPU, in bursts.
+    offset = _clock_offset(outputs)
     prev_end: Optional[float] = None
     for group in _step_groups(outputs):
         end = group[0]["engine_timestamp"] + offset if offset is not None else min(r["t"] for r in group)
@@ -222,6 +206,40 @@ QUEUED, SCHEDULED = 1, 2
 ISOLATED_S = 0.02
 
 
+def _ranks(records: Iterable[Dict[str, Any]]) -> List[int]:
+    """The engines that sent outputs in a trace's records."""
+    return sorted({r["rank"] for r in records if r.get("kind") == "output" and "rank" in r})
+
+
+def _engine_records(records: Iterable[Dict[str, Any]], rank: int) -> "tuple[List[Dict[str, Any]], List[Dict[str, Any]], List[Dict[str, Any]]]":
+    """Engine `rank`'s ADDs, ABORTs and outputs (utility replies left out),
+    each in receive order."""
+    adds: List[Dict[str, Any]] = []
+    aborts: List[Dict[str, Any]] = []
+    outputs: List[Dict[str, Any]] = []
+    for record in records:
+        if record.get("rank") != rank:
+            continue
+        kind = record.get("kind")
+        if kind == "add":
+            adds.append(record)
+        elif kind == "abort":
+            aborts.append(record)
+        elif kind == "output" and record.get("utility_call_id") is None:
+            outputs.append(record)
+    for found in (adds, aborts, outputs):
+        found.sort(key=lambda r: r["t"])
+    return adds, aborts, outputs
+
+
+def _clock_offset(outputs: List[Dict[str, Any]]) -> Optional[float]:
+    """Tap clock - engine clock, from an engine's outputs: the smallest lag
+    between an output's engine timestamp and its receipt (the relay's own
+    latency); None unless every output has a timestamp."""
+    stamped = [r["t"] - r["engine_timestamp"] for r in outputs if isinstance(r.get("engine_timestamp"), (int, float))]
+    return min(stamped) if stamped and len(stamped) == len(outputs) else None
+
+
 def _first_events(outputs: List[Dict[str, Any]], kind: int) -> Dict[str, float]:
     """Request id -> the engine-clock time of its first event of `kind`."""
     found: Dict[str, float] = {}
@@ -241,18 +259,17 @@ def input_delays_ms(records: List[Dict[str, Any]]) -> List[float]:
     the engine in the ISOLATED_S before) count: in a burst each also waits
     for the ones before it, and the mock draws each delay independently.
     The engine clock is moved onto the tap's by the smallest lag of its
-    outputs; a request the tap was slow to stamp can come out below 0 and
-    counts as 0."""
+    outputs (an engine whose outputs are not all stamped has none); a
+    request the tap was slow to stamp can come out below 0 and counts as 0."""
     delays: List[float] = []
-    for rank in sorted({r["rank"] for r in records if r.get("kind") == "output" and "rank" in r}):
-        outputs = [r for r in records if r.get("kind") == "output" and r.get("rank") == rank and r.get("utility_call_id") is None]
-        stamped = [r["t"] - r["engine_timestamp"] for r in outputs if isinstance(r.get("engine_timestamp"), (int, float))]
-        if not stamped:
+    for rank in _ranks(records):
+        adds, _, outputs = _engine_records(records, rank)
+        offset = _clock_offset(outputs)
+        if offset is None:
             continue
-        offset = min(stamped)
         queued = _first_events(outputs, QUEUED)
         previous = None
-        for add in sorted((r for r in records if r.get("kind") == "add" and r.get("rank") == rank), key=lambda r: r["t"]):
+        for add in adds:
             alone = previous is None or add["t"] - previous >= ISOLATED_S
             previous = add["t"]
             if alone and add["request_id"] in queued:
@@ -262,8 +279,7 @@ def input_delays_ms(records: List[Dict[str, Any]]) -> List[float]:
 
 def steps_from_trace(records: List[Dict[str, Any]], max_num_batched_tokens: Optional[int] = None) -> List[Step]:
     """The steps of every engine in a trace's records, engine by engine."""
-    ranks = sorted({r["rank"] for r in records if r.get("kind") == "output" and "rank" in r})
     steps: List[Step] = []
-    for rank in ranks:
+    for rank in _ranks(records):
         steps.extend(steps_of_rank(records, rank, max_num_batched_tokens))
     return steps
