@@ -6,6 +6,7 @@ real Python frontend, under the same `vllm bench serve` workloads.
     .venv/bin/python benchmarks/fidelity.py run --target mock --set held --out mock-held.json \\
         --engine-arg=--latency-profile=p.ini
     .venv/bin/python benchmarks/fidelity.py compare real-held.json mock-held.json
+    .venv/bin/python benchmarks/fidelity.py breakdown real-held.json mock-held.json
     .venv/bin/python benchmarks/fidelity.py list
 
 A target is a stack started once per repetition and reused across its
@@ -17,7 +18,8 @@ and behind it either
   record tap (`gmock-engine record`), which writes a trace of the run; its
   busy-loop thread runs at a lower priority (ENGINE_CORE_NICE); or
 * `mock`: gmock_engine with the real engine's limits (MOCK_ARGS) and the
-  `--engine-arg` flags, e.g. a latency model.
+  `--engine-arg` flags, e.g. a latency model; with `--trace`, behind the
+  record tap too, so that its trace can be read beside the real one's.
 
 Per workload: the frontend's /metrics is scraped before and after, and
 `vllm bench serve --save-result` runs; kept are its TTFT/TPOT/ITL/E2EL
@@ -27,7 +29,9 @@ gets fine buckets so that a quantile is worth comparing). The workload's
 wall-clock window (`t_start`, `t_end`: time.time(), the trace's clock) and
 the load average and busy cores before it are stored too.
 
-`compare` prints a markdown table: every real repetition, their spread, the
+`breakdown` splits each workload's TTFT from the runs' traces: the
+frontend's part (arrival to ADD), the engine's (ADD to first token) and the
+engine's own queued-to-first-token. `compare` prints a markdown table: every real repetition, their spread, the
 mock and its error against the real mean, and whether it meets the goals
 (fidelity_stats.GOALS) or lies inside the real runs' range.
 """
@@ -187,19 +191,22 @@ class Stack:
         self._start("frontend", [*argv, "--max-model-len", str(MAX_MODEL_LEN), "--custom-histogram-buckets", buckets],
                     frontends.frontend_env())
         self._wait(lambda: procgroup.is_listening(self.handshake_port), deadline, "the frontend's handshake port")
+        if self.trace is not None:
+            tap = [sys.executable, "-m", "gmock_engine", "record", "--handshake-address",
+                   f"tcp://127.0.0.1:{self.handshake_port}", "--engine-handshake-address",
+                   f"tcp://127.0.0.1:{self.engine_port}", "-o", str(self.trace)]  # fmt: skip
+            self._start("tap", tap, {**os.environ, "PYTHONUNBUFFERED": "1"})
         if self.target == "real":
             self._start_real()
         else:
+            # behind the tap, the mock joins it as the real engine does; else the frontend directly
+            port = self.engine_port if self.trace is not None else self.handshake_port
             self.engine_argv = [sys.executable, "-m", "gmock_engine", "--handshake-address",
-                                f"tcp://127.0.0.1:{self.handshake_port}", *MOCK_ARGS, *self.engine_args]
+                                f"tcp://127.0.0.1:{port}", *MOCK_ARGS, *self.engine_args]
             self._start("engine", self.engine_argv, {**os.environ, "PYTHONUNBUFFERED": "1"})
         self._wait(self._healthy, deadline, "/health")
 
     def _start_real(self) -> None:
-        tap = [sys.executable, "-m", "gmock_engine", "record", "--handshake-address",
-               f"tcp://127.0.0.1:{self.handshake_port}", "--engine-handshake-address",
-               f"tcp://127.0.0.1:{self.engine_port}", "-o", str(self.trace)]  # fmt: skip
-        self._start("tap", tap, {**os.environ, "PYTHONUNBUFFERED": "1"})
         self.engine_argv = [str(self.fe.python), str(frontends.VLLM_CLI), "serve", str(self.model),
                             "--served-model-name", MODEL_NAME, *REAL_ENGINE_ARGS, *self.engine_args,
                             "--headless", "--data-parallel-size", "1", "--data-parallel-size-local", "1",
@@ -327,7 +334,7 @@ def run(options: argparse.Namespace) -> int:
     try:
         for index in range(1, options.repeat + 1):
             trace = None
-            if options.target == "real":
+            if options.target == "real" or options.trace:
                 pattern = options.trace or str(out.with_suffix("")) + "-trace{run}.jsonl"
                 trace = Path(pattern.format(run=index)).resolve()
             busy = wait_quiet(options.max_busy, options.max_wait)
@@ -387,6 +394,26 @@ def compare(options: argparse.Namespace) -> int:
     return 0
 
 
+def breakdown(options: argparse.Namespace) -> int:
+    """`breakdown`: per workload and run, where the time to first token goes
+    (fidelity_stats.ttft_parts), from the traces the results name."""
+    print("| target | run | workload | TTFT p50 (bench) | arrival -> ADD | ADD -> first token | engine: queued -> first |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    for path in options.results:
+        document = json.loads(Path(path).read_text())
+        for index, run_record in enumerate(document["runs"], 1):
+            if not run_record.get("trace") or not Path(run_record["trace"]).exists():
+                _say(f"{path} run {index}: no trace")
+                continue
+            with open(run_record["trace"]) as f:
+                records = [json.loads(line) for line in f][1:]
+            for name, figures in run_record["workloads"].items():
+                parts = stats.ttft_parts(records, figures["t_start"], figures["t_end"])
+                print(f"| {document['target']} | {index} | {name} | {stats._num(figures['p50_ttft_ms'])} | "
+                      f"{stats._num(parts['frontend'])} | {stats._num(parts['engine'])} | {stats._num(parts['queued_to_first'])} |")
+    return 0
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -395,7 +422,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     r.add_argument("--set", default="all", help="cal, held, all, or comma-separated workload names")
     r.add_argument("--repeat", type=int, default=1, help="repetitions, each on a fresh stack")
     r.add_argument("--out", required=True, help="results JSON")
-    r.add_argument("--trace", help="real: trace path, {run} = repetition (default: beside --out)")
+    r.add_argument("--trace", help="trace path, {run} = repetition (real: default beside --out; mock: "
+                   "only if given, the mock then runs behind the record tap too)")
     r.add_argument("--engine-arg", action="append", default=[],
                    help="extra engine flag, as --engine-arg=--flag=value (mock: gmock_engine; real: vllm serve)")
     r.add_argument("--engine-core-nice", type=int, default=ENGINE_CORE_NICE,
@@ -409,6 +437,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     c = sub.add_parser("compare", help="markdown table: real runs vs a mock run")
     c.add_argument("real")
     c.add_argument("mock", nargs="?")
+    b = sub.add_parser("breakdown", help="markdown table: where TTFT goes, from the runs' traces")
+    b.add_argument("results", nargs="+", help="results JSON of runs with traces (real, or mock run with --trace)")
     sub.add_parser("list", help="the workloads")
     return parser.parse_args(argv)
 
@@ -420,6 +450,8 @@ def main(argv: Sequence[str]) -> int:
         return run(options)
     if options.command == "compare":
         return compare(options)
+    if options.command == "breakdown":
+        return breakdown(options)
     for w in WORKLOADS:
         print(f"{w.group:5} {w.name:24} {' '.join(w.bench_args())}")
     return 0

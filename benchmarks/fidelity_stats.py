@@ -185,3 +185,43 @@ def compare_table(real_runs: Sequence[Mapping[str, Mapping[str, object]]],
             lines.append(f"| {name} | {label} | " + " | ".join(_num(v if isinstance(v, (int, float)) else None) for v in values)
                          + f" | {_pct(spread(real), '')} | {_num(mock_value)} | {_pct(error)} | {mark} |")
     return "\n".join(lines), misses
+
+
+def ttft_parts(records: Sequence[Mapping[str, object]], t_start: float, t_end: float) -> Dict[str, Optional[float]]:
+    """Where a workload's time to first token goes, from a trace of its run
+    (gmock_engine/trace.py): medians in ms over the requests whose ADD the
+    tap relayed inside [t_start, t_end] and which got a token.
+
+    * `frontend`: the request's arrival at the frontend (the ADD's
+      `arrival_time`) to the tap relaying its ADD: the frontend's own work;
+    * `engine`: the ADD relayed to its first output reaching the tap: the
+      engine's input path, its queue and its prefill step;
+    * `queued_to_first`: the engine's QUEUED event to the first output's
+      engine timestamp, on the engine's clock (None without events)."""
+    adds = {r["request_id"]: r for r in records if r.get("kind") == "add" and t_start <= r["t"] <= t_end}  # type: ignore[operator]
+    first_t: Dict[str, float] = {}
+    first_e: Dict[str, float] = {}
+    queued: Dict[str, float] = {}
+    for record in records:
+        if record.get("kind") != "output":
+            continue
+        for request in record.get("requests") or ():  # type: ignore[union-attr]
+            rid = request["id"]
+            if rid not in adds:
+                continue
+            if rid not in first_t:
+                first_t[rid], first_e[rid] = record["t"], record["engine_timestamp"]  # type: ignore[assignment]
+            for kind, ts in request.get("events") or ():
+                if kind == 1 and rid not in queued:  # EngineCoreEventType.QUEUED
+                    queued[rid] = ts
+
+    def median_ms(values: List[float]) -> Optional[float]:
+        return round(statistics.median(values) * 1000.0, 2) if values else None
+
+    ids = [i for i in adds if i in first_t]
+    return {
+        "requests": len(ids),  # type: ignore[dict-item]
+        "frontend": median_ms([adds[i]["t"] - adds[i]["arrival_time"] for i in ids]),  # type: ignore[operator]
+        "engine": median_ms([first_t[i] - adds[i]["t"] for i in ids]),  # type: ignore[operator]
+        "queued_to_first": median_ms([first_e[i] - queued[i] for i in ids if i in queued]),
+    }

@@ -95,3 +95,25 @@ def test_compare_table_rows_and_misses():
     assert not any("ITL" in line for line in lines)
     table, misses = fs.compare_table(real, None, ["w"])
     assert misses == [] and "| yes |" not in table
+
+
+def test_ttft_parts_splits_frontend_and_engine_time():
+    """Medians over the window's requests; a request outside the window or
+    without a token is left out; QUEUED comes from the first events."""
+    records = [
+        {"kind": "add", "t": 10.010, "request_id": "a", "arrival_time": 10.000},
+        {"kind": "add", "t": 10.030, "request_id": "b", "arrival_time": 10.026},
+        {"kind": "add", "t": 10.040, "request_id": "c", "arrival_time": 10.039},  # never gets a token
+        {"kind": "add", "t": 99.0, "request_id": "late", "arrival_time": 98.0},  # outside the window
+        {"kind": "output", "t": 10.050, "engine_timestamp": 5.040,
+         "requests": [{"id": "a", "events": [[1, 5.015], [2, 5.016]]}]},
+        {"kind": "output", "t": 10.070, "engine_timestamp": 5.060,
+         "requests": [{"id": "a", "events": []}, {"id": "b", "events": [[1, 5.040]]}]},
+        {"kind": "output", "t": 99.5, "engine_timestamp": 94.0, "requests": [{"id": "late", "events": [[1, 93.0]]}]},
+    ]
+    parts = fs.ttft_parts(records, 10.0, 11.0)
+    assert parts["requests"] == 2
+    assert parts["frontend"] == pytest.approx((10 + 4) / 2)  # a: 10 ms, b: 4 ms
+    assert parts["engine"] == pytest.approx((40 + 40) / 2)  # a: 10.050 - 10.010, b: 10.070 - 10.030
+    assert parts["queued_to_first"] == pytest.approx((25 + 20) / 2)
+    assert fs.ttft_parts(records, 50.0, 60.0)["frontend"] is None
