@@ -30,9 +30,10 @@ if [[ "${1:-}" == "test" || "${1:-}" == "soak" || "${1:-}" == "serve" || "${1:-}
   shift
 fi
 EXTRA=""
-# the soak runner drives real frontends with the e2e harness: it needs the test extra
-# (serve needs nothing beyond the package: the standard library starts and watches)
-if [[ "$MODE" == test || "$MODE" == soak ]]; then EXTRA="[test]"; fi
+# the soak runner drives real frontends with the e2e harness: it needs the test extra;
+# serve points the engine at its model dir's tokenizer: the content extra (tokenizers, llguidance)
+if [[ "$MODE" == test || "$MODE" == soak ]]; then EXTRA="test"; fi
+if [[ "$MODE" == serve ]]; then EXTRA="content"; fi
 
 bootstrap() {
   if [[ ! -x "$VENV/bin/python" ]]; then
@@ -43,12 +44,13 @@ bootstrap() {
   # of the dependencies re-installs and a plain run costs nothing.
   local want stamp
   want="$(cat "$HERE/setup.cfg" "$HERE/setup.py" | cksum | cut -d' ' -f1)"
-  stamp="$VENV/.gmock-installed${EXTRA:+-test}"
+  stamp="$VENV/.gmock-installed${EXTRA:+-$EXTRA}"
   if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
-    echo "run.sh: installing gmock_engine${EXTRA} into $VENV" >&2
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$HERE$EXTRA" >&2
+    echo "run.sh: installing gmock_engine${EXTRA:+[$EXTRA]} into $VENV" >&2
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$HERE${EXTRA:+[$EXTRA]}" >&2
     echo "$want" >"$stamp"
-    # the test install includes the plain one
+    # the test install includes the content one, and both the plain one
+    if [[ "$EXTRA" == test ]]; then echo "$want" >"$VENV/.gmock-installed-content"; fi
     if [[ -n "$EXTRA" ]]; then echo "$want" >"$VENV/.gmock-installed"; fi
   fi
 }

@@ -299,6 +299,25 @@ class Sources:
 # -- public API --------------------------------------------------------------------
 
 
+def _load_tokenizer(args: argparse.Namespace, sources: "Sources") -> None:
+    """Load --tokenizer at start (a missing library or a bad file stops the
+    program here, naming the flag); its vocabulary sets --vocab-size unless
+    that was given."""
+    from .tokenizer import ContentUnavailable, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+    except (ContentUnavailable, ValueError, OSError) as exc:
+        raise ConfigError(f"argument --tokenizer: {exc} (from {sources.of(sources.find('--tokenizer'))})") from None
+    if args.sources["vocab_size"].kind == "default":
+        args.vocab_size = tokenizer.vocab_size
+    elif args.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"argument --vocab-size: {args.vocab_size} (from {sources.of(sources.find('--vocab-size'))}) is smaller "
+            f"than the tokenizer's {tokenizer.vocab_size} ids (--tokenizer {args.tokenizer})"
+        )
+
+
 def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]] = None) -> argparse.Namespace:
     """Parse argv + env + config file into a Namespace; raise ConfigError.
 
@@ -328,6 +347,8 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
             f"argument --data-parallel-size: {args.data_parallel_size} is smaller than "
             f"--data-parallel-start-rank + --engine-count = {last_rank} (from {sources.of(action)})"
         )
+    if args.tokenizer is not None:
+        _load_tokenizer(args, sources)
     if args.token_id_range is not None and args.token_id_range.high > args.vocab_size:
         raise ConfigError(
             f"argument --token-id-range: {args.token_id_range} goes past "

@@ -37,6 +37,7 @@ from .validators import (
     replay_trace,
     task_list,
     token_source,
+    tokenizer_path,
     zmq_address,
 )
 
@@ -182,6 +183,13 @@ GENERATION = Group(
             "token ids are drawn from [0, vocab-size) (at most 2**32)",
             default=32000,
             type=int_at_least(1, 1 << 32),  # ids must fit the frontends' u32 token type
+        ),
+        Option(
+            "--tokenizer",
+            "the served model's tokenizer: its model directory or tokenizer.json, for content a client parses "
+            "(needs the optional extra: pip install 'gmock-engine[content]'); sets --vocab-size unless given",
+            type=tokenizer_path,
+            metavar="PATH",
         ),
         Option("--seed", "base seed; each request's tokens depend on (seed, rank, request id)", default=0, type=int_at_least(0)),
         Option(

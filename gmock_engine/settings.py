@@ -111,6 +111,8 @@ class GenerationSettings:
     token_source: str
     #: [low, high) of random ids; None: [0, vocab_size)
     token_id_range: Optional[Tuple[int, int]]
+    #: --tokenizer: the served model's tokenizer (tokenizer.load_tokenizer), None: not known
+    tokenizer: Optional[str]
     #: tokens until EOS; None: requests end by max_tokens only
     output_lengths: Optional[lengths.OutputLengths]
     logprobs_top1: float
@@ -217,6 +219,7 @@ def from_config(c: Any) -> Settings:
             max_model_len=c.max_model_len,
             token_source=c.token_source,
             token_id_range=(c.token_id_range.low, c.token_id_range.high) if c.token_id_range else None,
+            tokenizer=getattr(c, "tokenizer", None),
             output_lengths=lengths.from_config(c.output_len_dist, c.eos_probability),
             logprobs_top1=c.logprobs_top1,
             logprobs_sampled_top1=c.logprobs_sampled_top1,

@@ -95,6 +95,18 @@ def token_source(text: str) -> str:
     raise argparse.ArgumentTypeError(f"{text!r} is not random, echo or file:PATH")
 
 
+def tokenizer_path(text: str) -> str:
+    """--tokenizer: a model directory with tokenizer.json, or the file (loaded later, by config.parse_config)."""
+    from .tokenizer import tokenizer_file
+
+    text = text.strip()
+    try:
+        tokenizer_file(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def latency_profile(text: str) -> Any:
     """--latency-profile: a step-time profile file, read (a ProfileFile)."""
     from .latency_profile import ProfileError, read_profile_file

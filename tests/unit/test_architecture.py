@@ -44,6 +44,7 @@ PURE = [
     "tools.steps",
     "tools.fit",
     "replay",
+    "tokenizer",
 ]
 
 
