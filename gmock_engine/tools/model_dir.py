@@ -13,10 +13,25 @@ against the one `tokenizers` builds from the same vocabulary and merges.
 Vocabulary layout (size `vocab_size`, default 32000):
   ids [0, 256)            the 256 byte-level symbols
   ids [256, 256+95*95)    every pair of printable-ASCII byte symbols
-  ids [.., vocab-3)       three-symbol tokens (pair + printable symbol)
-  vocab-3, -2, -1         <|endoftext|>, <|im_start|>, <|im_end|>
+  ids [.., vocab-9)       three-symbol tokens (pair + printable symbol)
+  vocab-9 .. vocab-4      <tool_call>, </tool_call>, <tool_response>,
+                          </tool_response>, <think>, </think>: added tokens,
+                          not special (as in Qwen2.5/Qwen3), so a tool-call or
+                          reasoning parser finds each as one id and the text
+                          keeps them
+  vocab-3, -2, -1         <|endoftext|>, <|im_start|>, <|im_end|> (special)
 so almost every id decodes to 1-3 printable ASCII characters, which keeps the
-frontend's incremental detokenizer cheap and its output valid UTF-8.
+frontend's incremental detokenizer cheap and its output valid UTF-8; the
+specials stay last (EOS = vocab_size - 1) whatever else is added before them.
+
+The chat template is ChatML with Qwen2.5's tool calling: `tools` go into the
+system turn under `# Tools` inside `<tools></tools>`, an assistant's tool calls
+are rendered as `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`
+(what the hermes tool-call parser reads), tool results as `<tool_response>`
+blocks in a user turn; and Qwen3's `enable_thinking=false` (chat template
+kwargs) closes an empty `<think></think>` block in the generation prompt, as
+the qwen3 reasoning parser expects. Without tools and without a system
+message nothing is added (no default system prompt).
 
 Usage: python -m gmock_engine.tools.model_dir OUTDIR [--vocab-size N] [--max-model-len N]
 """
@@ -31,22 +46,84 @@ from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+#: Added tokens that are not special (Qwen's order), placed just before SPECIALS:
+#: the markup the hermes tool-call parser and the qwen3 reasoning parser look up by id.
+ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 
-#: The smallest vocabulary: the 256 byte symbols, the specials and one merge.
-MIN_VOCAB_SIZE = 256 + len(SPECIALS) + 1
-#: The largest the rules below make: bytes, 95*95 pairs, the distinct triples, specials.
-MAX_VOCAB_SIZE = 866659
+#: The smallest vocabulary: the 256 byte symbols, the added tokens, the specials and one merge.
+MIN_VOCAB_SIZE = 256 + len(ADDED_TOKENS) + len(SPECIALS) + 1
+#: The largest the rules below make: bytes, 95*95 pairs, the distinct triples, added tokens, specials.
+MAX_VOCAB_SIZE = 866665
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+#: ChatML with Qwen2.5's tool calling (see the module docstring). One macro renders
+#: a message's content, a string or a list of parts (its loop over the parts makes
+#: vLLM pass content in the OpenAI format).
+CHAT_TEMPLATE = "".join(
+    line.strip()
+    for line in """
+{%- macro render_content(content) -%}
+    {%- if content is string -%}
+        {{- content -}}
+    {%- elif content -%}
+        {%- for part in content -%}
+            {%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{%- if tools -%}
+    {{- '<|im_start|>system\\n' -}}
+    {%- if messages[0]['role'] == 'system' -%}
+        {{- render_content(messages[0]['content']) + '\\n\\n' -}}
+    {%- endif -%}
+    {{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' -}}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}
+    {%- for tool in tools -%}
+        {{- '\\n' + (tool | tojson) -}}
+    {%- endfor -%}
+    {{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments ' -}}
+    {{- 'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n' -}}
+    {{- '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' -}}
+{%- endif -%}
+{%- for message in messages -%}
+    {%- if message['role'] == 'system' and loop.first and tools -%}
+    {%- elif message['role'] == 'tool' -%}
+        {%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}
+            {{- '<|im_start|>user' -}}
+        {%- endif -%}
+        {{- '\\n<tool_response>\\n' + render_content(message['content']) + '\\n</tool_response>' -}}
+        {%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}
+            {{- '<|im_end|>\\n' -}}
+        {%- endif -%}
+    {%- else -%}
+        {%- set content = render_content(message['content']) -%}
+        {{- '<|im_start|>' + message['role'] + '\\n' + content -}}
+        {%- if message['role'] == 'assistant' and message.tool_calls -%}
+            {%- for tool_call in message.tool_calls -%}
+                {%- if (loop.first and content) or not loop.first -%}
+                    {{- '\\n' -}}
+                {%- endif -%}
+                {%- if tool_call.function is defined -%}
+                    {%- set tool_call = tool_call.function -%}
+                {%- endif -%}
+                {{- '<tool_call>\\n{"name": "' + tool_call.name + '", "arguments": ' -}}
+                {%- if tool_call.arguments is string -%}
+                    {{- tool_call.arguments -}}
+                {%- else -%}
+                    {{- tool_call.arguments | tojson -}}
+                {%- endif -%}
+                {{- '}\\n</tool_call>' -}}
+            {%- endfor -%}
+        {%- endif -%}
+        {{- '<|im_end|>\\n' -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\\n' -}}
+    {%- if enable_thinking is defined and enable_thinking is false -%}
+        {{- '<think>\\n\\n</think>\\n\\n' -}}
+    {%- endif -%}
+{%- endif -%}
+""".splitlines()
 )
 
 #: Written last: a directory with it is complete (files are placed atomically).
@@ -78,13 +155,14 @@ def check_vocab_size(vocab_size: int) -> None:
 
 def vocabulary(vocab_size: int) -> Tuple[Dict[str, int], List[Tuple[str, str]]]:
     """(token -> id, merges in rank order) for a vocabulary of `vocab_size`
-    ids, specials last. ValueError when the rules cannot fill it."""
+    ids, the added tokens, then the specials last. ValueError when the rules
+    cannot fill it."""
     check_vocab_size(vocab_size)
     sym = byte_symbols()
     printable = [sym[b] for b in range(0x20, 0x7F)]  # 95 symbols, space is 'Ġ'
     vocab = {s: i for i, s in enumerate(sym)}
     merges: List[Tuple[str, str]] = []
-    budget = vocab_size - len(SPECIALS)
+    budget = vocab_size - len(ADDED_TOKENS) - len(SPECIALS)
 
     def add(a: str, b: str) -> None:
         tok = a + b
@@ -107,24 +185,31 @@ def vocabulary(vocab_size: int) -> Tuple[Dict[str, int], List[Tuple[str, str]]]:
         add(pairs[i % len(pairs)], printable[(i // len(pairs) * 7 + i) % len(printable)])
         i += 1
     assert len(vocab) == budget, "MAX_VOCAB_SIZE is more than the rules make"
-    for s in SPECIALS:
+    for s in ADDED_TOKENS + SPECIALS:
         vocab[s] = len(vocab)
     return vocab, merges
 
 
+def added_tokens(vocab_size: int) -> List[dict]:
+    """tokenizer.json's "added_tokens": ADDED_TOKENS (not special) and SPECIALS, by id,
+    the last len(ADDED_TOKENS) + len(SPECIALS) ids of the vocabulary."""
+    first = vocab_size - len(ADDED_TOKENS) - len(SPECIALS)
+    return [
+        {"id": first + i, "content": token, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": token in SPECIALS}
+        for i, token in enumerate(ADDED_TOKENS + SPECIALS)
+    ]  # fmt: skip
+
+
 def tokenizer_json(vocab_size: int) -> dict:
     """tokenizer.json as `tokenizers` (0.20 and later: merges as pairs) saves a
-    BPE model with a ByteLevel pre-tokenizer and decoder and the specials."""
+    BPE model with a ByteLevel pre-tokenizer and decoder, the added tokens and the specials."""
     vocab, merges = vocabulary(vocab_size)
-    added = [
-        {"id": vocab[s], "content": s, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
-        for s in SPECIALS
-    ]
     return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": added,
+        "added_tokens": added_tokens(vocab_size),
         "normalizer": None,
         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
         "post_processor": None,
@@ -144,8 +229,9 @@ def tokenizer_json(vocab_size: int) -> dict:
     }
 
 
-def model_files(vocab_size: int = 32000, max_model_len: int = 8192) -> Dict[str, dict]:
-    """file name -> JSON content of the model directory, config.json last."""
+def small_files(vocab_size: int = 32000, max_model_len: int = 8192) -> Dict[str, dict]:
+    """file name -> JSON content of every file but tokenizer.json, config.json
+    last (cheap: no vocabulary is built)."""
     eos_id = vocab_size - 1  # <|im_end|>
     pad_id = vocab_size - 3  # <|endoftext|>
     config = {
@@ -186,12 +272,16 @@ def model_files(vocab_size: int = 32000, max_model_len: int = 8192) -> Dict[str,
         "chat_template": CHAT_TEMPLATE,
     }
     return {
-        "tokenizer.json": tokenizer_json(vocab_size),
         "tokenizer_config.json": tokenizer_config,
         "generation_config.json": {"bos_token_id": pad_id, "eos_token_id": eos_id, "pad_token_id": pad_id},
         "special_tokens_map.json": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
         DONE_FILE: config,
     }
+
+
+def model_files(vocab_size: int = 32000, max_model_len: int = 8192) -> Dict[str, dict]:
+    """file name -> JSON content of the model directory, config.json last."""
+    return {"tokenizer.json": tokenizer_json(vocab_size), **small_files(vocab_size, max_model_len)}
 
 
 def write_model_dir(dest: Path, vocab_size: int = 32000, max_model_len: int = 8192) -> Path:
@@ -212,10 +302,31 @@ def write_model_dir(dest: Path, vocab_size: int = 32000, max_model_len: int = 81
     return dest
 
 
-def ensure_model_dir(dest: Path, vocab_size: int = 32000, max_model_len: int = 8192) -> Path:
-    """`dest`, written unless it is complete already (config.json is there)."""
+#: How much of tokenizer.json is_current reads: its added tokens come before the vocabulary.
+_HEAD_CHARS = 8192
+
+
+def is_current(dest: Path, vocab_size: int = 32000, max_model_len: int = 8192) -> bool:
+    """`dest` is complete and what this version writes: every file but
+    tokenizer.json as written now, and tokenizer.json's added tokens (a dir
+    written before the added tokens or the tool-calling template existed is not)."""
     dest = Path(dest)
-    if not (dest / DONE_FILE).exists():
+    try:
+        for name, content in small_files(vocab_size, max_model_len).items():
+            with open(dest / name, encoding="utf-8") as f:
+                if json.load(f) != content:
+                    return False
+        with open(dest / "tokenizer.json", encoding="utf-8") as f:
+            head = f.read(_HEAD_CHARS)
+    except (OSError, ValueError):
+        return False
+    return f'"added_tokens": {json.dumps(added_tokens(vocab_size), ensure_ascii=False)}' in head
+
+
+def ensure_model_dir(dest: Path, vocab_size: int = 32000, max_model_len: int = 8192) -> Path:
+    """`dest`, written unless it is complete and current already (is_current)."""
+    dest = Path(dest)
+    if not is_current(dest, vocab_size, max_model_len):
         write_model_dir(dest, vocab_size, max_model_len)
     return dest
 
