@@ -394,6 +394,25 @@ def frontend_env(base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     return env
 
 
+#: What each frontend needs to accept `tools` (tool_choice auto) and parse the
+#: model dir's hermes-format tool calls (`<tool_call>{json}</tool_call>`); vllm-rs
+#: has no --enable-auto-tool-choice (a parser is enough).
+TOOL_ARGS = {
+    "python": ("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
+    "rust": ("--tool-call-parser", "hermes"),
+}
+#: What each frontend needs to split `<think>...</think>` off into the reasoning field.
+REASONING_ARGS = {
+    "python": ("--reasoning-parser", "qwen3"),
+    "rust": ("--reasoning-parser", "qwen3"),
+}
+
+
+def feature_args(kind: str, tools: bool = False, reasoning: bool = False) -> List[str]:
+    """The frontend flags of serve's --tools and --reasoning for frontend `kind`."""
+    return [*(TOOL_ARGS[kind] if tools else ()), *(REASONING_ARGS[kind] if reasoning else ())]
+
+
 def frontend_argv(
     kind: str,
     frontends: Frontends,
@@ -405,18 +424,20 @@ def frontend_argv(
     handshake_port: int,
     dp: int,
     api_servers: int = 1,
+    extra: Sequence[str] = (),
 ) -> List[str]:
     """The command line of a frontend in external-engine mode
     (`--data-parallel-size-local 0`): it binds the handshake on
-    127.0.0.1:`handshake_port` and waits for `dp` engines to join there."""
+    127.0.0.1:`handshake_port` and waits for `dp` engines to join there.
+    `extra` goes last, verbatim (serve's --tools, --reasoning, --frontend-args)."""
     common = ["--served-model-name", served_model_name, "--host", host, "--port", str(port),
               "--data-parallel-size", str(dp), "--data-parallel-size-local", "0"]  # fmt: skip
     if kind == "python":
         return [str(frontends.python), str(VLLM_CLI), "serve", str(model), *common,
                 "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(handshake_port),
-                "--api-server-count", str(api_servers)]  # fmt: skip
+                "--api-server-count", str(api_servers), *extra]  # fmt: skip
     if kind == "rust":
-        return [str(frontends.vllm_rs), "serve", str(model), *common, "--handshake-port", str(handshake_port)]
+        return [str(frontends.vllm_rs), "serve", str(model), *common, "--handshake-port", str(handshake_port), *extra]
     raise ValueError(f"unknown frontend kind {kind!r}")
 
 

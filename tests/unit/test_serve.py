@@ -4,7 +4,9 @@ source, with exit status 2. The running pair: tests/e2e/test_serve_e2e.py."""
 
 import os
 import re
+import shlex
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -111,8 +113,8 @@ def test_the_model_dir_follows_the_engines_vocabulary_and_context(env):
         ([], {}, "[gmock_engine]\nitl-ms = fast\n", r"argument --itl-ms: 'fast' is not a number \(from config file .*, key itl-ms\)"),
         (["--processes", "3", "--dp", "2"], {}, None, r"argument --processes: 3 processes for 2 engine"),
         (["--bogus"], {}, None, r"unrecognized arguments: --bogus \(neither a serve nor an engine option"),
-        (["--fro", "python"], {}, None, r"--fro: abbreviations are not accepted; did you mean --frontend\?"),
-        (["--vocab-size", "900000"], {}, None, r"argument --vocab-size: .* too large \(at most 866659\) for the model dir's tokenizer"),
+        (["--fro", "python"], {}, None, r"--fro: abbreviations are not accepted; did you mean --frontend or --frontend-args\?"),
+        (["--vocab-size", "900000"], {}, None, r"argument --vocab-size: .* too large \(at most 866665\) for the model dir's tokenizer"),
     ],
 )
 def test_plan_refuses_bad_and_managed_engine_options(tmp_path, env, argv, extra_env, body, pattern):
@@ -212,3 +214,137 @@ def test_a_port_that_answers_but_not_in_http_is_not_healthy(env):
         assert serve.Serve(p, None, None, env)._healthy() is False
     finally:
         listener.close()
+
+
+# -- frontend arguments: after --, --frontend-args, GMOCK_SERVE_FRONTEND_ARGS, [serve] ------
+
+
+def test_everything_after_the_mark_goes_to_the_frontend_verbatim(env):
+    p = serve.plan(["--port", "0", "--itl-ms", "5", "--", "--max-log-len", "100", "--chat-template-kwargs", '{"a": 1}', "--"], env)
+    assert p.frontend_args == ["--max-log-len", "100", "--chat-template-kwargs", '{"a": 1}', "--"]
+    assert p.engine.itl_ms == 5 and "--max-log-len" not in p.engine_argv
+    assert str(p.options.sources["frontend_args"]) == "command line (after --)"
+    assert p.frontend_extra == p.frontend_args  # no --tools, no --reasoning
+
+
+def test_frontend_args_from_env_and_file_split_as_a_shell_would_with_one_precedence(tmp_path, env):
+    path = ini(tmp_path, "[serve]\nfrontend-args = --max-log-len 7 --api-key 'a b'\n")
+    p = serve.plan(["--config", path, "--port", "0"], env)
+    assert p.frontend_args == ["--max-log-len", "7", "--api-key", "a b"]
+    assert str(p.options.sources["frontend_args"]) == f"config file {path}, key frontend-args"
+    p = serve.plan(["--config", path, "--port", "0"], {**env, "GMOCK_SERVE_FRONTEND_ARGS": "--max-log-len 8"})
+    assert p.frontend_args == ["--max-log-len", "8"]
+    p = serve.plan(["--config", path, "--port", "0", "--", "--max-log-len", "9"], {**env, "GMOCK_SERVE_FRONTEND_ARGS": "--x"})
+    assert p.frontend_args == ["--max-log-len", "9"]
+    p = serve.plan(["--port", "0", "--frontend-args=--max-log-len 10"], env)
+    assert p.frontend_args == ["--max-log-len", "10"] and str(p.options.sources["frontend_args"]) == "command line"
+
+
+@pytest.mark.parametrize(
+    "argv, extra_env, body, pattern",
+    [
+        ([], {"GMOCK_SERVE_FRONTEND_ARGS": "--api-key 'open"}, None,
+         r"argument --frontend-args: .*does not split into arguments \(No closing quotation\) \(from environment GMOCK_SERVE_FRONTEND_ARGS\)"),
+        (["--frontend-args=--a", "--", "--b"], {}, None, r"argument --frontend-args: given twice on the command line"),
+        (["--", "--port", "9"], {}, None,
+         r"argument --frontend-args: --port is set by serve \(use serve's --port\); remove it from command line \(after --\)"),
+        ([], {}, "[serve]\nfrontend-args = --data-parallel-size=4\n",
+         r"argument --frontend-args: --data-parallel-size is set by serve \(use --dp\); remove it from config file .*, key frontend-args"),
+        (["--frontend", "python", "--", "--data-parallel-rpc-port", "1"], {}, None, r"--data-parallel-rpc-port is set by serve"),
+        (["--tools", "--", "--tool-call-parser", "pythonic"], {}, None,
+         r"argument --frontend-args: --tool-call-parser is set by serve \(set by serve's --tools; drop one\)"),
+        (["--reasoning", "--", "--reasoning-parser=deepseek_r1"], {}, None, r"--reasoning-parser is set by serve \(set by serve's --reasoning"),
+        (["--tokenizer", "/x"], {}, None, r"argument --tokenizer: set by serve \(serve gives the engine its model dir's tokenizer"),
+    ],
+)
+def test_bad_or_managed_frontend_args_are_refused_naming_the_source(tmp_path, env, argv, extra_env, body, pattern):
+    if body is not None:
+        argv = ["--config", ini(tmp_path, body), *argv]
+    with pytest.raises(cfg.ConfigError, match=pattern):
+        serve.plan(["--port", "0", *argv], {**env, **extra_env})
+
+
+def test_without_tools_the_frontends_own_parser_flags_are_the_users(env):
+    p = serve.plan(["--port", "0", "--", "--tool-call-parser", "hermes"], env)
+    assert p.frontend_extra == ["--tool-call-parser", "hermes"]
+
+
+@pytest.mark.parametrize(
+    "kind, flags, extra",
+    [
+        ("python", ["--tools"], ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]),
+        ("rust", ["--tools"], ["--tool-call-parser", "hermes"]),
+        ("python", ["--reasoning"], ["--reasoning-parser", "qwen3"]),
+        ("rust", ["--tools", "--reasoning"], ["--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]),
+        ("rust", [], []),
+    ],
+)
+def test_tools_and_reasoning_become_each_frontends_own_flags_before_the_users(env, kind, flags, extra):
+    from gmock_engine.tools import frontends
+
+    p = serve.plan(["--port", "0", "--frontend", kind, *flags, "--", "--max-log-len", "3"], env)
+    assert p.frontend_extra == extra + ["--max-log-len", "3"]
+    fe = frontends.Frontends(venv=Path("/v"), vllm_rs=Path("/b/vllm-rs"))
+    argv = frontends.frontend_argv(kind, fe, p.model, served_model_name="mock", host="h", port=1, handshake_port=2,
+                                   dp=1, extra=p.frontend_extra)  # fmt: skip
+    assert argv[-len(p.frontend_extra) - 1 :] == [argv[-len(p.frontend_extra) - 1]] + p.frontend_extra
+    assert argv[2 if kind == "python" else 1 :][:2] == ["serve", str(p.model)]
+
+
+def test_tools_and_reasoning_by_env_and_file(tmp_path, env):
+    path = ini(tmp_path, "[serve]\ntools = true\n")
+    p = serve.plan(["--config", path, "--port", "0"], {**env, "GMOCK_SERVE_REASONING": "true"})
+    assert p.options.tools and p.options.reasoning
+    assert p.frontend_extra == ["--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
+
+
+# -- the engine knows the served tokenizer; clients are told where it is -------------------
+
+
+def test_the_engine_gets_the_model_dir_as_its_tokenizer(env, capsys):
+    p = serve.plan(["--port", "0", "--vocab-size", "1000"], env)
+    assert p.engine_argv[-2:] == ["--tokenizer", str(p.model)]
+    assert p.engine.tokenizer == str(p.model)
+    assert serve.main(["--port", "0", "--print-config"], env) == 0
+    assert re.search(rf"^tokenizer = {re.escape(str(tmp_model(env)))} +; from command line \(set by serve: its model dir\)",
+                     capsys.readouterr().out, re.M)  # fmt: skip
+
+
+def tmp_model(env):
+    return Path(env["GMOCK_FRONTENDS_HOME"]) / "models" / "mock-vocab32000-len1048576"
+
+
+def test_the_engine_loads_the_written_model_dir_as_serve_starts_it(env):
+    from gmock_engine.tools import model_dir
+
+    p = serve.plan(["--port", "0", "--vocab-size", "1000", "--max-model-len", "4096"], env)
+    model_dir.ensure_model_dir(p.model, vocab_size=1000, max_model_len=4096)
+    engine = cfg.parse_config(p.engine_argv, env)  # what `python -m gmock_engine` parses
+    assert engine.tokenizer == str(p.model) and engine.vocab_size == 1000
+
+
+def test_the_model_dir_is_named_for_clients_tokenizers(env):
+    p = serve.plan(["--port", "0"], env)
+    line = serve.Serve(p, None, None, env).tokenizer_line()
+    assert line == (f"model dir {p.model}: the served tokenizer, for clients (GuideLLM --processor {p.model}, "
+                    f"vllm bench serve --tokenizer {p.model})")  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["rust", "python"])
+def test_a_frontend_dying_at_start_with_user_args_names_the_frontend_and_the_args(env, capsys, kind):
+    from gmock_engine.tools import frontends
+
+    fe = frontends.Frontends(venv=Path("/v"), vllm_rs=Path("/b/vllm-rs"))
+    p = serve.plan(["--port", "0", "--frontend", kind, "--tools", "--", "--tool-parser-plugin", "x y"], env)
+    run = serve.Serve(p, fe, None, env)
+    assert run.report(serve.EXIT_FRONTEND_EXITED, False, []) == serve.EXIT_FRONTEND_EXITED
+    err = capsys.readouterr().err
+    tools = shlex.join(frontends.TOOL_ARGS[kind])
+    assert (f"the frontend {frontends.describe(kind)} exited during start-up with the arguments {tools} (from --tools); "
+            "--tool-parser-plugin 'x y' (from command line (after --)): if it rejected them, its error is in the lines above") in err
+    assert ("/b/vllm-rs serve --help" if kind == "rust" else f"/v/bin/python {frontends.VLLM_CLI} serve --help") in err
+    # while serving, or without arguments of the user's: no such line
+    assert run.report(serve.EXIT_FRONTEND_EXITED, True, []) == serve.EXIT_FRONTEND_EXITED
+    plain = serve.Serve(serve.plan(["--port", "0", "--frontend", kind], env), fe, None, env)
+    plain.report(serve.EXIT_FRONTEND_EXITED, False, [])
+    assert "with the arguments" not in capsys.readouterr().err
