@@ -384,7 +384,7 @@ def test_tools_and_reasoning_answer_tool_requests_and_plain_ones_with_200(run_se
     "kind, args, said",
     [
         ("rust", ["--tool-call-parser", "bogus"], "tool parser `bogus` is not registered"),
-        ("python", ["--no-such-frontend-flag", "1"], "--no-such-frontend-flag"),
+        ("python", ["--no-such-frontend-flag", "1"], "vllm: error: unrecognized arguments: --no-such-frontend-flag 1"),
     ],
 )
 def test_frontend_args_the_frontend_refuses_end_serve_with_its_error_and_a_line_naming_them(
