@@ -3,16 +3,17 @@
 Sources (`--token-source`): `random` (default; `--token-id-range` narrows it,
 e.g. to ids a tokenizer decodes to clean text), `echo` (the request's own
 prompt ids, over and over), `text` (English sentences encoded with the
-`--tokenizer`: text that reads like text, `TextTokens`) and `file:PATH` (ids
-read from a file, each request starting at its own seeded offset); a request replayed from a trace
-(`--replay`, replay.py) has its own, `RecordedTokens`. Every source has the same
+`--tokenizer`: text that reads like text, `TextTokens`) and `file:PATH`
+(ids read from a file, each request starting at its own seeded offset); a
+request replayed from a trace (`--replay`, replay.py) has its own,
+`RecordedTokens`. Every source has the same
 calls: `initial_state(request_id, prompt_token_ids)` and `draw(state, n)`,
 and for stop ids (a real engine stops on them, the mock's plan decides the
 end): `only_emits(state, ids)` (can the request make no other id?) and
 `avoid(tokens, ids)` (move drawn ids off them, staying within the source).
 
-Random, text and file ids come from a pool drawn (or read) once: a request's state
-is its position in the pool, starting at an offset seeded from (seed, engine
+Random, text and file ids come from a pool drawn (or read, or encoded) once:
+a request's state is its position in the pool, starting at an offset seeded from (seed, engine
 rank, request id), so a run with the same seed and the same request ids
 produces the same tokens, whatever the interleaving of requests (the Rust
 mock's rule, docs/protocol.md §9.2). Drawing `n` ids is then one list slice,
@@ -244,8 +245,8 @@ TEXT_POOL_SIZE = 1 << 16
 #: these that the tokenizer makes one token of and that is not a stop id.
 TEXT_FILLERS = (" and", " the", ",", " ", ".", " a")
 
-#: (tokenizer file, seed) -> (padded pool, its size, the sentence starts)
-_text_pools: "dict[Tuple[str, int], Tuple[List[int], int, List[int]]]" = {}
+#: (tokenizer file, seed) -> (padded pool, its size, the sentence starts, its distinct ids)
+_text_pools: "dict[Tuple[str, int], Tuple[List[int], int, List[int], frozenset]]" = {}
 #: tokenizer file -> the ids of each corpus sentence (`sentence_ids`)
 _sentence_ids: "dict[str, List[List[int]]]" = {}
 
@@ -273,9 +274,9 @@ def sentence_ids(tokenizer: Any) -> List[List[int]]:
     return pieces
 
 
-def text_pool(tokenizer: Any, seed: int) -> Tuple[List[int], int, List[int]]:
-    """(padded ids, size, sentence starts) of the text pool of `seed`: the
-    corpus sentences in seeded orders (each pass a new shuffle, LCG-driven),
+def text_pool(tokenizer: Any, seed: int) -> Tuple[List[int], int, List[int], frozenset]:
+    """(padded ids, size, sentence starts, distinct ids) of the text pool of
+    `seed`: the corpus sentences in seeded orders (each pass a new shuffle, LCG-driven),
     whole sentences while they fit TEXT_POOL_SIZE; the same for the same
     tokenizer file and seed (cached: every engine of a process shares it)."""
     key = (tokenizer.path, seed)
@@ -307,7 +308,7 @@ def text_pool(tokenizer: Any, seed: int) -> Tuple[List[int], int, List[int]]:
             last = order[-1]
             continue
         break
-    found = _text_pools[key] = (_padded(ids), len(ids), starts)
+    found = _text_pools[key] = (_padded(ids), len(ids), starts, frozenset(ids))
     return found
 
 
@@ -321,10 +322,10 @@ class TextTokens(TokenPool):
     request id)."""
 
     def __init__(self, tokenizer: Any, seed: int, rank: int) -> None:
-        padded, size, starts = text_pool(tokenizer, seed)
+        padded, size, starts, distinct = text_pool(tokenizer, seed)
         self._init_pool(padded, size, seed, rank)
         self._starts = starts
-        self._distinct = frozenset(padded)
+        self._distinct = distinct
         fillers = []
         for text in TEXT_FILLERS:
             encoded = tokenizer.encode(text)
