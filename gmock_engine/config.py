@@ -349,6 +349,11 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
         )
     if args.tokenizer is not None:
         _load_tokenizer(args, sources)
+    elif args.token_source == "text":
+        raise ConfigError(
+            f"argument --token-source: text (from {sources.of(sources.find('--token-source'))}) needs --tokenizer PATH "
+            "(the served model's tokenizer, which encodes the text)"
+        )
     if args.token_id_range is not None and args.token_id_range.high > args.vocab_size:
         raise ConfigError(
             f"argument --token-id-range: {args.token_id_range} goes past "

@@ -195,7 +195,8 @@ GENERATION = Group(
         Option(
             "--token-source",
             "random (uniform ids from a pool of 65536 drawn per seed, each request from its seeded offset), "
-            "echo (the prompt's ids, repeated) or file:PATH (whitespace-separated ids, cycled)",
+            "echo (the prompt's ids, repeated), text (English sentences in a seeded order, encoded with --tokenizer, "
+            "which it needs: text that reads like text) or file:PATH (whitespace-separated ids, cycled)",
             default="random",
             type=token_source,
             reload=NEW_REQUESTS,

@@ -107,7 +107,7 @@ class GenerationSettings:
     seed: int
     supported_tasks: Tuple[str, ...]
     max_model_len: int
-    #: --token-source as given (random | echo | file:PATH); the source is made per rank
+    #: --token-source as given (random | echo | text | file:PATH); the source is made per rank
     token_source: str
     #: [low, high) of random ids; None: [0, vocab_size)
     token_id_range: Optional[Tuple[int, int]]
@@ -276,7 +276,7 @@ def engine_settings(
     ValueError if it cannot be)."""
     gen, sched, kv, lora = parts.generation, parts.scheduler, parts.kv, parts.lora
     if token_source is None:
-        token_source = tokens.make_source(gen.token_source, gen.vocab_size, gen.seed, rank, gen.token_id_range)
+        token_source = tokens.make_source(gen.token_source, gen.vocab_size, gen.seed, rank, gen.token_id_range, gen.tokenizer)
     return EngineSettings(
         rank=rank,
         num_clients=num_clients,

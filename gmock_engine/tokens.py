@@ -2,16 +2,18 @@
 
 Sources (`--token-source`): `random` (default; `--token-id-range` narrows it,
 e.g. to ids a tokenizer decodes to clean text), `echo` (the request's own
-prompt ids, over and over) and `file:PATH` (ids read from a file, each
-request starting at its own seeded offset); a request replayed from a trace
-(`--replay`, replay.py) has its own, `RecordedTokens`. Every source has the same
+prompt ids, over and over), `text` (English sentences encoded with the
+`--tokenizer`: text that reads like text, `TextTokens`) and `file:PATH`
+(ids read from a file, each request starting at its own seeded offset); a
+request replayed from a trace (`--replay`, replay.py) has its own,
+`RecordedTokens`. Every source has the same
 calls: `initial_state(request_id, prompt_token_ids)` and `draw(state, n)`,
 and for stop ids (a real engine stops on them, the mock's plan decides the
 end): `only_emits(state, ids)` (can the request make no other id?) and
 `avoid(tokens, ids)` (move drawn ids off them, staying within the source).
 
-Random and file ids come from a pool drawn (or read) once: a request's state
-is its position in the pool, starting at an offset seeded from (seed, engine
+Random, text and file ids come from a pool drawn (or read, or encoded) once:
+a request's state is its position in the pool, starting at an offset seeded from (seed, engine
 rank, request id), so a run with the same seed and the same request ids
 produces the same tokens, whatever the interleaving of requests (the Rust
 mock's rule, docs/protocol.md §9.2). Drawing `n` ids is then one list slice,
@@ -236,6 +238,120 @@ class FileTokens(TokenPool):
         return _avoid_by_increment(tokens, ids)
 
 
+#: Tokens in a text pool at most: whole sentences are added while they fit
+#: (the logprobs' RowPool limit too, logprobs.ROW_POOL_MAX_SIZE).
+TEXT_POOL_SIZE = 1 << 16
+#: What a stop id in a text pool becomes (`TextTokens.avoid`): the first of
+#: these that the tokenizer makes one token of and that is not a stop id.
+TEXT_FILLERS = (" and", " the", ",", " ", ".", " a")
+
+#: (tokenizer file, seed) -> (padded pool, its size, the sentence starts, its distinct ids)
+_text_pools: "dict[Tuple[str, int], Tuple[List[int], int, List[int], frozenset]]" = {}
+#: tokenizer file -> the ids of each corpus sentence (`sentence_ids`)
+_sentence_ids: "dict[str, List[List[int]]]" = {}
+
+
+def sentence_ids(tokenizer: Any) -> List[List[int]]:
+    """The ids of each sentence of corpus.SENTENCES, encoded so that their
+    concatenation is how `tokenizer` encodes the sentences joined by spaces:
+    " " + sentence where a leading space is its own part of the next word
+    (byte-level BPE: GPT-2, Llama 3, Qwen), the bare sentence where the
+    tokenizer puts the space there itself (SentencePiece's "▁" prefix).
+    Cached per tokenizer file."""
+    known = _sentence_ids.get(tokenizer.path)
+    if known is not None:
+        return known
+    from .corpus import SENTENCES
+
+    encode = tokenizer.encode
+    first, second = SENTENCES[0], SENTENCES[1]
+    joined = encode(" " + first + " " + second)
+    if joined != encode(" " + first) + encode(" " + second) and encode(first + " " + second) == encode(first) + encode(second):
+        pieces = [encode(sentence) for sentence in SENTENCES]
+    else:
+        pieces = [encode(" " + sentence) for sentence in SENTENCES]
+    _sentence_ids[tokenizer.path] = pieces
+    return pieces
+
+
+def text_pool(tokenizer: Any, seed: int) -> Tuple[List[int], int, List[int], frozenset]:
+    """(padded ids, size, sentence starts, distinct ids) of the text pool of
+    `seed`: the corpus sentences in seeded orders (each pass a new shuffle, LCG-driven),
+    whole sentences while they fit TEXT_POOL_SIZE; the same for the same
+    tokenizer file and seed (cached: every engine of a process shares it)."""
+    key = (tokenizer.path, seed)
+    known = _text_pools.get(key)
+    if known is not None:
+        return known
+    pieces = sentence_ids(tokenizer)
+    if not any(pieces):
+        raise ValueError(f"{tokenizer.path}: the tokenizer makes no ids of the built-in text")
+    state = request_seed(seed, -1, "text-pool")
+    ids: List[int] = []
+    starts: List[int] = []
+    last = -1
+    while True:
+        order = list(range(len(pieces)))
+        for i in range(len(order) - 1, 0, -1):  # Fisher-Yates
+            state = (state * _LCG_MUL + _LCG_INC) & _MASK64
+            j = ((state >> 32) * (i + 1)) >> 32
+            order[i], order[j] = order[j], order[i]
+        if order[0] == last:  # no sentence twice in a row across two passes
+            order[0], order[-1] = order[-1], order[0]
+        for index in order:
+            piece = pieces[index]
+            if len(ids) + len(piece) > TEXT_POOL_SIZE:
+                break
+            starts.append(len(ids))
+            ids += piece
+        else:
+            last = order[-1]
+            continue
+        break
+    found = _text_pools[key] = (_padded(ids), len(ids), starts, frozenset(ids))
+    return found
+
+
+class TextTokens(TokenPool):
+    """Ids of text that reads like text (`--token-source text`): the pool is
+    the built-in corpus (corpus.py) in a seeded order, encoded once with the
+    served model's tokenizer (`--tokenizer`), so that any slice of it
+    decodes to clean text which the tokenizer encodes back to (nearly) the
+    same ids, and a client that counts tokens by re-tokenizing counts what
+    was generated. Each request starts at a sentence, seeded by (seed, rank,
+    request id)."""
+
+    def __init__(self, tokenizer: Any, seed: int, rank: int) -> None:
+        padded, size, starts, distinct = text_pool(tokenizer, seed)
+        self._init_pool(padded, size, seed, rank)
+        self._starts = starts
+        self._distinct = distinct
+        fillers = []
+        for text in TEXT_FILLERS:
+            encoded = tokenizer.encode(text)
+            if len(encoded) == 1 and encoded[0] not in fillers:
+                fillers.append(encoded[0])
+        self._fillers = tuple(fillers)
+
+    def initial_state(self, request_id: str, prompt_token_ids: Optional[Sequence[int]] = None) -> int:
+        """A new request's position: a sentence start, seeded by (seed, rank, request id)."""
+        starts = self._starts
+        return starts[request_seed(self.seed, self.rank, request_id) % len(starts)]
+
+    def only_emits(self, state: int, ids: AbstractSet[int]) -> bool:
+        """True when every id of the pool is in `ids`."""
+        return self._distinct <= ids if isinstance(ids, (set, frozenset)) else all(t in ids for t in self._distinct)
+
+    def avoid(self, tokens: List[int], ids: AbstractSet[int]) -> List[int]:
+        """Each drawn id in `ids` becomes a filler word or punctuation
+        (TEXT_FILLERS) that is not, so the text stays text; the next id that
+        is not when every filler is a stop id."""
+        filler = next((f for f in self._fillers if f not in ids), None)
+        if filler is None:
+            return _avoid_by_increment(tokens, ids)
+        return [filler if token in ids else token for token in tokens]
+
+
 class RecordedTokens:
     """A replayed request's own source (replay.py, --replay): the ids a
     recorded run emitted for it, in order, then `fallback`'s (the engine's
@@ -295,13 +411,22 @@ def read_token_file(path: str) -> List[int]:
     return ids
 
 
-TokenSource = Union[RandomTokens, EchoTokens, FileTokens, RecordedTokens]
+TokenSource = Union[RandomTokens, EchoTokens, FileTokens, TextTokens, RecordedTokens]
 
 
-def make_source(spec: str, vocab_size: int, seed: int, rank: int, id_range: Optional[Tuple[int, int]] = None) -> TokenSource:
-    """The source for `--token-source` (random | echo | file:PATH)."""
+def make_source(
+    spec: str, vocab_size: int, seed: int, rank: int, id_range: Optional[Tuple[int, int]] = None, tokenizer: Optional[str] = None
+) -> TokenSource:
+    """The source for `--token-source` (random | echo | text | file:PATH);
+    `tokenizer`: the --tokenizer path, which `text` needs (ValueError without)."""
     if spec == "echo":
         return EchoTokens()
+    if spec == "text":
+        if tokenizer is None:
+            raise ValueError("--token-source text needs --tokenizer PATH (the served model's tokenizer)")
+        from .tokenizer import load_tokenizer
+
+        return TextTokens(load_tokenizer(tokenizer), seed, rank)
     if spec.startswith("file:"):
         return FileTokens(read_token_file(spec[5:]), seed, rank)
     low, high = id_range if id_range else (0, vocab_size)

@@ -80,11 +80,12 @@ def length_spec(text: str) -> str:
 
 
 def token_source(text: str) -> str:
-    """--token-source: random, echo or file:PATH (the file is read to check it)."""
+    """--token-source: random, echo, text or file:PATH (the file is read to check it;
+    text needs --tokenizer, which config.parse_config checks)."""
     from .tokens import read_token_file
 
     text = text.strip()
-    if text in ("random", "echo"):
+    if text in ("random", "echo", "text"):
         return text
     if text.startswith("file:"):
         try:
@@ -92,7 +93,7 @@ def token_source(text: str) -> str:
         except (OSError, ValueError) as exc:
             raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
         return text
-    raise argparse.ArgumentTypeError(f"{text!r} is not random, echo or file:PATH")
+    raise argparse.ArgumentTypeError(f"{text!r} is not random, echo, text or file:PATH")
 
 
 def tokenizer_path(text: str) -> str:

@@ -45,6 +45,7 @@ PURE = [
     "tools.fit",
     "replay",
     "tokenizer",
+    "corpus",
 ]
 
 

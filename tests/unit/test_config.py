@@ -84,7 +84,7 @@ def test_data_parallel_size_follows_start_rank_and_count():
         (None, {}, "dtype = int8\n", r"--dtype: 'int8' is not one of"),
         (["--no-such-flag"], {}, None, r"unrecognized arguments: --no-such-flag"),
         (["--token-source", "file:/no/such/file"], {}, None, r"--token-source: 'file:/no/such/file': .*No such file"),
-        (["--token-source", "zipf"], {}, None, r"--token-source: 'zipf' is not random, echo or file:PATH"),
+        (["--token-source", "zipf"], {}, None, r"--token-source: 'zipf' is not random, echo, text or file:PATH"),
         (None, {}, "token-id-range = 30000:40000\n", r"--token-id-range: 30000:40000 goes past --vocab-size 32000 \(from config file"),
         ([], {"GMOCK_OUTPUT_LEN_DIST": "gauss:3"}, None, r"--output-len-dist: .*kind must be one of .*GMOCK_OUTPUT_LEN_DIST"),
         (["--jitter", "1.5"], {}, None, r"--jitter: 1.5 is more than 1.0"),

@@ -85,7 +85,7 @@ def test_token_source(tmp_path):
     empty.write_text("")
     assert "holds no token ids" in refused(v.token_source, f"file:{empty}")
     assert "No such file" in refused(v.token_source, f"file:{tmp_path / 'missing'}")
-    assert refused(v.token_source, "Random") == "'Random' is not random, echo or file:PATH"
+    assert refused(v.token_source, "Random") == "'Random' is not random, echo, text or file:PATH"
 
 
 def test_id_range():
