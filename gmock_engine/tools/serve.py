@@ -248,6 +248,11 @@ def plan(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
     engine_argv += ["--tokenizer", str(model)]
     engine.tokenizer = str(model)
     engine.sources["tokenizer"] = cfg.Source("command line", "(set by serve: its model dir)")
+    if engine.sources["token_source"].kind == "default":
+        # with the tokenizer known, text that reads like text (tokens.TextTokens), unless another source is asked
+        engine_argv += ["--token-source", "text"]
+        engine.token_source = "text"
+        engine.sources["token_source"] = cfg.Source("command line", "(set by serve: text, the model dir's tokenizer known)")
     return Plan(options, engine, engine_argv, home, log_dir, port, handshake_port, model, frontend_args)
 
 

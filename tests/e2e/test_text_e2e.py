@@ -1,7 +1,8 @@
 """`--token-source text` through the real frontends, read by clients nobody
-here wrote: the official `openai` package, and NVIDIA aiperf when it is
-installed (~/.cache/aiperf-venv: it pulls in ~1.2 GB, so it is not a test
-dependency; the test skips without it).
+here wrote: the official `openai` package, and NVIDIA aiperf, which this
+module installs into its own venv in the frontends' cache
+($GMOCK_FRONTENDS_HOME/aiperf-venv: a few minutes and ~1.2 GB the first
+time; $GMOCK_AIPERF names another install).
 
 A client that counts tokens by re-tokenizing the streamed text (aiperf,
 GuideLLM) must count what the engine generated: with random ids it counts
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,25 @@ from test_frontends import DP1_TOPOLOGIES
 pytestmark = pytest.mark.e2e
 
 ITL_MS = 10.0
-AIPERF = Path(os.environ.get("GMOCK_AIPERF", Path.home() / ".cache" / "aiperf-venv" / "bin" / "aiperf"))
+AIPERF_PACKAGE = "aiperf==0.13.0"
+
+
+@pytest.fixture(scope="session")
+def aiperf() -> Path:
+    """aiperf's CLI: $GMOCK_AIPERF, else its own venv in the frontends' cache
+    (installed once, a few minutes and ~1.2 GB, then reused)."""
+    if os.environ.get("GMOCK_AIPERF"):
+        return Path(os.environ["GMOCK_AIPERF"])
+    venv = h.frontends_home() / "aiperf-venv"
+    stamp = venv / ".gmock-installed"
+    if not stamp.exists() or stamp.read_text() != AIPERF_PACKAGE:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+        proc = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check", AIPERF_PACKAGE],
+                              capture_output=True, text=True, timeout=1200)  # fmt: skip
+        if proc.returncode != 0:
+            pytest.fail(f"installing {AIPERF_PACKAGE} failed (rc={proc.returncode}); retry, or remove {venv}:\n{proc.stderr[-2000:]}")
+        stamp.write_text(AIPERF_PACKAGE)
+    return venv / "bin" / "aiperf"
 
 
 @pytest.fixture(scope="module", params=DP1_TOPOLOGIES, ids=lambda t: t.id)
@@ -86,13 +106,10 @@ def test_openai_streams_text_that_re_tokenizes_to_the_generated_count(stack, ret
         _check_text("".join(parts), usage.completion_tokens, retokenize)
 
 
-def test_aiperf_counts_the_generated_tokens_and_the_step_time(stack, model_dir, tmp_path):
-    if not AIPERF.exists():
-        pytest.skip(f"aiperf is not installed at {AIPERF} (python -m venv ~/.cache/aiperf-venv && "
-                    "~/.cache/aiperf-venv/bin/pip install aiperf)")
+def test_aiperf_counts_the_generated_tokens_and_the_step_time(stack, model_dir, tmp_path, aiperf):
     out = tmp_path / "aiperf"
     output_tokens = 64
-    argv = [str(AIPERF), "profile", "--model", h.MODEL_NAME, "--url", stack.base_url, "--endpoint-type", "chat",
+    argv = [str(aiperf), "profile", "--model", h.MODEL_NAME, "--url", stack.base_url, "--endpoint-type", "chat",
             "--streaming", "--tokenizer", str(model_dir), "--prompt-input-tokens-mean", "32",
             "--prompt-input-tokens-stddev", "0", "--prompt-output-tokens-mean", str(output_tokens),
             "--prompt-output-tokens-stddev", "0", "--request-count", "16", "--concurrency", "1",

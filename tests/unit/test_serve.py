@@ -303,8 +303,10 @@ def test_tools_and_reasoning_by_env_and_file(tmp_path, env):
 
 def test_the_engine_gets_the_model_dir_as_its_tokenizer(env, capsys):
     p = serve.plan(["--port", "0", "--vocab-size", "1000"], env)
-    assert p.engine_argv[-2:] == ["--tokenizer", str(p.model)]
-    assert p.engine.tokenizer == str(p.model)
+    assert p.engine_argv[-4:] == ["--tokenizer", str(p.model), "--token-source", "text"]
+    assert p.engine.tokenizer == str(p.model) and p.engine.token_source == "text"
+    # another source asked for: kept
+    assert serve.plan(["--port", "0", "--token-source", "echo"], env).engine_argv[-2:] == ["--tokenizer", str(tmp_model(env))]
     assert serve.main(["--port", "0", "--print-config"], env) == 0
     assert re.search(rf"^tokenizer = {re.escape(str(tmp_model(env)))} +; from command line \(set by serve: its model dir\)",
                      capsys.readouterr().out, re.M)  # fmt: skip
@@ -320,7 +322,7 @@ def test_the_engine_loads_the_written_model_dir_as_serve_starts_it(env):
     p = serve.plan(["--port", "0", "--vocab-size", "1000", "--max-model-len", "4096"], env)
     model_dir.ensure_model_dir(p.model, vocab_size=1000, max_model_len=4096)
     engine = cfg.parse_config(p.engine_argv, env)  # what `python -m gmock_engine` parses
-    assert engine.tokenizer == str(p.model) and engine.vocab_size == 1000
+    assert engine.tokenizer == str(p.model) and engine.vocab_size == 1000 and engine.token_source == "text"
 
 
 def test_the_model_dir_is_named_for_clients_tokenizers(env):
