@@ -28,6 +28,7 @@ PURE = [
     "outbox",
     "utilities",
     "tokens",
+    "structured_output",
     "ledger",
     "faults",
     "latency",
