@@ -34,6 +34,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from . import structural_tag
 from .sampler import Sampler
 from .tokenizer import Tokenizer, require
 from .tokens import RecordedTokens, request_seed
@@ -46,7 +47,7 @@ GRAMMAR_CACHE = 256
 #: request's tokens come from its token source (the answer is cut there; a
 #: request that long ends by LENGTH anyway).
 MAX_GENERATED = 4096
-#: The probability of closing is CLOSE_BASE + (tokens so far) / CLOSE_SCALE.
+#: The probability of closing is CLOSE_BASE + (ids chosen so far) / CLOSE_SCALE.
 CLOSE_BASE = 0.04
 CLOSE_SCALE = 48.0
 #: Random bytes of a bitmask probed for an allowed id before its nonzero bytes are listed.
@@ -83,32 +84,21 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     try:
         if kind == "json":
             schema: Any = json.loads(spec)
-            if params.disable_additional_properties:
-                _no_additional_properties(schema)
+            # none but the properties a schema names (vLLM's disable_additional_properties)
+            structural_tag.no_additional_properties(schema)
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=compact)
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=compact)
         if kind == "structural_tag":
-            return _structural_tag(llguidance, json.loads(spec), compact)
+            tag = json.loads(spec)
+            if structural_tag.is_xgrammar_format(tag):
+                return llguidance.LLMatcher.grammar_from_lark(structural_tag.to_lark(tag))
+            return _structural_tag(llguidance, tag, compact)
         return llguidance.grammar_from({"regex": "regex", "choice": "choice", "grammar": "grammar"}[kind], spec)
     except GrammarError:
         raise
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise GrammarError(f"Invalid grammar specification: {str(exc)[:300]}") from None
-
-
-def _no_additional_properties(schema: Any) -> None:
-    """vLLM's process_for_additional_properties: additionalProperties false
-    wherever an object schema names its properties and says nothing."""
-    if isinstance(schema, list):
-        for item in schema:
-            _no_additional_properties(item)
-    elif isinstance(schema, dict):
-        for value in schema.values():
-            if isinstance(value, (dict, list)):
-                _no_additional_properties(value)
-        if "additionalProperties" not in schema and isinstance(schema.get("properties"), dict):
-            schema["additionalProperties"] = False
 
 
 def _structural_tag(llguidance: Any, tag: Any, compact: Dict[str, Any]) -> str:
@@ -209,6 +199,7 @@ class StructuredOutputs:
         chance = rng.random
         closers, quote, in_string = self.closers, self.quote, self._in_string
         ids: List[int] = []
+        chosen = 0  # ids chosen, not forced: what the closing probability grows with
         limit = min(limit, MAX_GENERATED)
         ended = False
         while len(ids) < limit:
@@ -224,7 +215,8 @@ class StructuredOutputs:
                     continue
             mask = matcher.compute_bitmask()
             token = -1
-            if chance() < CLOSE_BASE + len(ids) / CLOSE_SCALE:
+            chosen += 1
+            if chance() < CLOSE_BASE + chosen / CLOSE_SCALE:
                 if matcher.is_accepting():
                     ended = True
                     break

@@ -84,7 +84,6 @@ class StructuredOutputsParams:
 
     kind: str
     spec: str
-    disable_additional_properties: bool = False
 
 
 @dataclass
@@ -407,7 +406,7 @@ def _structured_outputs(sampling: Dict[str, Any]) -> Optional[StructuredOutputsP
         raise BadValue(f"{key}.{kind} is {type(spec).__name__}, not a string" + (" or a map" if kind == "json" else ""))
     if len(spec) > MAX_STRUCTURED_SPEC:
         raise BadValue(f"{key}.{kind} is longer than {MAX_STRUCTURED_SPEC} characters")
-    return StructuredOutputsParams(kind, spec, value.get("disable_additional_properties") is True)
+    return StructuredOutputsParams(kind, spec)
 
 
 #: The stop-related fields of a request without sampling params (a pooling request).

@@ -29,6 +29,7 @@ PURE = [
     "utilities",
     "tokens",
     "structured_output",
+    "structural_tag",
     "ledger",
     "faults",
     "latency",

@@ -126,7 +126,7 @@ def add(sampling):
         ({"json_object": True}, StructuredOutputsParams("json_object", "")),
         ({"regex": "[0-9]{3}"}, StructuredOutputsParams("regex", "[0-9]{3}")),
         ({"choice": ["yes", "no"], "regex": None}, StructuredOutputsParams("choice", '["yes", "no"]')),
-        ({"grammar": LARK, "disable_additional_properties": True}, StructuredOutputsParams("grammar", LARK, True)),
+        ({"grammar": LARK, "disable_additional_properties": True}, StructuredOutputsParams("grammar", LARK)),
         ({"structural_tag": '{"triggers": []}'}, StructuredOutputsParams("structural_tag", '{"triggers": []}')),
     ],
 )
@@ -212,6 +212,46 @@ def test_lark_grammar_answers_parse(generator, tokenizer):
             lark_parse(text)
 
 
+def tool_tag(parameters, stop_after_first):
+    """The structural tag both frontends send for tool_choice required (stop_after_first false) or named."""
+    content = {"type": "json_schema", "json_schema": parameters, "style": "json", "any_order": False, "max_whitespace_cnt": None, "excludes": []}
+    begin = '<tool_call>{"name": "get_weather", "arguments": '
+    tags = [
+        {"type": "tag", "begin": begin.replace("{", "\n{", 1), "content": content, "end": "}\n</tool_call>"},
+        {"type": "tag", "begin": begin, "content": content, "end": "}</tool_call>"},
+    ]
+    return {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True, "stop_after_first": stop_after_first}}
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city"]}
+
+
+@pytest.mark.parametrize("stop_after_first", [True, False])
+@pytest.mark.parametrize("parameters", [CITY, True])
+def test_tool_call_structural_tags_give_calls_whose_arguments_validate(generator, tokenizer, stop_after_first, parameters):
+    spec = json.dumps(tool_tag(parameters, stop_after_first))
+    for seed in range(20):
+        answer = generator.generate(StructuredOutputsParams("structural_tag", spec), seed, 500, EOS)
+        assert answer.ended
+        text = tokenizer.decode(answer.token_ids[:-1])
+        calls = re.findall(r"<tool_call>\n?(.*?)\n?</tool_call>", text, re.S)
+        assert "".join(f"<tool_call>{c}</tool_call>" for c in calls).replace("\n", "") == text.replace("\n", "")
+        assert len(calls) == 1 or (calls and not stop_after_first)
+        for call in calls:
+            value = json.loads(call)
+            assert value["name"] == "get_weather"
+            jsonschema.validate(value["arguments"], parameters if parameters is not True else {"type": "object"})
+
+
+def test_the_older_structural_tag_of_triggers_and_structures_is_read(generator, tokenizer):
+    tag = {"triggers": ["<f="], "structures": [{"begin": "<f=get>", "schema": CITY, "end": "</f>"}]}
+    texts = [tokenizer.decode(a.token_ids[:-1]) for a in (generator.generate(StructuredOutputsParams("structural_tag", json.dumps(tag)), s, 300, EOS) for s in range(10)) if a.ended]
+    assert texts
+    for text in texts:
+        for call in re.findall(r"<f=get>(.*?)</f>", text, re.S):
+            jsonschema.validate(json.loads(call), CITY)
+
+
 def test_answers_are_deterministic_per_seed(generator):
     first = [generator.generate(params("json", PERSON), seed, 300, EOS) for seed in range(5)]
     assert first == [generator.generate(params("json", PERSON), seed, 300, EOS) for seed in range(5)]
@@ -232,7 +272,11 @@ def test_the_preferred_source_id_is_taken_where_allowed(generator, tokenizer):
 
 
 def test_bad_grammars_raise_grammar_error(generator):
-    for kind, spec in [("regex", "(["), ("grammar", "start: undefined_rule"), ("json", '{"type": "nonsense"}'), ("json", "not json")]:
+    for kind, spec in [("regex", "(["), ("grammar", "start: undefined_rule"), ("json", '{"type": "nonsense"}'), ("json", "not json"),
+        ("structural_tag", '{"type": "structural_tag", "format": {"type": "qwen_xml_parameter"}}'),
+        ("structural_tag", '{"type": "structural_tag", "format": {"type": "tag", "begin": 5}}'),
+        ("structural_tag", '{"triggers": ["<f"], "structures": [{"begin": "<g>", "schema": {}, "end": "</g>"}]}'),
+    ]:
         with pytest.raises(structured_output.GrammarError):
             generator.generate(StructuredOutputsParams(kind, spec), 0, 10, EOS)
 
