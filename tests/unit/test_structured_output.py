@@ -183,6 +183,13 @@ def test_json_answers_vary_and_use_optional_properties(generator, tokenizer):
     assert any("tags" in v for v in values) and any("tags" not in v for v in values)
 
 
+def test_json_answers_name_only_the_properties_a_schema_names(generator, tokenizer):
+    for text, stopped in answers(generator, tokenizer, "json", PERSON):
+        if stopped:
+            value = json.loads(text)
+            assert set(value) <= set(PERSON["properties"]) and set(value["home"]) <= set(ADDRESS["properties"]), text
+
+
 def test_json_object_answers_are_objects(generator, tokenizer):
     for text, stopped in answers(generator, tokenizer, "json_object", ""):
         if stopped:
@@ -241,6 +248,8 @@ def test_tool_call_structural_tags_give_calls_whose_arguments_validate(generator
             value = json.loads(call)
             assert value["name"] == "get_weather"
             jsonschema.validate(value["arguments"], parameters if parameters is not True else {"type": "object"})
+            if parameters is CITY:
+                assert set(value["arguments"]) <= set(CITY["properties"]), call
 
 
 def test_the_older_structural_tag_of_triggers_and_structures_is_read(generator, tokenizer):
