@@ -1,4 +1,4 @@
-"""Structured outputs (gmock_engine/structured_output.py, §3.3): the wire
+"""Structured outputs (gmock_engine/structured_output.py, docs/protocol.md §3.3): the wire
 decoding of `structured_outputs`, the answers generated with llguidance
 (valid when they end by STOP, cut by max_tokens with LENGTH, the same for
 the same seed and request id) and the engine's handling of a structured
