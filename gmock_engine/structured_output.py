@@ -50,6 +50,10 @@ MAX_GENERATED = 4096
 #: The probability of closing is CLOSE_BASE + (ids chosen so far) / CLOSE_SCALE.
 CLOSE_BASE = 0.04
 CLOSE_SCALE = 48.0
+#: Where the grammar may end, the answer ends with this much more
+#: probability than it closes a structure (a model that may stop mostly
+#: does: one tool call, not a chain of them).
+ACCEPT_BONUS = 0.5
 #: Random bytes of a bitmask probed for an allowed id before its nonzero bytes are listed.
 PROBES = 4
 #: Texts of the closers, in the order they are tried; EOS comes first.
@@ -118,6 +122,21 @@ def _structural_tag(llguidance: Any, tag: Any, compact: Dict[str, Any]) -> str:
     return llguidance.StructTag.to_grammar(tags)
 
 
+def _plain_added_tokens(json_text: str) -> str:
+    """tokenizer.json without its added tokens that are not special (a
+    ChatML model's `<tool_call>`, `<think>`): llguidance takes every added
+    token for a special one, which its grammars' text never matches (its
+    mask may still offer one that spells forced text, which it then
+    refuses). Without them such text is spelled by ordinary tokens: the
+    same text for the frontends' decoders and tool parsers."""
+    data = json.loads(json_text)
+    added = data.get("added_tokens")
+    if not isinstance(added, list) or all(not isinstance(t, dict) or t.get("special", True) for t in added):
+        return json_text
+    data["added_tokens"] = [t for t in added if not isinstance(t, dict) or t.get("special", True)]
+    return json.dumps(data)
+
+
 class StructuredOutputs:
     """One tokenizer's generator (one per tokenizer and process: `for_tokenizer`):
     its llguidance tokenizer, the closers' ids, the compiled matchers."""
@@ -126,7 +145,7 @@ class StructuredOutputs:
         llguidance = require("llguidance", "structured outputs")
         self._llguidance = llguidance
         self.tokenizer = tokenizer
-        self.ll_tokenizer = llguidance.LLTokenizer(tokenizer.json_text, n_vocab=tokenizer.vocab_size, eos_token=tokenizer.eos_token_id)
+        self.ll_tokenizer = llguidance.LLTokenizer(_plain_added_tokens(tokenizer.json_text), n_vocab=tokenizer.vocab_size, eos_token=tokenizer.eos_token_id)
         self.eos = self.ll_tokenizer.eos_token
         closers = [token for token in (self._single(tokenizer, text) for text in CLOSERS) if token >= 0]
         self.closers = tuple(closers)
@@ -216,10 +235,12 @@ class StructuredOutputs:
             mask = matcher.compute_bitmask()
             token = -1
             chosen += 1
-            if chance() < CLOSE_BASE + chosen / CLOSE_SCALE:
-                if matcher.is_accepting():
-                    ended = True
-                    break
+            roll = chance()
+            closing = CLOSE_BASE + chosen / CLOSE_SCALE
+            if roll < closing + ACCEPT_BONUS and matcher.is_accepting():
+                ended = True
+                break
+            if roll < closing:
                 if in_string(mask):
                     token = quote
                 else:

@@ -78,7 +78,15 @@ def lark_parse(text):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return model_dir.write_model_dir(tmp_path_factory.mktemp("model"), vocab_size=VOCAB)
+    """The model dir, its tokenizer with `<tool_call>` and `</tool_call>` as
+    added tokens that are not special (ids VOCAB, VOCAB + 1), as Qwen's."""
+    path = model_dir.write_model_dir(tmp_path_factory.mktemp("model"), vocab_size=VOCAB)
+    data = json.loads((path / "tokenizer.json").read_text())
+    template = data["added_tokens"][-1]
+    for offset, content in enumerate(("<tool_call>", "</tool_call>")):
+        data["added_tokens"].append(dict(template, id=VOCAB + offset, content=content, special=False))
+    (path / "tokenizer.json").write_text(json.dumps(data))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -219,24 +227,29 @@ def test_lark_grammar_answers_parse(generator, tokenizer):
             lark_parse(text)
 
 
-def tool_tag(parameters, stop_after_first):
-    """The structural tag both frontends send for tool_choice required (stop_after_first false) or named."""
+def tool_tag(parameters, stop_after_first, both=True):
+    """The structural tag both frontends send for tool_choice required
+    (stop_after_first false) or named; `both` false: its second tag only
+    (the forced text then starts with `<tool_call>`, an added token)."""
     content = {"type": "json_schema", "json_schema": parameters, "style": "json", "any_order": False, "max_whitespace_cnt": None, "excludes": []}
     begin = '<tool_call>{"name": "get_weather", "arguments": '
     tags = [
         {"type": "tag", "begin": begin.replace("{", "\n{", 1), "content": content, "end": "}\n</tool_call>"},
         {"type": "tag", "begin": begin, "content": content, "end": "}</tool_call>"},
     ]
+    tags = tags if both else tags[1:]
     return {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True, "stop_after_first": stop_after_first}}
 
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city"]}
 
 
+@pytest.mark.parametrize("both", [True, False])
 @pytest.mark.parametrize("stop_after_first", [True, False])
 @pytest.mark.parametrize("parameters", [CITY, True])
-def test_tool_call_structural_tags_give_calls_whose_arguments_validate(generator, tokenizer, stop_after_first, parameters):
-    spec = json.dumps(tool_tag(parameters, stop_after_first))
+def test_tool_call_structural_tags_give_calls_whose_arguments_validate(generator, tokenizer, stop_after_first, parameters, both):
+    assert tokenizer.token_id("<tool_call>") == VOCAB  # an added token that is not special, as Qwen's
+    spec = json.dumps(tool_tag(parameters, stop_after_first, both))
     for seed in range(20):
         answer = generator.generate(StructuredOutputsParams("structural_tag", spec), seed, 500, EOS)
         assert answer.ended
