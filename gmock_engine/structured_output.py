@@ -55,7 +55,9 @@ CLOSE_SCALE = 48.0
 #: does: one tool call, not a chain of them).
 ACCEPT_BONUS = 0.5
 #: Random bytes of a bitmask probed for an allowed id before its nonzero bytes are listed.
-PROBES = 4
+PROBES = 8
+#: At most this many nonzero bytes are listed to pick one uniformly.
+LISTED_BYTES = 64
 #: Texts of the closers, in the order they are tried; EOS comes first.
 CLOSERS = ("}", "]", '"', ",")
 
@@ -181,11 +183,12 @@ class StructuredOutputs:
 
     @staticmethod
     def _random_allowed(mask: bytes, rng: random.Random) -> int:
-        """A random id the bitmask allows (-1: none): a few random bytes
-        probed first (a mask that allows much, such as inside a string, is
-        done then), else one of its nonzero bytes, found by a bytes regex in
-        C (a sparse mask has few). Each allowed byte is equally likely, then
-        each id of it."""
+        """A random id the bitmask allows (-1: none), without a loop over the
+        vocabulary: a few random bytes probed first (a mask that allows much,
+        such as inside a string, is done then); else, when few bytes are
+        nonzero (counted in C), one of them listed by a bytes regex; else
+        the first nonzero byte from a random one (its bias toward ids after
+        a gap is mild when many are allowed). Then a random id of that byte."""
         size = len(mask)
         randrange = rng.randrange
         for _ in range(PROBES):
@@ -193,10 +196,14 @@ class StructuredOutputs:
             if mask[at]:
                 break
         else:
-            found = [m.start() for m in _NONZERO.finditer(mask)]
-            if not found:
+            nonzero = size - mask.count(0)
+            if not nonzero:
                 return -1
-            at = found[randrange(len(found))]
+            if nonzero <= LISTED_BYTES:
+                found = [m.start() for m in _NONZERO.finditer(mask)]
+                at = found[randrange(len(found))]
+            else:
+                at = (_NONZERO.search(mask, randrange(size)) or _NONZERO.search(mask)).start()  # type: ignore[union-attr]
         choices = _BITS[mask[at]]
         return at * 8 + choices[randrange(len(choices))]
 
