@@ -10,9 +10,9 @@ request's recorded token source (tokens.RecordedTokens, as a replayed
 request's), so the per-token path of every request stays what it is.
 
 Each step, first match wins: the matcher's forced tokens; with a
-probability that rises with the answer's length, a closer it allows (EOS
-once accepting, `}`, `]`, `"`, `,`), so that an ordinary schema's answer
-ends by itself; the request's token source's next id when the matcher
+probability that rises with the answer's length, the end where the grammar
+may end, or a closer it allows (`}`, `]`, `)`, `"`, `,`; no opener), so
+that an ordinary schema's answer ends by itself; the request's token source's next id when the matcher
 allows it (a `text` source makes strings read like text); else a random
 allowed id, found from a random byte of the bitmask by a bytes regex (never
 a loop over the vocabulary). The random choices come from the request's
@@ -58,8 +58,10 @@ ACCEPT_BONUS = 0.5
 PROBES = 8
 #: At most this many nonzero bytes are listed to pick one uniformly.
 LISTED_BYTES = 64
+#: First characters of the tokens that open a nesting.
+OPENERS = "([{"
 #: Texts of the closers, in the order they are tried; EOS comes first.
-CLOSERS = ("}", "]", '"', ",")
+CLOSERS = ("}", "]", ")", '"', ",")
 
 _NONZERO = re.compile(rb"[^\x00]")
 #: the set bits of each byte value
@@ -139,6 +141,17 @@ def _plain_added_tokens(json_text: str) -> str:
     return json.dumps(data)
 
 
+def _openers(json_text: str) -> frozenset:
+    """The ids of tokenizer.json's vocabulary whose text starts with one of
+    OPENERS (a BPE or WordPiece map of text to id, or a Unigram list)."""
+    vocab = json.loads(json_text).get("model", {}).get("vocab")
+    if isinstance(vocab, dict):
+        return frozenset(i for text, i in vocab.items() if text[:1] in OPENERS)
+    if isinstance(vocab, list):
+        return frozenset(i for i, entry in enumerate(vocab) if isinstance(entry, list) and entry and str(entry[0])[:1] in OPENERS)
+    return frozenset()
+
+
 class StructuredOutputs:
     """One tokenizer's generator (one per tokenizer and process: `for_tokenizer`):
     its llguidance tokenizer, the closers' ids, the compiled matchers."""
@@ -151,6 +164,8 @@ class StructuredOutputs:
         self.eos = self.ll_tokenizer.eos_token
         closers = [token for token in (self._single(tokenizer, text) for text in CLOSERS) if token >= 0]
         self.closers = tuple(closers)
+        #: ids whose text opens a nesting (`(`, `[`, `{` first), avoided when closing
+        self.openers = _openers(tokenizer.json_text)
         #: `"` and `,` (-1: not one token): both allowed means inside a string
         self.quote, self.comma = self._single(tokenizer, '"'), self._single(tokenizer, ",")
         #: (grammar spec) -> a compiled matcher, deep-copied per request
@@ -223,7 +238,7 @@ class StructuredOutputs:
         matcher = self.matcher(params)
         rng = random.Random(seed)
         chance = rng.random
-        closers, quote, in_string = self.closers, self.quote, self._in_string
+        closers, quote, in_string, openers = self.closers, self.quote, self._in_string, self.openers
         ids: List[int] = []
         chosen = 0  # ids chosen, not forced: what the closing probability grows with
         limit = min(limit, MAX_GENERATED)
@@ -264,6 +279,12 @@ class StructuredOutputs:
                 if token < 0:  # nothing allowed: the grammar can only end
                     ended = matcher.is_accepting()
                     break
+                if roll < closing and token in openers:
+                    # closing time: no new nesting, where the grammar has another way
+                    for _ in range(PROBES):
+                        token = self._random_allowed(mask, rng)
+                        if token not in openers:
+                            break
             if token == self.eos:
                 ended = True
                 break

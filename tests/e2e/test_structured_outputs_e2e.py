@@ -137,6 +137,16 @@ def test_json_schema_cut_by_max_tokens_ends_with_length(client):
     assert choice.finish_reason == "length" and choice.message.content.startswith("{")
 
 
+def test_json_schema_answer_with_logprobs_has_a_row_per_token(client):
+    choice = chat(client, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}, logprobs=True, top_logprobs=2)
+    jsonschema.validate(json.loads(choice.message.content), PERSON)
+    content = choice.logprobs.content
+    # one entry per token, the EOS that ended it included (as with a real engine)
+    assert content and "".join(entry.token for entry in content).startswith(choice.message.content)
+    assert len("".join(entry.token for entry in content[:-1])) <= len(choice.message.content)
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in content)
+
+
 def test_json_object_answer_is_an_object(client):
     choice = chat(client, response_format={"type": "json_object"})
     assert choice.finish_reason == "stop" and isinstance(json.loads(choice.message.content), dict)

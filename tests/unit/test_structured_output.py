@@ -303,6 +303,11 @@ def test_bad_grammars_raise_grammar_error(generator):
             generator.generate(StructuredOutputsParams(kind, spec), 0, 10, EOS)
 
 
+def test_one_generator_per_tokenizer(generator, tokenizer):
+    assert structured_output.for_tokenizer(tokenizer) is generator
+    assert generator.ll_tokenizer.vocab_size >= tokenizer.vocab_size
+
+
 def test_compiled_grammars_are_cached_and_bounded(generator, monkeypatch):
     monkeypatch.setattr(structured_output, "GRAMMAR_CACHE", 3)
     generator._matchers.clear()
