@@ -11,7 +11,8 @@ The frontends need a tool parser for tool_choice (`--tool-call-parser
 hermes`, the parser of the ChatML model dir; vllm serve also
 `--enable-auto-tool-choice`); the tools are `strict`, so
 both frontends pin the arguments' schema (without it both send any JSON,
-which the mock answers with an object).
+which the mock answers with an object). A constraint the frontends accept
+and the engine cannot compile ends that request only.
 """
 
 from __future__ import annotations
@@ -197,3 +198,20 @@ def test_named_tool_choice_gives_that_call(client):
         assert choice.finish_reason in ("tool_calls", "stop"), choice
         _check_calls(choice.message, {"get_weather"})
         assert len(choice.message.tool_calls) == 1
+
+
+#: A structural tag the frontends' xgrammar accepts and llguidance (the
+#: mock's compiler) cannot read: the engine answers that request with ERROR.
+UNREADABLE = {"type": "structural_tag", "format": {"type": "qwen_xml_parameter", "json_schema": {"type": "object", "properties": {"a": {"type": "string"}}}}}
+
+
+def test_a_constraint_the_engine_cannot_compile_ends_that_request_only(stack, client):
+    body = {"model": h.MODEL_NAME, "messages": MESSAGES, "max_tokens": 20, "structured_outputs": {"structural_tag": json.dumps(UNREADABLE)}}
+    r = stack.post("/v1/chat/completions", body)
+    if stack.topology.frontend == "rust":  # vllm-rs passes the engine's message on
+        assert r.status_code == 400 and "'qwen_xml_parameter' is not supported" in r.json()["error"]["message"], r.text
+    else:  # vllm serve 0.32 turns a request's ERROR end into a 500 without the message
+        assert r.status_code == 500 and r.json()["error"]["message"] == "Internal server error", r.text
+    assert "structural tag format type 'qwen_xml_parameter' is not supported; answered with ERROR" in stack.engine_log_text()
+    # the engine serves on
+    assert chat(client, response_format={"type": "json_object"}).finish_reason == "stop"
