@@ -41,7 +41,7 @@ from .tokens import RecordedTokens, request_seed
 from .wire.inputs import EngineCoreRequest, StructuredOutputsParams
 from .wire.types import BadValue, FinishReason
 
-#: Compiled grammars (and their matchers) kept per process; the oldest goes first.
+#: Compiled matchers kept per tokenizer (one per constraint); the least recently used goes first.
 GRAMMAR_CACHE = 256
 #: At most this many tokens are generated for one answer: past them a
 #: request's tokens come from its token source (the answer is cut there; a
@@ -60,7 +60,7 @@ PROBES = 8
 LISTED_BYTES = 64
 #: First characters of the tokens that open a nesting.
 OPENERS = "([{"
-#: Texts of the closers, in the order they are tried; EOS comes first.
+#: Texts of the closers, in the order they are tried (after the grammar's end, where it may end).
 CLOSERS = ("}", "]", ")", '"', ",")
 
 _NONZERO = re.compile(rb"[^\x00]")
