@@ -56,6 +56,8 @@ from .request import RequestStatus
 from .sampler import Sampler
 from .sched_output import PauseState
 from .scheduler import Scheduler
+from . import structured_output
+from .tokenizer import ContentUnavailable, load_tokenizer
 from .tokens import RandomTokens, TokenSource, request_seed
 from .utilities import PAUSE_MODES, SUPPORTED_UTILITIES, Utilities
 from .wire.checks import MAX_XARGS_TTFT_MS, MOCK_XARGS, NO_XARGS, BadXargs, Xargs, check_xargs
@@ -361,6 +363,8 @@ class EngineCore:
         if recorded is not None:
             follow(entry, recorded, request.eos_token_id, min(max_tokens, max(0, settings.max_model_len - request.prompt_len)))
         try:
+            if request.structured_outputs is not None and recorded is None:
+                self._structured(entry, request, min(max_tokens, max(0, settings.max_model_len - request.prompt_len)))
             # (P/D params ride in extra_args: most requests carry none)
             entry.kv = self._plan_kv_transfer(entry, request, xargs) if request.extra_args else None
         except BadValue as exc:
@@ -396,6 +400,19 @@ class EngineCore:
                 entry.prompt_token_ids = request.prompt_token_ids
         self.scheduler.add_request(entry)
         return []
+
+    def _structured(self, entry: Request, request: EngineCoreRequest, cap: int) -> None:
+        """Structured outputs (structured_output.py): its answer generated now;
+        without --tokenizer (or llguidance) its tokens stay the source's, said once a while."""
+        path = self.settings.tokenizer
+        try:
+            if path is not None:
+                structured_output.follow(entry, request, load_tokenizer(path), self.settings.seed, self.rank, cap)
+                return
+            reason = "structured outputs need --tokenizer (the served model's); their tokens are random"
+        except ContentUnavailable as exc:
+            reason = str(exc)
+        self.throttle.warning("structured outputs", "ADD {}: {}", short(entry.request_id), reason)
 
     def _plan_kv_transfer(self, entry: Request, request: EngineCoreRequest, xargs: Xargs) -> Optional[kv_transfer.KVPlan]:
         """P/D (kv_transfer.py): a producer request ends after its first token

@@ -90,6 +90,8 @@ class EngineSettings:
     reuse_outputs: bool = False
     #: --replay (replay.py): the trace requests follow and how ADDs are matched to it; None: off.
     replay: Optional[replay.ReplaySettings] = None
+    #: --tokenizer: the served model's tokenizer (a model dir or tokenizer.json), None: not known.
+    tokenizer: Optional[str] = None
 
 
 #: The EngineSettings a reload (SIGHUP, reload.py) may change while requests
@@ -310,4 +312,5 @@ def engine_settings(
         lora_check_adapter_dir=lora.lora_check_adapter_dir,
         wire=wire,
         replay=parts.replay,
+        tokenizer=gen.tokenizer,
     )

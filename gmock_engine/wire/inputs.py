@@ -10,6 +10,7 @@ are refused (§0).
 from __future__ import annotations
 
 import array
+import json
 from dataclasses import dataclass, field
 from operator import countOf
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -65,6 +66,24 @@ class EngineCoreRequest:
     extra_args: Dict[str, Any] = field(default_factory=dict)
     #: `lora_request` (index 6) as decoded by msgpack; lora.py checks it.
     lora_request: Any = None
+    #: SamplingParams.structured_outputs (guided_decoding before 0.12), None: none.
+    structured_outputs: Optional["StructuredOutputsParams"] = None
+
+
+#: The constraint keys of StructuredOutputsParams (§3.3): exactly one is set.
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A request's structured-output constraint (§3.3), checked: `kind` is
+    one of STRUCTURED_KINDS and `spec` its text (a JSON schema or a
+    structural tag as JSON text, the choices as a JSON array, a regex or a
+    grammar; "" for json_object). Hashable: structured_output.py caches
+    compiled grammars by it."""
+
+    kind: str
+    spec: str
 
 
 @dataclass
@@ -273,7 +292,17 @@ def _int_list(sampling: Dict[str, Any], key: str) -> Tuple[int, ...]:
 #: EngineCoreRequest's defaults, which are what the full reading gives for
 #: an absent key.
 _RARE_SAMPLING_KEYS = frozenset(
-    ("extra_args", "logprobs", "prompt_logprobs", "allowed_token_ids", "_bad_words_token_ids", "logit_bias", "ignore_eos")
+    (
+        "extra_args",
+        "logprobs",
+        "prompt_logprobs",
+        "allowed_token_ids",
+        "_bad_words_token_ids",
+        "logit_bias",
+        "ignore_eos",
+        "structured_outputs",
+        "guided_decoding",
+    )
 )
 
 
@@ -336,7 +365,48 @@ def _decode_stops(sampling: Dict[str, Any], request_eos: Any = None) -> Dict[str
         "ignore_eos": get("ignore_eos") is True,
         "min_tokens": min_tokens,
         "extra_args": extra,
+        "structured_outputs": _structured_outputs(sampling),
     }
+
+
+#: Longest structured-output spec accepted (a schema, regex or grammar text).
+MAX_STRUCTURED_SPEC = 1 << 20
+
+
+def _structured_outputs(sampling: Dict[str, Any]) -> Optional[StructuredOutputsParams]:
+    """SamplingParams.structured_outputs (guided_decoding, the 0.11 name, when
+    it is absent) as StructuredOutputsParams (§3.3), None when nil. The map
+    must set exactly one constraint of its type, as vLLM's
+    StructuredOutputsParams.__post_init__ requires; BadValue otherwise."""
+    key = "structured_outputs" if sampling.get("structured_outputs") is not None else "guided_decoding"
+    value = sampling.get(key)
+    if value is None:
+        return None
+    if type(value) is not dict:
+        raise BadValue(f"{key} is {type(value).__name__}, not a map")
+    kinds = [kind for kind in STRUCTURED_KINDS if value.get(kind) is not None]
+    if len(kinds) != 1:
+        raise BadValue(f"{key} must set exactly one of {', '.join(STRUCTURED_KINDS)}, not {_cut(kinds or value)}")
+    kind = kinds[0]
+    spec = value[kind]
+    if kind == "json_object":
+        if type(spec) is not bool:
+            raise BadValue(f"{key}.json_object {_cut(spec)} is not a bool")
+        spec = ""
+    elif kind == "choice":
+        if type(spec) is not list or not spec or not all(type(c) is str for c in spec):
+            raise BadValue(f"{key}.choice {_cut(spec)} is not a non-empty array of strings")
+        spec = json.dumps(spec)
+    elif kind in ("json", "structural_tag") and type(spec) is dict:
+        try:
+            spec = json.dumps(spec)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise BadValue(f"{key}.{kind} is not JSON ({exc})") from None
+    elif type(spec) is not str:
+        raise BadValue(f"{key}.{kind} is {type(spec).__name__}, not a string" + (" or a map" if kind == "json" else ""))
+    if len(spec) > MAX_STRUCTURED_SPEC:
+        raise BadValue(f"{key}.{kind} is longer than {MAX_STRUCTURED_SPEC} characters")
+    return StructuredOutputsParams(kind, spec)
 
 
 #: The stop-related fields of a request without sampling params (a pooling request).

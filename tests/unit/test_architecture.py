@@ -28,6 +28,8 @@ PURE = [
     "outbox",
     "utilities",
     "tokens",
+    "structured_output",
+    "structural_tag",
     "ledger",
     "faults",
     "latency",
