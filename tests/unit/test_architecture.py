@@ -47,6 +47,7 @@ PURE = [
     "tools.fit",
     "replay",
     "tokenizer",
+    "content",
 ]
 
 
