@@ -366,7 +366,9 @@ class EngineCore:
         try:
             if request.structured_outputs is not None and recorded is None:
                 self._structured(entry, request, min(max_tokens, max(0, settings.max_model_len - request.prompt_len)))
-            if recorded is None and (settings.content.active or xargs.tool_call is not None or xargs.reasoning_tokens is not None):
+            # (without --tokenizer only a request whose vllm_xargs ask is told why it gets none)
+            if recorded is None and ((settings.content.active and settings.tokenizer is not None)
+                                     or xargs.tool_call is not None or xargs.reasoning_tokens is not None):
                 self._content(entry, request, xargs, min(max_tokens, max(0, settings.max_model_len - request.prompt_len)), words)
             # (P/D params ride in extra_args: most requests carry none)
             entry.kv = self._plan_kv_transfer(entry, request, xargs) if request.extra_args else None
