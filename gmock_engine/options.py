@@ -193,6 +193,21 @@ GENERATION = Group(
         ),
         Option("--seed", "base seed; each request's tokens depend on (seed, rank, request id)", default=0, type=int_at_least(0)),
         Option(
+            "--tool-call-rate",
+            "share of requests whose prompt holds tools (tool_choice auto) answered with a hermes tool call "
+            "(needs --tokenizer; per request: vllm_xargs mock_tool_call)",
+            default=0.5,
+            type=float_in(0.0, 1.0),
+        ),
+        Option(
+            "--reasoning-rate",
+            "share of answers that start with a <think> span of --reasoning-tokens ids "
+            "(needs --tokenizer; per request: vllm_xargs mock_reasoning_tokens)",
+            default=0.0,
+            type=float_in(0.0, 1.0),
+        ),
+        Option("--reasoning-tokens", "ids in a reasoning span (between <think> and </think>)", default=64, type=int_at_least(1)),
+        Option(
             "--token-source",
             "random (uniform ids from a pool of 65536 drawn per seed, each request from its seeded offset), "
             "echo (the prompt's ids, repeated), text (English sentences in a seeded order, encoded with --tokenizer, "

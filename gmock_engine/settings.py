@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple
 
 from . import kv_transfer, lengths, options, replay, tokens
+from .content import ContentSettings
 from .faults import FaultSpec
 from .latency import LatencyModel
 from .lengths import OutputLengths
@@ -92,6 +93,8 @@ class EngineSettings:
     replay: Optional[replay.ReplaySettings] = None
     #: --tokenizer: the served model's tokenizer (a model dir or tokenizer.json), None: not known.
     tokenizer: Optional[str] = None
+    #: Tool calls and reasoning spans (content.py): their shares and lengths.
+    content: ContentSettings = field(default_factory=ContentSettings)
 
 
 #: The EngineSettings a reload (SIGHUP, reload.py) may change while requests
@@ -115,6 +118,8 @@ class GenerationSettings:
     token_id_range: Optional[Tuple[int, int]]
     #: --tokenizer: the served model's tokenizer (tokenizer.load_tokenizer), None: not known
     tokenizer: Optional[str]
+    #: --tool-call-rate, --reasoning-rate, --reasoning-tokens
+    content: ContentSettings
     #: tokens until EOS; None: requests end by max_tokens only
     output_lengths: Optional[lengths.OutputLengths]
     logprobs_top1: float
@@ -222,6 +227,7 @@ def from_config(c: Any) -> Settings:
             token_source=c.token_source,
             token_id_range=(c.token_id_range.low, c.token_id_range.high) if c.token_id_range else None,
             tokenizer=getattr(c, "tokenizer", None),
+            content=ContentSettings(c.tool_call_rate, c.reasoning_rate, c.reasoning_tokens),
             output_lengths=lengths.from_config(c.output_len_dist, c.eos_probability),
             logprobs_top1=c.logprobs_top1,
             logprobs_sampled_top1=c.logprobs_sampled_top1,
@@ -313,4 +319,5 @@ def engine_settings(
         wire=wire,
         replay=parts.replay,
         tokenizer=gen.tokenizer,
+        content=gen.content,
     )

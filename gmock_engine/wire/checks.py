@@ -26,7 +26,10 @@ MAX_XARGS_TTFT_MS = 3_600_000
 KV_XARGS = ("mock_kv_load", "mock_kv_transfer_delay_ms")
 #: The vllm_xargs keys the engine reads (docs/scheduling-and-latency.md, "Per-request scenarios"); any
 #: other `mock_` key is refused, so a typo is an error and not a silent no-op.
-MOCK_XARGS = ("mock_output_len", "mock_stop_token_id", "mock_finish", "mock_fail_after", "mock_ttft_ms") + KV_XARGS
+MOCK_XARGS = ("mock_output_len", "mock_stop_token_id", "mock_finish", "mock_fail_after", "mock_ttft_ms",
+              "mock_tool_call", "mock_reasoning_tokens") + KV_XARGS  # fmt: skip
+#: Upper bound of mock_reasoning_tokens.
+MAX_REASONING_TOKENS = 1 << 20
 #: Upper bound of mock_kv_transfer_delay_ms (one hour).
 MAX_DELAY_MS = 3_600_000
 #: At most this many remote block ids in kv_transfer_params (a hostile list is not walked for ever).
@@ -53,6 +56,10 @@ class Xargs(NamedTuple):
     #: P/D (kv_transfer.py): mock_kv_load = "fail", mock_kv_transfer_delay_ms in seconds.
     kv_load_fails: bool = False
     kv_delay_s: float = 0.0
+    #: mock_tool_call: answer a prompt with tools by a call (True) or text (False) (content.py)
+    tool_call: Optional[bool] = None
+    #: mock_reasoning_tokens: ids of the <think> span (0: none) (content.py)
+    reasoning_tokens: Optional[int] = None
 
 
 #: What a request without vllm_xargs has (most requests).
@@ -78,8 +85,12 @@ def check_xargs(xargs: Dict[str, Any]) -> Xargs:
         if isinstance(ttft, bool) or not isinstance(ttft, (int, float)) or not 0 <= ttft <= MAX_XARGS_TTFT_MS:
             raise BadXargs(f"mock_ttft_ms must be a number in 0..{MAX_XARGS_TTFT_MS}, not {cut(ttft)}")  # also nan, inf
         ttft = float(ttft)
+    tool_call = xargs.get("mock_tool_call")
+    if tool_call is not None and not isinstance(tool_call, bool):
+        raise BadXargs(f"mock_tool_call must be true or false, not {cut(tool_call)}")
+    reasoning = _xarg_int(xargs, "mock_reasoning_tokens", 0, MAX_REASONING_TOKENS)
     fails, delay_s = _kv_scenario(xargs)
-    return Xargs(fail_after, output_len, stop_token, mode, ttft, fails, delay_s)
+    return Xargs(fail_after, output_len, stop_token, mode, ttft, fails, delay_s, tool_call, reasoning)
 
 
 def _xarg_int(xargs: Dict[str, Any], key: str, low: int, high: int) -> Optional[int]:

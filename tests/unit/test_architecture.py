@@ -48,6 +48,7 @@ PURE = [
     "replay",
     "tokenizer",
     "corpus",
+    "content",
 ]
 
 
