@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import structured_output
 from .sampler import Sampler
-from .tokenizer import Tokenizer
+from .tokenizer import ContentUnavailable, Tokenizer, load_tokenizer
 from .tokens import RecordedTokens, request_seed
 from .wire.inputs import EngineCoreRequest, StructuredOutputsParams
 from .wire.types import FinishReason
@@ -130,6 +130,33 @@ def call_schema(tool: Tool) -> str:
         "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
         "required": ["name", "arguments"],
     })  # fmt: skip
+
+
+def shape(request: Any, core_request: EngineCoreRequest, xargs: Any, settings: Any, rank: int, cap: int) -> Optional[str]:
+    """What a planned request's answer holds beyond its tokens: its
+    structured output (structured_output.follow), then its tool call and
+    reasoning span (`apply`). `xargs`: its checked vllm_xargs; `settings`:
+    the engine's EngineSettings; `cap`: the most tokens it may have. None,
+    or why it gets none of what it asks for (no --tokenizer, no library): a
+    line for the log, the request then answers its source's tokens.
+    GrammarError (a BadValue) for a constraint that does not compile."""
+    asked = (xargs.tool_call, xargs.reasoning_tokens)
+    # without --tokenizer only a request whose vllm_xargs ask is told why it gets none
+    wants = asked != (None, None) or (settings.content.active and settings.tokenizer is not None)
+    if core_request.structured_outputs is None and not wants:
+        return None
+    if settings.tokenizer is None:
+        return "structured outputs, tool calls and reasoning need --tokenizer (the served model's); answered with the source's tokens"
+    try:
+        tokenizer = load_tokenizer(settings.tokenizer)
+    except ContentUnavailable as exc:
+        return str(exc)
+    words = (request.sampler.tokens, request.rng_state)  # before a structured answer replaces them
+    if core_request.structured_outputs is not None:
+        structured_output.follow(request, core_request, tokenizer, settings.seed, rank, cap)
+    if wants:
+        apply(request, core_request, tokenizer, settings.content, asked, settings.seed, rank, cap, words)
+    return None
 
 
 def _flag(value: Optional[bool], rate: float, rng: random.Random) -> bool:

@@ -56,8 +56,7 @@ from .request import RequestStatus
 from .sampler import Sampler
 from .sched_output import PauseState
 from .scheduler import Scheduler
-from . import content, structured_output
-from .tokenizer import ContentUnavailable, load_tokenizer
+from . import content
 from .tokens import RandomTokens, TokenSource, request_seed
 from .utilities import PAUSE_MODES, SUPPORTED_UTILITIES, Utilities
 from .wire.checks import MAX_XARGS_TTFT_MS, MOCK_XARGS, NO_XARGS, BadXargs, Xargs, check_xargs
@@ -362,14 +361,13 @@ class EngineCore:
         plan(entry, request, xargs, sampler.tokens, settings.max_model_len, settings.output_lengths, settings.seed, self.rank)
         if recorded is not None:
             follow(entry, recorded, request.eos_token_id, min(max_tokens, max(0, settings.max_model_len - request.prompt_len)))
-        words = (entry.sampler.tokens, entry.rng_state)  # before a structured answer replaces them
         try:
-            if request.structured_outputs is not None and recorded is None:
-                self._structured(entry, request, min(max_tokens, max(0, settings.max_model_len - request.prompt_len)))
-            # (without --tokenizer only a request whose vllm_xargs ask is told why it gets none)
-            if recorded is None and ((settings.content.active and settings.tokenizer is not None)
-                                     or xargs.tool_call is not None or xargs.reasoning_tokens is not None):
-                self._content(entry, request, xargs, min(max_tokens, max(0, settings.max_model_len - request.prompt_len)), words)
+            # structured outputs, tool calls, reasoning spans (content.py): most requests ask for none
+            if recorded is None and (request.structured_outputs is not None or xargs is not NO_XARGS
+                                     or (settings.content.active and settings.tokenizer is not None)):
+                why = content.shape(entry, request, xargs, settings, self.rank, min(max_tokens, max(0, settings.max_model_len - request.prompt_len)))
+                if why is not None:
+                    self.throttle.warning("content", "ADD {}: {}", short(rid), why)
             # (P/D params ride in extra_args: most requests carry none)
             entry.kv = self._plan_kv_transfer(entry, request, xargs) if request.extra_args else None
         except BadValue as exc:
@@ -405,33 +403,6 @@ class EngineCore:
                 entry.prompt_token_ids = request.prompt_token_ids
         self.scheduler.add_request(entry)
         return []
-
-    def _structured(self, entry: Request, request: EngineCoreRequest, cap: int) -> None:
-        """Structured outputs (structured_output.py): its answer generated now;
-        without --tokenizer (or llguidance) its tokens stay the source's, said once a while."""
-        path = self.settings.tokenizer
-        try:
-            if path is not None:
-                structured_output.follow(entry, request, load_tokenizer(path), self.settings.seed, self.rank, cap)
-                return
-            reason = "structured outputs need --tokenizer (the served model's); their tokens are random"
-        except ContentUnavailable as exc:
-            reason = str(exc)
-        self.throttle.warning("structured outputs", "ADD {}: {}", short(entry.request_id), reason)
-
-    def _content(self, entry: Request, request: EngineCoreRequest, xargs: Xargs, cap: int, words: Any) -> None:
-        """Tool calls and reasoning spans (content.py); without --tokenizer
-        (or its library) none, said once a while."""
-        path = self.settings.tokenizer
-        try:
-            if path is not None:
-                content.apply(entry, request, load_tokenizer(path), self.settings.content, (xargs.tool_call, xargs.reasoning_tokens),
-                              self.settings.seed, self.rank, cap, words)  # fmt: skip
-                return
-            reason = "tool calls and reasoning need --tokenizer (the served model's); answered as text"
-        except ContentUnavailable as exc:
-            reason = str(exc)
-        self.throttle.warning("content", "ADD {}: {}", short(entry.request_id), reason)
 
     def _plan_kv_transfer(self, entry: Request, request: EngineCoreRequest, xargs: Xargs) -> Optional[kv_transfer.KVPlan]:
         """P/D (kv_transfer.py): a producer request ends after its first token

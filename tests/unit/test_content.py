@@ -161,3 +161,15 @@ def test_without_a_tokenizer_answers_stay_text(tokenizer):
 def test_bad_xargs_are_refused(xargs, reason):
     with pytest.raises(BadXargs, match=reason):
         check_xargs(xargs)
+
+
+def test_without_a_tokenizer_only_requests_that_ask_are_warned_about(tokenizer):
+    from types import SimpleNamespace
+
+    from gmock_engine.settings import EngineSettings
+
+    settings = EngineSettings(rank=0, num_clients=1, content=content.ContentSettings(tool_call_rate=0.5))
+    planned = SimpleNamespace(sampler=None, rng_state=0)
+    plain = request("p", chat_prompt(tokenizer))
+    assert content.shape(planned, plain, check_xargs({"mock_output_len": 3}), settings, 0, 10) is None
+    assert "need --tokenizer" in content.shape(planned, plain, check_xargs({"mock_tool_call": True}), settings, 0, 10)
