@@ -16,12 +16,17 @@ output (structured_output.follow):
   (structured_output.py); otherwise it answers text. A request with a
   structured-output constraint (tool_choice required or named, a
   response_format) keeps that constraint's answer.
-* **Reasoning** (`--reasoning-parser`): a share of answers
-  (`--reasoning-rate`, per request `mock_reasoning_tokens`) starts with
-  `<think>\\n` + `--reasoning-tokens` ids of the request's token source +
-  `\\n</think>\\n\\n`, so that the frontend's parser returns it as
-  `reasoning_content`; the answer follows, and the request's length
-  counts the span, as a real model's does.
+* **Reasoning** (`--reasoning-parser`): with `--reasoning-rate` above 0
+  the engine is a thinking model, as Qwen3: every answer starts with a
+  think block, whose parser starts in reasoning and leaves it at
+  `</think>`. A share of answers (`--reasoning-rate`, per request
+  `mock_reasoning_tokens`) think: `<think>\\n` + `--reasoning-tokens` ids
+  of the request's token source + `\\n</think>\\n\\n`, which the
+  frontend's parser returns as the reasoning field; the others close an
+  empty block, `<think>\\n\\n</think>\\n\\n`. A prompt that closed the
+  block already (the chat template with `enable_thinking` false) gets none.
+  The answer follows, and the request's length counts the block, as a real
+  model's does.
 
 The ids come out as the request's recorded token source
 (tokens.RecordedTokens): the per-token path stays what it is. The choices
@@ -84,6 +89,7 @@ class Markers:
         self.tool_close = tokenizer.encode("\n" + TOOL_CALL_CLOSE)
         self.think_open = tokenizer.encode(THINK_OPEN + "\n")
         self.think_close = tokenizer.encode("\n" + THINK_CLOSE + "\n\n")
+        self.think_empty = tokenizer.encode(THINK_OPEN + "\n\n" + THINK_CLOSE + "\n\n")
 
 
 _markers: Dict[str, Tuple[Tokenizer, Markers]] = {}
@@ -121,6 +127,14 @@ def prompt_tools(tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> List[
         parameters = function.get("parameters")
         tools.append(Tool(function["name"], parameters if isinstance(parameters, dict) else {"type": "object"}))
     return tools
+
+
+def _thinking_closed(tokenizer: Tokenizer, prompt_token_ids: Optional[Sequence[int]]) -> bool:
+    """Whether the prompt ends by closing a think block (Qwen3's template
+    with enable_thinking false): the answer then has none."""
+    if not prompt_token_ids:
+        return False
+    return tokenizer.decode(prompt_token_ids[-8:], skip_special_tokens=False).endswith(THINK_CLOSE + "\n\n")
 
 
 def call_schema(tool: Tool) -> str:
@@ -184,14 +198,20 @@ def apply(
         return  # allowed_token_ids or a forcing logit_bias: every id comes from its pool
     tool_call, reasoning_tokens = asked
     rng = random.Random(request_seed(seed, rank, request.request_id) ^ _SEED_SALT)
-    think = reasoning_tokens if reasoning_tokens is not None else (
-        content.reasoning_tokens if _flag(None, content.reasoning_rate, rng) else 0)  # fmt: skip
+    # A thinking model closes a <think> block in every answer (an empty one
+    # when it does not think), unless the chat template closed one in the
+    # prompt already (Qwen3's enable_thinking false).
+    thinking = (content.reasoning_rate > 0 or reasoning_tokens is not None) and not _thinking_closed(tokenizer, core_request.prompt_token_ids)
+    think = 0
+    if thinking:
+        think = reasoning_tokens if reasoning_tokens is not None else (
+            content.reasoning_tokens if rng.random() < content.reasoning_rate else 0)  # fmt: skip
     call: Optional[Tuple[List[int], bool]] = None
     if core_request.structured_outputs is None and (tool_call is not None or content.tool_call_rate > 0):
         tools = prompt_tools(tokenizer, core_request.prompt_token_ids or ())
         if tools and _flag(tool_call, content.tool_call_rate, rng):
             call = _call(request, tokenizer, tools[rng.randrange(len(tools))], seed, rank, cap)
-    if not think and call is None:
+    if not thinking and call is None:
         return
     sampler = request.sampler
     source = sampler.tokens
@@ -204,6 +224,8 @@ def apply(
             state = after  # the answer's ids follow the span's in the source
         mark = markers(tokenizer)
         prefix = mark.think_open + drawn + mark.think_close
+    elif thinking:
+        prefix = list(markers(tokenizer).think_empty)
     if call is not None:
         ids = prefix + call[0]
         ends = call[1] and core_request.eos_token_id is not None and not core_request.ignore_eos and len(ids) < cap

@@ -201,8 +201,9 @@ GENERATION = Group(
         ),
         Option(
             "--reasoning-rate",
-            "share of answers that start with a <think> span of --reasoning-tokens ids "
-            "(needs --tokenizer; per request: vllm_xargs mock_reasoning_tokens)",
+            "above 0: a thinking model (Qwen3's format, for --reasoning-parser qwen3): every answer starts with a "
+            "<think> block, this share with --reasoning-tokens ids in it, the others empty; none where the prompt "
+            "closed one (enable_thinking false) (needs --tokenizer; per request: vllm_xargs mock_reasoning_tokens)",
             default=0.0,
             type=float_in(0.0, 1.0),
         ),

@@ -253,6 +253,11 @@ def plan(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
         engine_argv += ["--token-source", "text"]
         engine.token_source = "text"
         engine.sources["token_source"] = cfg.Source("command line", "(set by serve: text, the model dir's tokenizer known)")
+    if options.reasoning and engine.sources["reasoning_rate"].kind == "default":
+        # the frontend parses Qwen3's think blocks: the engine answers as a thinking model (content.py)
+        engine_argv += ["--reasoning-rate", "1"]
+        engine.reasoning_rate = 1.0
+        engine.sources["reasoning_rate"] = cfg.Source("command line", "(set by serve --reasoning: a thinking model)")
     return Plan(options, engine, engine_argv, home, log_dir, port, handshake_port, model, frontend_args)
 
 

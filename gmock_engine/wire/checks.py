@@ -86,8 +86,11 @@ def check_xargs(xargs: Dict[str, Any]) -> Xargs:
             raise BadXargs(f"mock_ttft_ms must be a number in 0..{MAX_XARGS_TTFT_MS}, not {cut(ttft)}")  # also nan, inf
         ttft = float(ttft)
     tool_call = xargs.get("mock_tool_call")
-    if tool_call is not None and not isinstance(tool_call, bool):
-        raise BadXargs(f"mock_tool_call must be true or false, not {cut(tool_call)}")
+    if tool_call is not None:
+        # (the Python frontend's vllm_xargs type turns a JSON false into 0)
+        if tool_call not in (True, False) or not isinstance(tool_call, (bool, int)):
+            raise BadXargs(f"mock_tool_call must be true or false (or 1, 0), not {cut(tool_call)}")
+        tool_call = bool(tool_call)
     reasoning = _xarg_int(xargs, "mock_reasoning_tokens", 0, MAX_REASONING_TOKENS)
     fails, delay_s = _kv_scenario(xargs)
     return Xargs(fail_after, output_len, stop_token, mode, ttft, fails, delay_s, tool_call, reasoning)

@@ -130,7 +130,7 @@ def test_reasoning_spans_come_first_and_count_in_the_length(model, tokenizer):
     text = tokenizer.decode(tokens, skip_special_tokens=False)
     assert re.match(r"<think>\n.+\n</think>\n\n.", text, re.S), text
     assert tokens[2:12] == tokens[2:12] and text.count("<think>") == 1
-    assert "<think>" not in tokenizer.decode(tokens_of(sent, "none"), skip_special_tokens=False)
+    assert tokenizer.decode(tokens_of(sent, "none"), skip_special_tokens=False).startswith("<think>\n\n</think>\n\n")
     structured = tokenizer.decode(tokens_of(sent, "s"))
     reasoning, answer = structured.split("</think>\n\n")
     assert reasoning.startswith("<think>\n")
@@ -154,7 +154,9 @@ def test_without_a_tokenizer_answers_stay_text(tokenizer):
 
 
 @pytest.mark.parametrize("xargs,reason", [
-    ({"mock_tool_call": 1}, "mock_tool_call must be true or false"),
+    ({"mock_tool_call": 2}, "mock_tool_call must be true or false"),
+    ({"mock_tool_call": "yes"}, "mock_tool_call must be true or false"),
+    ({"mock_tool_call": 1.5}, "mock_tool_call must be true or false"),
     ({"mock_reasoning_tokens": -1}, "mock_reasoning_tokens must be an int"),
     ({"mock_reasoning_tokens": "8"}, "mock_reasoning_tokens must be an int"),
 ])
@@ -173,3 +175,22 @@ def test_without_a_tokenizer_only_requests_that_ask_are_warned_about(tokenizer):
     plain = request("p", chat_prompt(tokenizer))
     assert content.shape(planned, plain, check_xargs({"mock_output_len": 3}), settings, 0, 10) is None
     assert "need --tokenizer" in content.shape(planned, plain, check_xargs({"mock_tool_call": True}), settings, 0, 10)
+
+
+def test_a_thinking_model_closes_a_block_in_every_answer_unless_the_prompt_did(model, tokenizer):
+    engine = engine_with(vocab_size=VOCAB, tokenizer=str(model), content=content.ContentSettings(reasoning_rate=0.5, reasoning_tokens=6))
+    prompt = chat_prompt(tokenizer, tools=None)
+    closed = tokenizer.encode(tokenizer.decode(prompt, skip_special_tokens=False) + "<think>\n\n</think>\n\n")
+    for n in range(40):
+        engine.apply(request(f"r{n}", prompt, max_tokens=30))
+    engine.apply(request("closed", closed, max_tokens=30))
+    sent = run(engine)
+    texts = [tokenizer.decode(tokens_of(sent, f"r{n}"), skip_special_tokens=False) for n in range(40)]
+    empty = sum(t.startswith("<think>\n\n</think>\n\n") for t in texts)
+    assert all(t.startswith("<think>\n") and "</think>\n\n" in t for t in texts)
+    assert 10 <= empty <= 30  # half of them think
+    assert "<think>" not in tokenizer.decode(tokens_of(sent, "closed"), skip_special_tokens=False)
+
+
+def test_the_python_frontends_integer_booleans_are_read():
+    assert check_xargs({"mock_tool_call": 0}).tool_call is False and check_xargs({"mock_tool_call": 1}).tool_call is True

@@ -296,6 +296,7 @@ def test_tools_and_reasoning_by_env_and_file(tmp_path, env):
     p = serve.plan(["--config", path, "--port", "0"], {**env, "GMOCK_SERVE_REASONING": "true"})
     assert p.options.tools and p.options.reasoning
     assert p.frontend_extra == ["--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
+    assert p.engine_argv[-2:] == ["--reasoning-rate", "1"]  # a thinking model behind a reasoning parser
 
 
 # -- the engine knows the served tokenizer; clients are told where it is -------------------

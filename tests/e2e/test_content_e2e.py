@@ -1,0 +1,147 @@
+"""Tool calls (`tool_choice` auto) and reasoning through both real frontends
+(DP 1), with the official `openai` client, as `./run.sh serve --tools
+--reasoning` sets them up: the frontends parse tool calls with `hermes` and
+reasoning with `qwen3`, the model dir renders tools as Qwen2.5's template
+and has the `<tool_call>` and `<think>` tokens, and the engine runs with
+`--tokenizer <the model dir> --token-source text` (docs/content.md).
+
+What is checked is what a client parses: a chat with tools and
+`tool_choice` auto gets `tool_calls` whose name is one of the tools and
+whose arguments validate against that tool's parameters (streamed too),
+unless `vllm_xargs` mock_tool_call asks for text; an answer with a
+reasoning span has it in the reasoning field and the rest in content.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import e2e_harness as h
+
+pytestmark = pytest.mark.e2e
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"],
+}
+TIME = {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "the weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "the time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+class _Stack(h.Stack):
+    """A stack whose frontend parses tool calls and reasoning (serve --tools --reasoning)."""
+
+    def frontend_argv(self) -> list[str]:
+        auto = ["--enable-auto-tool-choice"] if self.topology.frontend == "python" else []
+        return super().frontend_argv() + ["--tool-call-parser", "hermes", *auto, "--reasoning-parser", "qwen3"]
+
+
+@pytest.fixture(scope="module", params=[t for t in h.TOPOLOGIES if t.dp == 1], ids=lambda t: t.id)
+def stack(request, frontends, model_dir, tmp_path_factory):
+    # as serve --tools --reasoning: every chat with tools calls one; a thinking model, half the answers think
+    args = ["--tokenizer", str(model_dir), "--token-source", "text", "--tool-call-rate", "1", "--reasoning-rate", "0.5",
+            "--reasoning-tokens", "12"]
+    s = _Stack(request.param, frontends, model_dir, tmp_path_factory.mktemp(request.param.id), engine_args=args)
+    s.start()
+    try:
+        yield s
+    finally:
+        problems = s.stop()
+        assert not problems, f"{problems}\n{s.logs_report()}"
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def chat(client, xargs=None, **kw):
+    kw.setdefault("max_tokens", 300)
+    extra = {"vllm_xargs": xargs} if xargs else None
+    return client.chat.completions.create(model=h.MODEL_NAME, messages=MESSAGES, extra_body=extra, **kw)
+
+
+def reasoning_of(message) -> str:
+    """The reasoning field: `reasoning_content` (vllm serve 0.32, vllm-rs) or `reasoning`."""
+    extra = message.model_extra or {}
+    return getattr(message, "reasoning_content", None) or extra.get("reasoning_content") or extra.get("reasoning") or ""
+
+
+def _check_call(name: str, arguments: str) -> None:
+    assert name in SCHEMAS, name
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def test_auto_tool_choice_gives_calls_that_validate(client):
+    names = set()
+    for seed in range(6):
+        choice = chat(client, tools=TOOLS, tool_choice="auto", seed=seed).choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert len(choice.message.tool_calls) == 1 and not (choice.message.content or "").strip(), choice.message
+        call = choice.message.tool_calls[0].function
+        _check_call(call.name, call.arguments)
+        names.add(call.name)
+    assert names  # (which tool is drawn per request: the unit tests check both are)
+
+
+def test_auto_tool_call_streams_and_validates(client):
+    stream = chat(client, tools=TOOLS, tool_choice="auto", stream=True)
+    name, arguments, finish = None, "", None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        for call in delta.tool_calls or ():
+            name = call.function.name or name
+            arguments += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and name is not None, (name, arguments, finish)
+    _check_call(name, arguments)
+
+
+def test_vllm_xargs_ask_for_text_instead_of_a_call(client):
+    choice = chat(client, xargs={"mock_tool_call": False}, tools=TOOLS, tool_choice="auto", max_tokens=40).choices[0]
+    assert not choice.message.tool_calls and choice.message.content, choice.message
+
+
+def test_without_tools_the_answer_is_text(client):
+    choice = chat(client, max_tokens=40).choices[0]
+    assert not choice.message.tool_calls and choice.message.content and "<tool_call>" not in choice.message.content
+
+
+def test_an_empty_think_block_leaves_the_answer_in_content(client):
+    message = chat(client, xargs={"mock_reasoning_tokens": 0}, max_tokens=40).choices[0].message
+    assert not reasoning_of(message).strip() and message.content and "think>" not in message.content, message
+
+
+def test_enable_thinking_false_gives_no_block(client):
+    body = {"chat_template_kwargs": {"enable_thinking": False}}
+    message = client.chat.completions.create(model=h.MODEL_NAME, messages=MESSAGES, max_tokens=40, extra_body=body).choices[0].message
+    assert not reasoning_of(message).strip() and message.content and "think>" not in message.content, message
+
+
+def test_a_reasoning_span_goes_to_the_reasoning_field(client):
+    choice = chat(client, xargs={"mock_reasoning_tokens": 16, "mock_tool_call": False}, max_tokens=60).choices[0]
+    message = choice.message
+    reasoning = reasoning_of(message)
+    assert reasoning.strip() and "<think>" not in reasoning and "</think>" not in reasoning, message
+    assert message.content and "</think>" not in message.content, message
+
+
+def test_reasoning_before_a_tool_call(client):
+    choice = chat(client, xargs={"mock_reasoning_tokens": 12}, tools=TOOLS, tool_choice="auto").choices[0]
+    assert reasoning_of(choice.message).strip(), choice.message
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+    call = choice.message.tool_calls[0].function
+    _check_call(call.name, call.arguments)
