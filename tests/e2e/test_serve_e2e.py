@@ -354,9 +354,16 @@ def test_tools_and_reasoning_answer_tool_requests_and_plain_ones_with_200(run_se
     tools_args = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"] if kind == "python" else ["--tool-call-parser", "hermes"]
     assert frontend_argv[-7 if kind == "rust" else -8 :-1] == [*tools_args, "--reasoning-parser", "qwen3", "--max-logprobs", "30"]
     with open(f"/proc/{run.child(ENGINE_NEEDLE)}/cmdline", "rb") as f:
-        assert f.read().decode().split("\0")[-3:-1] == ["--tokenizer", str(model)]
+        engine_argv = f.read().decode().split("\0")
+    # the engine knows the served tokenizer, makes text with it, and thinks (a reasoning parser is on)
+    for flag, value in (("--tokenizer", str(model)), ("--token-source", "text"), ("--reasoning-rate", "1")):
+        assert engine_argv[engine_argv.index(flag) + 1] == value, engine_argv
 
-    # tools with tool_choice auto: the frontend takes them (the mock's text is no tool call yet)
+    # tools with tool_choice auto: the frontend takes them, and parses the engine's call
+    called = chat(url, {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER_TOOL],
+                        "tool_choice": "auto", "max_tokens": 300, "vllm_xargs": {"mock_tool_call": True}})  # fmt: skip
+    assert called["choices"][0]["finish_reason"] == "tool_calls", called
+    assert called["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == WEATHER_TOOL["function"]["name"], called
     answer = chat(url, {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER_TOOL], "tool_choice": "auto"})
     assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 5
     assert answer["usage"]["prompt_tokens"] > 150, "the tools are in the prompt (the template's # Tools section)"

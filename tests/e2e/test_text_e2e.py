@@ -136,3 +136,20 @@ def test_aiperf_counts_the_generated_tokens_and_the_step_time(stack, model_dir, 
     assert 0.98 * ITL_MS <= itl["min"] <= 1.1 * ITL_MS, itl
     implied = (latency["avg"] - ttft["avg"]) / (output_tokens - 1)
     assert abs(itl["avg"] - implied) <= 0.02 * implied, (itl, implied)
+
+
+def test_stop_strings_end_the_text_where_they_occur(stack):
+    """The frontend matches stop strings in the detokenized text: with real
+    words they occur (a sentence ends within 200 tokens), and the answer
+    ends there (finish_reason stop, fewer tokens than asked), the stop
+    string kept only when asked (include_stop_str_in_output)."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+    for _ in range(3):
+        cut = client.completions.create(model=h.MODEL_NAME, prompt="Tell me", max_tokens=200, stop=["."])
+        choice = cut.choices[0]
+        assert choice.finish_reason == "stop" and cut.usage.completion_tokens < 200, cut
+        assert choice.text and "." not in choice.text and choice.text.isprintable(), cut
+        kept = client.completions.create(model=h.MODEL_NAME, prompt="Tell me", max_tokens=200, stop=["."],
+                                         extra_body={"include_stop_str_in_output": True}).choices[0]  # fmt: skip
+        assert kept.finish_reason == "stop" and kept.text.endswith(".") and kept.text.count(".") == 1, kept
