@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from loguru import logger
 
-from . import kv_transfer
+from . import content, kv_transfer
 from .kv_cache_manager import KVCacheManager
 from .ledger import CHECKED_MEMORY, Ledger
 from .logprobs import LogprobModel
@@ -56,7 +56,6 @@ from .request import RequestStatus
 from .sampler import Sampler
 from .sched_output import PauseState
 from .scheduler import Scheduler
-from . import content
 from .tokens import RandomTokens, TokenSource, request_seed
 from .utilities import PAUSE_MODES, SUPPORTED_UTILITIES, Utilities
 from .wire.checks import MAX_XARGS_TTFT_MS, MOCK_XARGS, NO_XARGS, BadXargs, Xargs, check_xargs
