@@ -178,8 +178,12 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _list_of(value: Any, ok: Any) -> bool:
+    return isinstance(value, list) and all(ok(v) for v in value)
+
+
 def _strings(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    return _list_of(value, lambda v: isinstance(v, str))
 
 
 #: PEFTHelper's annotated field types (vllm/lora/peft_helper.py); null is
@@ -199,8 +203,11 @@ _PEFT_TYPES = {
         "an object of numbers",
         lambda v: v is None or (isinstance(v, dict) and all(_is_number(a) for a in v.values())),
     ),
-    "alora_invocation_tokens": ("a list of ints or null", lambda v: v is None or (isinstance(v, list) and all(map(_is_int, v)))),
-    "layer_replication": ("a list of [start, end] lists or null", lambda v: v is None or (isinstance(v, list) and all(isinstance(p, list) for p in v))),
+    "alora_invocation_tokens": ("a list of ints or null", lambda v: v is None or _list_of(v, _is_int)),
+    "layer_replication": (
+        "a list of [start, end] lists or null",
+        lambda v: v is None or _list_of(v, lambda p: isinstance(p, list)),
+    ),
     "use_bdlora": ("an object or null", lambda v: v is None or isinstance(v, dict)),
 }
 #: init_lora_weights values that only set the initial weights (PEFTHelper._init_is_supported)
