@@ -95,9 +95,9 @@ def not_found_message(request: LoRARequest) -> str:
 
 def check_adapter_dir(request: LoRARequest, max_lora_rank: int) -> None:
     """What vLLM's worker reads before loading weights (PEFTHelper.from_local_dir
-    and validate_legal): `<path>/adapter_config.json`, a JSON object with r,
-    lora_alpha and target_modules, r <= max_lora_rank, bias "none".
-    The weights file is not read (the mock has no weights)."""
+    and validate_legal): `<path>/adapter_config.json`, a JSON object checked
+    by `check_adapter_config`. The weights file is not read (the mock has no
+    weights)."""
     config_path = os.path.join(request.lora_path, "adapter_config.json")
     try:
         with open(config_path, encoding="utf-8") as f:
@@ -108,21 +108,116 @@ def check_adapter_dir(request: LoRARequest, max_lora_rank: int) -> None:
         raise LoRAError(f"Loading lora {request.lora_name} failed: {config_path}: {type(exc).__name__}: {str(exc):.200}") from None
     if not isinstance(config, dict):
         raise LoRAError(f"Loading lora {request.lora_name} failed: {config_path} is not a JSON object")
+    check_adapter_config(config, max_lora_rank)
+
+
+def check_adapter_config(config: Dict[str, Any], max_lora_rank: int) -> None:
+    """PEFTHelper.from_dict, __post_init__ and validate_legal on a parsed
+    adapter_config.json, with vLLM's messages. PEFTHelper is a dataclass
+    that does not enforce its annotations (a `target_modules` of 5 loads, a
+    string `lora_alpha` fails later with a TypeError); the mock checks the
+    annotated types first, so a malformed config fails here, by name."""
     missing = {k for k in _PEFT_REQUIRED if k not in config}
     if missing:
         raise LoRAError(f"Missing required configuration fields: {missing}")
-    ranks = [config["r"], *dict(config.get("rank_pattern") or {}).values()]
-    if not all(isinstance(r, int) and not isinstance(r, bool) and r > 0 for r in ranks):
-        raise LoRAError(f"LoRA rank `r` must be a positive integer, got {_cut(config['r'])}.")
-    errors = []
-    if max(ranks) > max_lora_rank:
-        errors.append(f"LoRA rank {max(ranks)} is greater than max_lora_rank {max_lora_rank}.")
+    r = config["r"]
+    if not _is_int(r) or r <= 0:
+        raise LoRAError(f"LoRA rank `r` must be a positive integer, got {_cut(r)}.")
+    for key, (what, ok) in _PEFT_TYPES.items():
+        if key in config and not ok(config[key]):
+            raise LoRAError(f"LoRA adapter_config.json `{key}` must be {what}, got {_cut(config[key])}.")
+    rank_pattern = config.get("rank_pattern") or {}
+    for key, rank in rank_pattern.items():
+        if not _is_int(rank) or rank <= 0:
+            raise LoRAError(f"LoRA rank for `{key}` in `rank_pattern` must be a positive integer, got {_cut(rank)}.")
+    errors = _unsupported_features(config)
+    max_rank = max([r, *rank_pattern.values()])
+    if max_rank > max_lora_rank:
+        errors.append(f"LoRA rank {max_rank} is greater than max_lora_rank {max_lora_rank}.")
     if config.get("bias", "none") != "none":
         errors.append("Adapter bias is not supported.")
-    if config.get("use_dora"):
-        errors.append("vLLM does not yet support DoRA.")
     if errors:
         raise LoRAError(" ".join(errors))
+
+
+def _unsupported_features(config: Dict[str, Any]) -> List[str]:
+    # PEFTHelper._validate_features, in its order and words
+    errors = []
+    unsupported = [m for m in config.get("modules_to_save") or () if m not in ("classifier", "score")]
+    if unsupported:
+        errors.append(
+            "vLLM only supports modules_to_save being either None "
+            'or ["classifier", "score"] for classification models. '
+            f"Unsupported modules_to_save: {unsupported}"
+        )
+    if config.get("use_dora"):
+        errors.append("vLLM does not yet support DoRA.")
+    if config.get("lora_bias"):
+        errors.append("vLLM does not support LoRA bias (lora_bias).")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower() not in _PLAIN_INITS:
+        errors.append(
+            f"vLLM does not support init_lora_weights={init!r}."
+            " Inits such as PiSSA, OLoRA, CorDA and LoftQ modify the base model"
+            " weights when PEFT loads the adapter. Convert it to a regular LoRA"
+            " adapter with PEFT's path_initial_model_for_weight_conversion, or"
+            " set init_lora_weights to true if the served base model already"
+            " contains the modified weights."
+        )
+    for key, message in _UNSUPPORTED.items():
+        if config.get(key):
+            errors.append(message)
+    return errors
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _list_of(value: Any, ok: Any) -> bool:
+    return isinstance(value, list) and all(ok(v) for v in value)
+
+
+def _strings(value: Any) -> bool:
+    return _list_of(value, lambda v: isinstance(v, str))
+
+
+#: PEFTHelper's annotated field types (vllm/lora/peft_helper.py); null is
+#: accepted where the field has a default, as PEFT writes null for unset ones.
+#: `r` and `bias` are checked with vLLM's own messages instead.
+_PEFT_TYPES = {
+    "lora_alpha": ("a number", _is_number),
+    "target_modules": ("a list of strings or a string", lambda v: isinstance(v, str) or _strings(v)),
+    "modules_to_save": ("a list of strings or null", lambda v: v is None or _strings(v)),
+    "use_rslora": ("a bool", lambda v: v is None or isinstance(v, bool)),
+    "use_dora": ("a bool", lambda v: v is None or isinstance(v, bool)),
+    "lora_bias": ("a bool", lambda v: v is None or isinstance(v, bool)),
+    "use_qalora": ("a bool", lambda v: v is None or isinstance(v, bool)),
+    "init_lora_weights": ("a bool or a string", lambda v: v is None or isinstance(v, (bool, str))),
+    "rank_pattern": ("an object", lambda v: v is None or isinstance(v, dict)),
+    "alpha_pattern": (
+        "an object of numbers",
+        lambda v: v is None or (isinstance(v, dict) and all(_is_number(a) for a in v.values())),
+    ),
+    "alora_invocation_tokens": ("a list of ints or null", lambda v: v is None or _list_of(v, _is_int)),
+    "layer_replication": (
+        "a list of [start, end] lists or null",
+        lambda v: v is None or _list_of(v, lambda p: isinstance(p, list)),
+    ),
+    "use_bdlora": ("an object or null", lambda v: v is None or isinstance(v, dict)),
+}
+#: init_lora_weights values that only set the initial weights (PEFTHelper._init_is_supported)
+_PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
+_UNSUPPORTED = {
+    "alora_invocation_tokens": "vLLM does not support Activated LoRA (aLoRA).",
+    "layer_replication": "vLLM does not support layer_replication.",
+    "use_bdlora": "vLLM does not support block-diagonal LoRA (BD-LoRA).",
+    "use_qalora": "vLLM does not support QALoRA.",
+}
 
 
 class _PinnedLRU:

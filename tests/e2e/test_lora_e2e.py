@@ -12,9 +12,10 @@ target_modules; no weights).
 Proved here: the static adapter is listed and served, and requests naming it
 reach the engine as that adapter (the engine log counts them per adapter); a
 runtime `/v1/load_lora_adapter` loads through the engine's add_lora, and a
-path without an adapter is refused with the engine's (vLLM's) message; with
-one GPU slot a second adapter's request waits while the first runs, and the
-frontend's `vllm:lora_requests_info` shows it waiting.
+path without an adapter is refused with the engine's (vLLM's) message, and
+one whose adapter_config.json has a field of the wrong type with the
+engine's; with one GPU slot a second adapter's request waits while the first
+runs, and the frontend's `vllm:lora_requests_info` shows it waiting.
 """
 
 from __future__ import annotations
@@ -108,8 +109,13 @@ def test_runtime_load_goes_through_the_engine(stack):
     else:
         # vllm-rs: 500 with the engine's failure message
         assert resp.status_code == 500 and "No adapter found" in resp.text, resp.text[:500]
+    # a config of the wrong type: both frontends answer 500 with the engine's message
+    (stack.adapters / "bad").mkdir()
+    (stack.adapters / "bad" / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "target_modules": 5}))
+    resp = stack.post("/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(stack.adapters / "bad")})
+    assert resp.status_code == 500 and "`target_modules` must be a list of strings or a string" in resp.text, resp.text[:500]
     models = {m["id"] for m in requests.get(stack.url("/v1/models"), timeout=10).json()["data"]}
-    assert "dyn" in models and "empty" not in models
+    assert "dyn" in models and "empty" not in models and "bad" not in models
 
 
 def newest_lora_info(text: str) -> tuple[set, set]:

@@ -163,6 +163,74 @@ def test_adapter_dir_is_read_as_vllms_worker_reads_it(tmp_path):
     assert reg.list() == [1]  # nothing failed evicted the loaded one
 
 
+# adapter_config.json fields of the wrong type, each with the words the error must carry
+BAD_CONFIG_TYPES = [
+    ({"r": "8"}, "LoRA rank `r` must be a positive integer, got '8'."),
+    ({"r": 8.0}, "LoRA rank `r` must be a positive integer, got 8.0."),
+    ({"r": True}, "LoRA rank `r` must be a positive integer, got True."),
+    ({"lora_alpha": "16"}, "`lora_alpha` must be a number, got '16'."),
+    ({"lora_alpha": None}, "`lora_alpha` must be a number, got None."),
+    ({"target_modules": 5}, "`target_modules` must be a list of strings or a string, got 5."),
+    ({"target_modules": ["q_proj", 7]}, "`target_modules` must be a list of strings or a string"),
+    ({"target_modules": None}, "`target_modules` must be a list of strings or a string, got None."),
+    ({"modules_to_save": "classifier"}, "`modules_to_save` must be a list of strings or null"),
+    ({"modules_to_save": 5}, "`modules_to_save` must be a list of strings or null, got 5."),
+    ({"use_dora": "false"}, "`use_dora` must be a bool, got 'false'."),
+    ({"use_rslora": 1}, "`use_rslora` must be a bool, got 1."),
+    ({"lora_bias": "no"}, "`lora_bias` must be a bool"),
+    ({"init_lora_weights": 0}, "`init_lora_weights` must be a bool or a string, got 0."),
+    ({"rank_pattern": ["q_proj", 4]}, "`rank_pattern` must be an object"),
+    ({"rank_pattern": {"q_proj": "4"}}, "LoRA rank for `q_proj` in `rank_pattern` must be a positive integer, got '4'."),
+    ({"alpha_pattern": {"q_proj": "x"}}, "`alpha_pattern` must be an object of numbers"),
+    ({"layer_replication": 3}, "`layer_replication` must be a list of [start, end] lists or null, got 3."),
+    ({"bias": None}, "Adapter bias is not supported."),
+    ({"bias": 0}, "Adapter bias is not supported."),
+]
+
+
+@pytest.mark.parametrize("fields,message", BAD_CONFIG_TYPES, ids=[repr(f) for f, _ in BAD_CONFIG_TYPES])
+def test_adapter_config_types_are_checked_as_peft_helper_declares_them(tmp_path, fields, message):
+    reg = AdapterRegistry(1, 1, 16, True)
+    config = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], **fields}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(LoRAError) as err:
+        reg.add(LoRARequest("a", 1, str(tmp_path / "a")))
+    assert message in str(err.value)
+    assert reg.list() == [] and reg.loads == 0
+
+
+def test_adapter_configs_peft_writes_load_and_unsupported_features_get_vllms_words(tmp_path):
+    reg = AdapterRegistry(2, 2, 16, True)
+    # what PEFT's save_pretrained writes for a plain LoRA: nulls and empty patterns load
+    plain = dict(
+        bias="none", modules_to_save=None, use_rslora=False, use_dora=False, lora_bias=False, init_lora_weights=True,
+        rank_pattern={}, alpha_pattern={}, layer_replication=None, target_modules="all-linear", lora_alpha=16.0,
+        task_type="CAUSAL_LM", peft_type="LORA",
+    )
+    assert reg.add(LoRARequest("plain", 1, adapter_dir(tmp_path, "plain", **plain)))
+    assert reg.add(LoRARequest("cls", 2, adapter_dir(tmp_path, "cls", modules_to_save=["score"], init_lora_weights="gaussian")))
+    cases = [
+        ({"modules_to_save": ["lm_head"]}, "Unsupported modules_to_save: ['lm_head']"),
+        ({"use_dora": True}, "vLLM does not yet support DoRA."),
+        ({"lora_bias": True}, "vLLM does not support LoRA bias (lora_bias)."),
+        ({"init_lora_weights": "pissa"}, "vLLM does not support init_lora_weights='pissa'."),
+        ({"alora_invocation_tokens": [1, 2]}, "vLLM does not support Activated LoRA (aLoRA)."),
+        ({"layer_replication": [[0, 4]]}, "vLLM does not support layer_replication."),
+        ({"use_bdlora": {"n": 2}}, "vLLM does not support block-diagonal LoRA (BD-LoRA)."),
+        ({"use_qalora": True}, "vLLM does not support QALoRA."),
+        ({"rank_pattern": {"q_proj": 32}}, "LoRA rank 32 is greater than max_lora_rank 16."),
+    ]
+    for i, (fields, message) in enumerate(cases):
+        with pytest.raises(LoRAError) as err:
+            reg.add(LoRARequest(f"x{i}", 10 + i, adapter_dir(tmp_path, f"x{i}", **fields)))
+        assert message in str(err.value), (fields, str(err.value))
+    # validate_legal joins every problem in one message, features first
+    with pytest.raises(LoRAError, match=r"^vLLM does not yet support DoRA\. LoRA rank 64 is greater than max_lora_rank 16\. Adapter bias is not supported\.$"):
+        reg.add(LoRARequest("y", 30, adapter_dir(tmp_path, "y", r=64, use_dora=True, bias="all")))
+    assert reg.list() == [1, 2]
+
+
 # -- the engine: utilities, ADDs, scheduling, stats ---------------------------------
 
 
