@@ -105,6 +105,8 @@ class Request:
         "lane",
         "lane_exit",
         "lane_output",
+        # speculative decoding (spec_decode.py): its acceptance draws' state
+        "spec_state",
         "sampler",
         "lora_request",
         # P/D disaggregation (kv_transfer.py)
@@ -182,6 +184,7 @@ class Request:
         #: Its `[request_id, tokens]` output, reused for every output it
         #: makes in a lane (OutputProcessor.reuse_outputs), None: a new one each time.
         self.lane_output: Optional[List[Any]] = None
+        self.spec_state: Optional[int] = None
         #: The scheduler's Sampler at its ADD (its token source and logprob
         #: model): a reload changes those for new requests only.
         self.sampler: Any = None
