@@ -16,6 +16,7 @@ from gmock_engine.spec_decode import SpecDecode, acceptance_rates, expected_toke
 from gmock_engine.wire.inputs import EngineCoreRequest
 from gmock_engine.wire.types import FinishReason
 
+import wire_rules
 from engine_steps import engine_with, outputs_of, run
 
 RATES = (0.8, 0.6, 0.4)
@@ -89,6 +90,7 @@ def test_lengths_and_finishes_stay_exact_and_stats_count_the_tokens():
                 assert size == 1
             done += size
     stats = _stats(sent)
+    assert stats and all(not wire_rules.pack_and_check(message)[1] for _, message in sent)
     assert sum(s["num_drafts"] for s in stats) == drafts
     assert sum(s["num_accepted_tokens"] for s in stats) == accepted
     assert [sum(col) for col in zip(*(s["num_accepted_tokens_per_pos"] for s in stats))][0] == sum(
@@ -151,3 +153,18 @@ def test_a_verify_step_charges_the_drafts_as_computed_tokens():
     engine.step()
     plan = engine.scheduler.schedule(engine.clock())
     assert plan.num_draft_tokens == 3 * 3 and plan.num_decode_tokens == 3
+
+
+def test_the_wire_rules_know_spec_decoding_stats():
+    from gmock_engine.spec_decode import spec_decoding_stats
+    from gmock_engine.wire.outputs import engine_core_outputs, scheduler_stats
+
+    def problems(spec):
+        message = engine_core_outputs(0, [], 1.0, scheduler_stats=scheduler_stats(0, 0, 0.0, 1, spec_decoding_stats=spec))
+        return sorted({wire_rules.rule_of(p) for p in wire_rules.pack_and_check(message)[1]})
+
+    good = spec_decoding_stats(3, 2, 6, 3, [2, 1, 0], [2, 2, 2])
+    assert problems(good) == [] and problems(None) == []
+    assert problems({k: v for k, v in good.items() if k != "num_spec_tokens"}) == ["scheduler_stats.spec"]
+    assert problems({**good, "num_accepted_tokens_per_pos": [2, 1]}) == ["scheduler_stats.spec"]
+    assert problems({**good, "num_accepted_tokens": 7}) == ["scheduler_stats.spec"]
