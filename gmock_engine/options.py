@@ -189,7 +189,8 @@ GENERATION = Group(
         Option(
             "--spec-acceptance",
             "--spec-tokens' acceptance rate per draft position, e.g. 0.8,0.6,0.4 (K rates), or one for every "
-            "position; draft i is accepted only if every earlier one was",
+            "position; draft i is accepted only if every earlier one was (per request: vllm_xargs mock_spec_acceptance, "
+            "one rate for every position)",
             default=(0.7,),
             type=rate_list,
             metavar="RATES",

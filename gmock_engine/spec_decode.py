@@ -72,6 +72,8 @@ class SpecDecode:
             state = request_seed(self.seed, self.rank, request.request_id) ^ _SALT
         accepted = 0
         thresholds = self._thresholds
+        if request.spec_rate is not None:  # vllm_xargs mock_spec_acceptance
+            thresholds = (min(int(request.spec_rate * (1 << 64)), 1 << 64),) * self.num_spec_tokens
         while accepted < drafts:
             state = (state + _GOLDEN) & _MASK
             if _mix(state) >= thresholds[accepted]:

@@ -13,6 +13,7 @@ from gmock_engine.config import ConfigError, parse_config
 from gmock_engine.latency import LatencyModel
 from gmock_engine.sched_output import SchedulerOutput
 from gmock_engine.spec_decode import SpecDecode, acceptance_rates, expected_tokens_per_step
+from gmock_engine.wire.checks import BadXargs, check_xargs
 from gmock_engine.wire.inputs import EngineCoreRequest
 from gmock_engine.wire.types import FinishReason
 
@@ -26,10 +27,11 @@ class _Req:
     def __init__(self, rid):
         self.request_id = rid
         self.spec_state = None
+        self.spec_rate = None
 
 
-def add(rid, max_tokens):
-    return EngineCoreRequest(rid, 3, max_tokens, True, client_index=0, prompt_token_ids=[1, 2, 3])
+def add(rid, max_tokens, **xargs):
+    return EngineCoreRequest(rid, 3, max_tokens, True, client_index=0, prompt_token_ids=[1, 2, 3], extra_args=xargs or None)
 
 
 def test_each_position_is_accepted_at_its_rate_given_the_earlier_ones_were():
@@ -168,3 +170,16 @@ def test_the_wire_rules_know_spec_decoding_stats():
     assert problems({k: v for k, v in good.items() if k != "num_spec_tokens"}) == ["scheduler_stats.spec"]
     assert problems({**good, "num_accepted_tokens_per_pos": [2, 1]}) == ["scheduler_stats.spec"]
     assert problems({**good, "num_accepted_tokens": 7}) == ["scheduler_stats.spec"]
+
+
+def test_vllm_xargs_mock_spec_acceptance_sets_a_request_s_rate():
+    engine = engine_with(spec_acceptance=RATES)
+    engine.apply(add("all", 41, mock_spec_acceptance=1.0))
+    engine.apply(add("none", 20, mock_spec_acceptance=0))
+    sent = run(engine)
+    assert [len(o[1]) for o in outputs_of(sent, "all")] == [4] * 10 + [1]
+    assert [len(o[1]) for o in outputs_of(sent, "none")] == [1] * 20
+    for value in (True, "0.5", float("nan"), -0.1, 1.5, [0.5]):
+        with pytest.raises(BadXargs, match="mock_spec_acceptance"):
+            check_xargs({"mock_spec_acceptance": value})
+    assert check_xargs({"mock_spec_acceptance": 1}).spec_acceptance == 1.0
