@@ -12,6 +12,9 @@ which count what it emitted. The Python frontend registers these counters
 only with a speculative config: it gets an n-gram one (no draft model to
 load) with the same K; vllm-rs exposes them without one.
 
+A request's vllm_xargs `mock_spec_acceptance` (1.0, 0) gives it K + 1 tokens a
+step, or one.
+
 Text tokens (`--token-source text` with the model dir's tokenizer) so that
 every output decodes to text and the frontends send a chunk for each.
 """
@@ -132,3 +135,13 @@ def test_streams_and_spec_decode_metrics(stack):
     except Exception:  # noqa: BLE001 - the comparison below says what differs
         pass
     assert frontend == engine
+
+
+def test_vllm_xargs_set_a_request_s_acceptance(stack):
+    """mock_spec_acceptance 1.0: every draft accepted, K + 1 tokens a step; 0: one."""
+    for rate, sizes in ((1.0, [4] * 10 + [1]), (0, [1] * 12)):
+        body = completion_body(sum(sizes), stream=True, prompt=f"acceptance {rate}", vllm_xargs={"mock_spec_acceptance": rate})
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        chunks = check_stream(stack, COMPLETIONS, body, sum(sizes))
+        seen = [c["usage"]["completion_tokens"] for c in chunks if c.get("choices") and c.get("usage")]
+        assert [b - a for a, b in zip([0] + seen, seen) if b > a] == sizes
