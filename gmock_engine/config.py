@@ -359,6 +359,7 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
             f"argument --token-id-range: {args.token_id_range} goes past "
             f"--vocab-size {args.vocab_size} (from {sources.of(sources.find('--token-id-range'))})"
         )
+    _check_spec_decode(args, sources)
     if args.processes > args.engine_count:
         raise ConfigError(
             f"argument --processes: {args.processes} processes for {args.engine_count} engine(s) "
@@ -391,6 +392,25 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
     args.faults = [spec for spec in (getattr(args, "fault_" + k.replace("-", "_")) for k in KINDS) if spec is not None]
     _check_kv_events(args, sources)
     return args
+
+
+def _check_spec_decode(args: argparse.Namespace, sources: "Sources") -> None:
+    """--spec-tokens: no fixed chunk beside it, and K acceptance rates or one."""
+    if not args.spec_tokens:
+        return
+    where = sources.of(sources.find("--spec-tokens"))
+    if args.output_token_chunk_size > 1:
+        raise ConfigError(
+            f"argument --spec-tokens: {args.spec_tokens} (from {where}) makes each step's token count from the drafts "
+            f"accepted; --output-token-chunk-size {args.output_token_chunk_size} (from "
+            f"{sources.of(sources.find('--output-token-chunk-size'))}) fixes it: give one or the other"
+        )
+    if len(args.spec_acceptance) not in (1, args.spec_tokens):
+        raise ConfigError(
+            f"argument --spec-acceptance: {len(args.spec_acceptance)} rates (from "
+            f"{sources.of(sources.find('--spec-acceptance'))}) for --spec-tokens {args.spec_tokens} (from {where}): "
+            f"give {args.spec_tokens} (one per draft position) or 1"
+        )
 
 
 def _check_kv_events(args: argparse.Namespace, sources: "Sources") -> None:

@@ -56,6 +56,7 @@ from .request import RequestStatus
 from .sampler import Sampler
 from .sched_output import PauseState
 from .scheduler import Scheduler
+from .spec_decode import SpecDecode
 from .tokens import RandomTokens, TokenSource, request_seed
 from .utilities import PAUSE_MODES, SUPPORTED_UTILITIES, Utilities
 from .wire.checks import MAX_XARGS_TTFT_MS, MOCK_XARGS, NO_XARGS, BadXargs, Xargs, check_xargs
@@ -143,6 +144,9 @@ class EngineCore:
             lora=self.lora,
             kv_transfer=self.kv_transfer,
         )
+        if settings.spec_acceptance:  # speculative decoding: a verifier's outcome per step (spec_decode.py)
+            self.scheduler.spec = SpecDecode(settings.spec_acceptance, settings.seed, settings.rank)
+            self.scheduler.spec_tokens = len(settings.spec_acceptance)
         #: makes each step's tokens and outputs from the scheduler's plan
         self.output_processor = OutputProcessor(self.scheduler, settings.reuse_outputs)
         self._cadence = StatsCadence()
@@ -568,9 +572,10 @@ class EngineCore:
         if now < cadence.quiet_until and len(scheduler.running) > len(scheduler.transferring):
             return None  # StatsCadence.due's first rule, before the counts are taken (every step)
         running, waiting = scheduler.request_counts()  # P/D: a request waiting for its KV is waiting
-        if not cadence.due(now, running, waiting, kv.usage, kv.stats_pending):
+        spec = scheduler.spec
+        if not cadence.due(now, running, waiting, kv.usage, kv.stats_pending or (spec is not None and spec.num_drafts > 0)):
             return None
-        return scheduler.scheduler_stats(kv.take_prefix_cache_stats())
+        return scheduler.scheduler_stats(kv.take_prefix_cache_stats(), spec.take_stats() if spec is not None else None)
 
     def scheduler_stats(self, prefix_cache_stats: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """The engine's SchedulerStats now (§7.1)."""

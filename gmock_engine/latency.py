@@ -84,10 +84,13 @@ class LatencyModel:
     def step_time(self, scheduler_output: "SchedulerOutput", rng: random.Random, context_tokens: int = 0) -> float:
         """Duration of the step `scheduler_output` planned (sched_output.py):
         its running batch and the prompt tokens it prefills; `context_tokens`:
-        what the running requests hold (kv_cache_manager's `tokens`)."""
+        what the running requests hold (kv_cache_manager's `tokens`). The
+        draft tokens of speculative decoding are charged as prompt tokens
+        (the linear term; their attention is not modelled)."""
         return self.step_seconds(
             scheduler_output.num_running_reqs,
-            scheduler_output.num_prefill_tokens,
+            # a verify step computes each decoding request's drafts beside its token
+            scheduler_output.num_prefill_tokens + scheduler_output.num_draft_tokens,
             rng,
             scheduler_output.prefill_attention,
             context_tokens,

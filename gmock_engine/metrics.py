@@ -55,6 +55,12 @@ class EngineCollector(Collector):
         # dropped at a full queue, replay requests served, batches replayed,
         # malformed replay requests ignored; the kv-* faults count in gmock_faults_injected
         kv_events = CounterMetricFamily("gmock_kv_events", "KV-cache event publisher counters, by name", labels=["engine", "counter"])
+        # speculative decoding (spec_decode.py): the drafts the engine verified, as its
+        # SpecDecodingStats sum them (the frontends' vllm:spec_decode_* counters)
+        spec = CounterMetricFamily("gmock_spec_decode", "speculative decoding counts, by name", labels=["engine", "counter"])
+        spec_pos = CounterMetricFamily(
+            "gmock_spec_decode_num_accepted_tokens_per_pos", "accepted draft tokens by position", labels=["engine", "position"]
+        )
         for runner in self.runners:
             publisher = getattr(runner, "kv_events", None)
             if publisher is not None:
@@ -80,12 +86,18 @@ class EngineCollector(Collector):
             bad_frames.add_metric([rank], runner.bad_frames)
             utility.add_metric([rank], engine.counters["utility_calls"])
             kv.add_metric([rank], engine.scheduler_stats()["kv_cache_usage"])
+            if engine.scheduler.spec is not None:
+                totals = engine.scheduler.spec.totals()
+                for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+                    spec.add_metric([rank, name], totals[name])
+                for position, count in enumerate(totals["num_accepted_tokens_per_pos"]):
+                    spec_pos.add_metric([rank, str(position)], count)
             queues.add_metric([rank, "input"], runner.links.input_queue.qsize())
             queues.add_metric([rank, "output"], runner.links.output_queue.qsize())
             summary = runner.step_lateness.summary()
             lateness.add_metric([rank, "0.5"], summary["p50"])
             lateness.add_metric([rank, "0.99"], summary["p99"])
-        yield from (running, waiting, started, finished, tokens, steps, preemptions, violations, bad_frames, utility, kv, queues, lateness, faults, generation, kv_events)
+        yield from (running, waiting, started, finished, tokens, steps, preemptions, violations, bad_frames, utility, kv, queues, lateness, faults, generation, kv_events, spec, spec_pos)
 
 
 class ConfigCollector(Collector):

@@ -27,6 +27,7 @@ from .validators import (
     fault,
     float_at_least,
     float_in,
+    rate_list,
     id_range,
     int_at_least,
     kv_events_config,
@@ -177,6 +178,22 @@ GENERATION = Group(
             "token ids per EngineCoreOutput and step (> 1 mimics MTP / speculative decoding)",
             default=1,
             type=int_at_least(1),
+        ),
+        Option(
+            "--spec-tokens",
+            "speculative decoding: K draft tokens verified per decoding request and step, which then emits 1 + the "
+            "accepted ones and SchedulerStats carry spec_decoding_stats (0: off; not with --output-token-chunk-size > 1)",
+            default=0,
+            type=int_at_least(0, 64),
+        ),
+        Option(
+            "--spec-acceptance",
+            "--spec-tokens' acceptance rate per draft position, e.g. 0.8,0.6,0.4 (K rates), or one for every "
+            "position; draft i is accepted only if every earlier one was (per request: vllm_xargs mock_spec_acceptance, "
+            "one rate for every position)",
+            default=(0.7,),
+            type=rate_list,
+            metavar="RATES",
         ),
         Option(
             "--vocab-size",

@@ -48,6 +48,8 @@ class OutputProcessor(LaneBooks, BatchObserver):
         self.kv: KVCacheManager = scheduler.kv
         self.wire = scheduler.wire
         self.chunk = scheduler.chunk
+        #: speculative decoding's verifier (spec_decode.py); None: off
+        self.spec = scheduler.spec
         self.counters = scheduler.counters
         self.kv_transfer = scheduler.kv_transfer
         #: The sampler of new requests, what the lanes draw from.
@@ -139,6 +141,7 @@ class OutputProcessor(LaneBooks, BatchObserver):
         `done`, those that may join a lane do so after this step's lane
         outputs. Returns the tokens emitted."""
         chunk = self.chunk
+        spec = self.spec  # a request under speculative decoding stays here: a lane emits a fixed chunk
         sampler = self.sampler
         make_output = engine_core_output
         scheduler = self._scheduler
@@ -170,6 +173,8 @@ class OutputProcessor(LaneBooks, BatchObserver):
             replaying = request.replay
             if replaying is None:
                 n = chunk if chunk < remaining else remaining
+                if spec is not None:
+                    n = spec.next_count(request, remaining)
             else:
                 n = replaying.next_count(remaining, chunk)  # --replay: the recorded output's count
             tokens, new_logprobs = self.make_tokens(request, n, n == remaining)
@@ -217,7 +222,7 @@ class OutputProcessor(LaneBooks, BatchObserver):
             elif replaying is not None:
                 # never in a lane: each output waits for its recorded time
                 self._replay_wait(request, replaying.advance(), now)
-            elif (not request.shaped or self._rows_lane(request)) and request.sampler is sampler and remaining - n > chunk:
+            elif spec is None and (not request.shaped or self._rows_lane(request)) and request.sampler is sampler and remaining - n > chunk:
                 # from its next output on, a lane does what this path would
                 # (until its last output, a preemption or a reload)
                 joining.append(request)

@@ -105,6 +105,9 @@ class Request:
         "lane",
         "lane_exit",
         "lane_output",
+        # speculative decoding (spec_decode.py): its acceptance draws' state
+        "spec_state",
+        "spec_rate",
         "sampler",
         "lora_request",
         # P/D disaggregation (kv_transfer.py)
@@ -182,6 +185,9 @@ class Request:
         #: Its `[request_id, tokens]` output, reused for every output it
         #: makes in a lane (OutputProcessor.reuse_outputs), None: a new one each time.
         self.lane_output: Optional[List[Any]] = None
+        self.spec_state: Optional[int] = None
+        #: vllm_xargs mock_spec_acceptance: every draft position's rate (None: the engine's)
+        self.spec_rate: Optional[float] = None
         #: The scheduler's Sampler at its ADD (its token source and logprob
         #: model): a reload changes those for new requests only.
         self.sampler: Any = None
@@ -239,6 +245,7 @@ def plan(
         fail_after, natural, stop_token, mode = xargs.fail_after, xargs.output_len, xargs.stop_token_id, xargs.finish
         if xargs.ttft_ms is not None:
             request.ttft_ms = xargs.ttft_ms
+        request.spec_rate = xargs.spec_acceptance
     limit = min(request.max_tokens, max(0, max_model_len - core_request.prompt_len))
     finish = _LENGTH
     # EOS ends a request only if the frontend named an EOS id: vllm-rs

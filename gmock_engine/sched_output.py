@@ -60,7 +60,10 @@ class SchedulerOutput:
       of running requests, then the admitted ones);
       `total_num_scheduled_tokens` is their sum; `prefill_attention` is
       Σ c·(p + c/2) over the step's prompt chunks (c tokens from position
-      p), the attention work of the prefill (latency_profile.py).
+      p), the attention work of the prefill (latency_profile.py);
+      `num_draft_tokens`: with speculative decoding, the K drafts each
+      decoding request verifies (spec_decode.py), computed as prompt tokens
+      are.
     * `preempted_reqs`: the requests preempted in this step (back in the
       waiting queue; nothing is admitted in such a step).
     * `rejected_reqs`: (request, error) of requests the scheduler ended
@@ -77,6 +80,7 @@ class SchedulerOutput:
         "rejected_reqs",
         "chunk",
         "prefill_attention",
+        "num_draft_tokens",
     )
 
     def __init__(
@@ -89,6 +93,7 @@ class SchedulerOutput:
         rejected_reqs: Sequence[Tuple[Request, Dict[str, Any]]] = (),
         chunk: int = 1,
         prefill_attention: float = 0.0,
+        num_draft_tokens: int = 0,
     ) -> None:
         self.scheduled_new_reqs = scheduled_new_reqs
         self.num_running_reqs = num_running_reqs
@@ -100,6 +105,9 @@ class SchedulerOutput:
         #: last output: what remains, if fewer)
         self.chunk = chunk
         self.prefill_attention = prefill_attention
+        #: speculative decoding: the draft tokens the decoding requests
+        #: verify in this step (K each, what the token budget reserves)
+        self.num_draft_tokens = num_draft_tokens
 
     @property
     def total_num_scheduled_tokens(self) -> int:

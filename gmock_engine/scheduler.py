@@ -44,6 +44,7 @@ from .request import FINISHED_STATUS, Request, RequestStatus
 from .request_queue import create_request_queue
 from .sched_output import BatchObserver, PauseState, SchedulerOutput
 from .tokens import TokenSource
+from .spec_decode import SpecDecode
 
 if TYPE_CHECKING:
     from .logprobs import LogprobModel
@@ -97,6 +98,10 @@ class Scheduler:
         self.rng = rng
         self.wire = wire
         self.chunk = chunk
+        #: speculative decoding's verifier (spec_decode.py, EngineCore sets it); None: off
+        self.spec: Optional[SpecDecode] = None
+        #: draft tokens each decoding request verifies per step (0: off)
+        self.spec_tokens = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         #: The running batch, in admission order (the newest is preempted first).
@@ -272,8 +277,10 @@ class Scheduler:
         # now: it decodes in this step, as in vLLM, and takes its budget
         busy = sum(1 for ready_at in prefilling.values() if ready_at > now) if prefilling else 0
         decode_tokens = (len(running) - busy) * self.chunk
+        # speculative decoding: each decoding request verifies its drafts too
+        draft_tokens = (len(running) - busy) * self.spec_tokens
         if budget is not None:
-            budget -= decode_tokens
+            budget -= decode_tokens + draft_tokens
             if self.chunking:
                 prefill_tokens, budget = self._continue_prefills(now, budget)
         elif self.chunking:  # a reload lifted the budget: what was chunked is prefilled now
@@ -284,7 +291,7 @@ class Scheduler:
             new, rejected = [], []
             prefill_tokens += self._admit(now, budget, new, rejected)
         return SchedulerOutput(
-            new, len(running), decode_tokens, prefill_tokens, preempted, rejected, self.chunk, self._prefill_attention
+            new, len(running), decode_tokens, prefill_tokens, preempted, rejected, self.chunk, self._prefill_attention, draft_tokens
         )
 
     def finish_step(self, scheduler_output: SchedulerOutput, finished: List[Request]) -> None:
@@ -542,8 +549,10 @@ class Scheduler:
         transferring = len(self.transferring)
         return len(self.running) - transferring, len(self.waiting) + transferring
 
-    def scheduler_stats(self, prefix_cache_stats: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-        """The engine's SchedulerStats now (§7.1)."""
+    def scheduler_stats(
+        self, prefix_cache_stats: Optional[Dict[str, Any]] = None, spec_decoding_stats: Optional[Dict[str, Any]] = None
+    ) -> Dict[str, Any]:
+        """The engine's SchedulerStats now (§7.1); the interval's counters given."""
         waiting_loras, running_loras = self.lora_adapters()
         return scheduler_stats(
             waiting_lora_adapters=waiting_loras,
@@ -553,4 +562,5 @@ class Scheduler:
             num_waiting_reqs=len(self.waiting) + len(self.transferring),
             kv_cache_usage=self.kv.usage,
             step_counter=self.counters["steps"],
+            spec_decoding_stats=spec_decoding_stats,
         )

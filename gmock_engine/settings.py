@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple
 
-from . import kv_transfer, lengths, options, replay, tokens
+from . import kv_transfer, lengths, options, replay, spec_decode, tokens
 from .content import ContentSettings
 from .faults import FaultSpec
 from .latency import LatencyModel
@@ -95,6 +95,8 @@ class EngineSettings:
     tokenizer: Optional[str] = None
     #: Tool calls and reasoning spans (content.py): their shares and lengths.
     content: ContentSettings = field(default_factory=ContentSettings)
+    #: speculative decoding (spec_decode.py): the K per-position acceptance rates; (): off
+    spec_acceptance: Tuple[float, ...] = ()
 
 
 #: The EngineSettings a reload (SIGHUP, reload.py) may change while requests
@@ -124,6 +126,8 @@ class GenerationSettings:
     output_lengths: Optional[lengths.OutputLengths]
     logprobs_top1: float
     logprobs_sampled_top1: float
+    #: --spec-tokens / --spec-acceptance: K per-position acceptance rates; (): no speculative decoding
+    spec_acceptance: Tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -231,6 +235,7 @@ def from_config(c: Any) -> Settings:
             output_lengths=lengths.from_config(c.output_len_dist, c.eos_probability),
             logprobs_top1=c.logprobs_top1,
             logprobs_sampled_top1=c.logprobs_sampled_top1,
+            spec_acceptance=spec_decode.acceptance_rates(getattr(c, "spec_tokens", 0), getattr(c, "spec_acceptance", (0.0,))),
         ),
         scheduler=SchedulerSettings(
             scheduling_policy=c.scheduling_policy,
@@ -320,4 +325,5 @@ def engine_settings(
         replay=parts.replay,
         tokenizer=gen.tokenizer,
         content=gen.content,
+        spec_acceptance=gen.spec_acceptance,
     )

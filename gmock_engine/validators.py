@@ -68,6 +68,17 @@ def float_in(low: float, high: float):
     return parse
 
 
+def rate_list(text: str) -> Tuple[float, ...]:
+    """Comma-separated numbers in [0, 1] (at least one), e.g. 0.8,0.6,0.4."""
+    parts = [part.strip() for part in str(text).split(",")]
+    if not parts or any(not part for part in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of rates")
+    return tuple(float_in(0.0, 1.0)(part) for part in parts)
+
+
+rate_list.__name__ = "rates in [0, 1]"
+
+
 def length_spec(text: str) -> str:
     """--output-len-dist: a spec lengths.OutputLengths reads (kept as text)."""
     from .lengths import OutputLengths

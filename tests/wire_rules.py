@@ -574,6 +574,29 @@ def _check_scheduler_stats(c: _Checker, stats: Any) -> None:
         value = stats.get(key)
         if value is not None and not isinstance(value, dict):
             c.add("scheduler_stats", f"{where}.{key}", f"{_short(value)} is neither nil nor a map")
+    spec = stats.get("spec_decoding_stats")
+    if isinstance(spec, dict):
+        _check_spec_decoding_stats(c, where + ".spec_decoding_stats", spec)
+
+
+def _check_spec_decoding_stats(c: _Checker, where: str, spec: Dict[str, Any]) -> None:
+    """vLLM's SpecDecodingStats (a dataclass the Python frontend decodes by
+    field name): num_spec_tokens has no default; counts are ints; the
+    per-position lists hold num_spec_tokens ints (the frontends index their
+    per-position counters by position)."""
+    if "num_spec_tokens" not in spec:
+        c.add("scheduler_stats.spec", where, "missing 'num_spec_tokens' (no default in SpecDecodingStats)")
+        return
+    k = spec["num_spec_tokens"]
+    for key in ("num_spec_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        if key in spec:
+            c.uint("scheduler_stats.spec", f"{where}.{key}", spec[key], U64_MAX, "u64")
+    for key in ("num_accepted_tokens_per_pos", "num_draft_tokens_per_pos"):
+        value = spec.get(key, [])
+        if not (isinstance(value, (list, tuple)) and all(_is_int(v) and v >= 0 for v in value)) or (value and len(value) != k):
+            c.add("scheduler_stats.spec", f"{where}.{key}", f"{_short(value)} is not a list of {k} counts")
+    if _is_int(spec.get("num_accepted_tokens")) and _is_int(spec.get("num_draft_tokens")) and spec["num_accepted_tokens"] > spec["num_draft_tokens"]:
+        c.add("scheduler_stats.spec", where, "more tokens accepted than drafted")
 
 
 def _check_prefix_cache_stats(c: _Checker, where: str, value: Any, required: bool) -> None:

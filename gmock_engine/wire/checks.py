@@ -27,7 +27,7 @@ KV_XARGS = ("mock_kv_load", "mock_kv_transfer_delay_ms")
 #: The vllm_xargs keys the engine reads (docs/scheduling-and-latency.md, "Per-request scenarios"); any
 #: other `mock_` key is refused, so a typo is an error and not a silent no-op.
 MOCK_XARGS = ("mock_output_len", "mock_stop_token_id", "mock_finish", "mock_fail_after", "mock_ttft_ms",
-              "mock_tool_call", "mock_reasoning_tokens") + KV_XARGS  # fmt: skip
+              "mock_tool_call", "mock_reasoning_tokens", "mock_spec_acceptance") + KV_XARGS  # fmt: skip
 #: Upper bound of mock_reasoning_tokens.
 MAX_REASONING_TOKENS = 1 << 20
 #: Upper bound of mock_kv_transfer_delay_ms (one hour).
@@ -60,6 +60,8 @@ class Xargs(NamedTuple):
     tool_call: Optional[bool] = None
     #: mock_reasoning_tokens: ids of the <think> span (0: none) (content.py)
     reasoning_tokens: Optional[int] = None
+    #: mock_spec_acceptance: the acceptance rate of every draft position (spec_decode.py)
+    spec_acceptance: Optional[float] = None
 
 
 #: What a request without vllm_xargs has (most requests).
@@ -92,8 +94,13 @@ def check_xargs(xargs: Dict[str, Any]) -> Xargs:
             raise BadXargs(f"mock_tool_call must be true or false (or 1, 0), not {cut(tool_call)}")
         tool_call = bool(tool_call)
     reasoning = _xarg_int(xargs, "mock_reasoning_tokens", 0, MAX_REASONING_TOKENS)
+    spec = xargs.get("mock_spec_acceptance")
+    if spec is not None:
+        if isinstance(spec, bool) or not isinstance(spec, (int, float)) or not 0 <= spec <= 1:
+            raise BadXargs(f"mock_spec_acceptance must be a number in 0..1, not {cut(spec)}")  # also nan
+        spec = float(spec)
     fails, delay_s = _kv_scenario(xargs)
-    return Xargs(fail_after, output_len, stop_token, mode, ttft, fails, delay_s, tool_call, reasoning)
+    return Xargs(fail_after, output_len, stop_token, mode, ttft, fails, delay_s, tool_call, reasoning, spec)
 
 
 def _xarg_int(xargs: Dict[str, Any], key: str, low: int, high: int) -> Optional[int]:

@@ -177,6 +177,7 @@ def scheduler_stats(
     prefix_cache_stats: Optional[Dict[str, Any]] = None,
     waiting_lora_adapters: Optional[Dict[str, int]] = None,
     running_lora_adapters: Optional[Dict[str, int]] = None,
+    spec_decoding_stats: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """A SchedulerStats map with the full 0.33 key set (§7.1).
 
@@ -206,7 +207,8 @@ def scheduler_stats(
         },
         "connector_prefix_cache_stats": None,
         "kv_cache_eviction_events": [],
-        "spec_decoding_stats": None,
+        # the drafts since the last stats (spec_decode.py), None without any
+        "spec_decoding_stats": spec_decoding_stats,
         "kv_connector_stats": None,
         "ec_connector_stats": None,
         # requests per LoRA adapter name (vllm:lora_requests_info, lora.py)

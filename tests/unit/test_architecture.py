@@ -25,6 +25,7 @@ PURE = [
     "sched_output",
     "output_processor",
     "lanes",
+    "spec_decode",
     "outbox",
     "utilities",
     "tokens",
