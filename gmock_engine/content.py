@@ -250,17 +250,10 @@ def _call(request: Any, tokenizer: Tokenizer, tool: Tool, seed: int, rank: int, 
     """The ids of one hermes call of `tool` (markers included, no EOS), and
     whether it is whole (else `cap` cut it)."""
     mark = markers(tokenizer)
-    generator = structured_output.for_tokenizer(tokenizer)
-    source = request.sampler.tokens
-    state = [request.rng_state]
-
-    def prefer() -> int:
-        ids, state[0] = source.draw(state[0], 1)
-        return ids[0]
-
     params = StructuredOutputsParams("json", call_schema(tool))
     limit = max(0, cap - len(mark.tool_open) - len(mark.tool_close))
-    answer = generator.generate(params, request_seed(seed, rank, request.request_id) ^ _SEED_SALT ^ 1, limit, None, prefer)
+    answer, _ = structured_output.answer_for(request, structured_output.for_tokenizer(tokenizer), params,
+                                             request_seed(seed, rank, request.request_id) ^ _SEED_SALT ^ 1, limit, None)  # fmt: skip
     if not answer.ended:
         return (mark.tool_open + list(answer.token_ids))[:cap], False
     return mark.tool_open + list(answer.token_ids) + mark.tool_close, True

@@ -146,7 +146,6 @@ class EngineCore:
         )
         if settings.spec_acceptance:  # speculative decoding: a verifier's outcome per step (spec_decode.py)
             self.scheduler.spec = SpecDecode(settings.spec_acceptance, settings.seed, settings.rank)
-            self.scheduler.spec_tokens = len(settings.spec_acceptance)
         #: makes each step's tokens and outputs from the scheduler's plan
         self.output_processor = OutputProcessor(self.scheduler, settings.reuse_outputs)
         self._cadence = StatsCadence()

@@ -100,8 +100,6 @@ class Scheduler:
         self.chunk = chunk
         #: speculative decoding's verifier (spec_decode.py, EngineCore sets it); None: off
         self.spec: Optional[SpecDecode] = None
-        #: draft tokens each decoding request verifies per step (0: off)
-        self.spec_tokens = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         #: The running batch, in admission order (the newest is preempted first).
@@ -278,7 +276,8 @@ class Scheduler:
         busy = sum(1 for ready_at in prefilling.values() if ready_at > now) if prefilling else 0
         decode_tokens = (len(running) - busy) * self.chunk
         # speculative decoding: each decoding request verifies its drafts too
-        draft_tokens = (len(running) - busy) * self.spec_tokens
+        spec = self.spec
+        draft_tokens = 0 if spec is None else (len(running) - busy) * spec.num_spec_tokens
         if budget is not None:
             budget -= decode_tokens + draft_tokens
             if self.chunking:

@@ -338,6 +338,22 @@ class RepeatToken:
 _SEED_SALT = 0x5EED5EED5EED5EED
 
 
+def answer_for(request: Any, generator: StructuredOutputs, params: StructuredOutputsParams, seed: int, limit: int,
+               eos: Optional[int]) -> Tuple[Answer, Any]:  # fmt: skip
+    """`generator.generate` for a planned request, preferring its token
+    source's ids from its position on; the answer, and the source's state
+    after the ids it drew."""
+    draw = request.sampler.tokens.draw
+    state = [request.rng_state]
+
+    def prefer() -> int:
+        ids, state[0] = draw(state[0], 1)
+        return ids[0]
+
+    answer = generator.generate(params, seed, limit, eos, prefer)
+    return answer, state[0]
+
+
 def follow(request: Any, core_request: EngineCoreRequest, tokenizer: Tokenizer, seed: int, rank: int, cap: int) -> None:
     """Make a planned request (request.plan) answer its structured-output
     constraint: its whole answer generated now (at most `cap` ids: its
@@ -354,14 +370,8 @@ def follow(request: Any, core_request: EngineCoreRequest, tokenizer: Tokenizer, 
     stops = eos is not None and not core_request.ignore_eos
     sampler = request.sampler
     source = sampler.tokens
-    state = [request.rng_state]
-    draw = source.draw
-
-    def prefer() -> int:
-        ids, state[0] = draw(state[0], 1)
-        return ids[0]
-
-    answer = generator.generate(params, request_seed(seed, rank, request.request_id) ^ _SEED_SALT, cap, eos if stops else None, prefer)
+    answer, after = answer_for(request, generator, params, request_seed(seed, rank, request.request_id) ^ _SEED_SALT, cap,
+                               eos if stops else None)  # fmt: skip
     ids = answer.token_ids
     fallback: Any = source
     if answer.ended and stops:
@@ -377,6 +387,6 @@ def follow(request: Any, core_request: EngineCoreRequest, tokenizer: Tokenizer, 
     request.max_tokens = length
     request.stop_reason = request.last_token = None
     request.sampler = Sampler(RecordedTokens(ids, fallback), sampler.logprobs)
-    request.rng_state = (0, state[0] if fallback is source else 0)
+    request.rng_state = (0, after if fallback is source else 0)
     request.stop_ids = request.pool = request.alternatives = request.banned = None
     request.forced = request.shaped = False

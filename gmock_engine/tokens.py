@@ -232,7 +232,7 @@ class FileTokens(TokenPool):
 
     def only_emits(self, state: int, ids: AbstractSet[int]) -> bool:
         """True when every id of the file is in `ids`."""
-        return self._distinct <= ids if isinstance(ids, (set, frozenset)) else all(t in ids for t in self._distinct)
+        return _covers(ids, self._distinct)
 
     def avoid(self, tokens: List[int], ids: AbstractSet[int]) -> List[int]:
         return _avoid_by_increment(tokens, ids)
@@ -340,7 +340,7 @@ class TextTokens(TokenPool):
 
     def only_emits(self, state: int, ids: AbstractSet[int]) -> bool:
         """True when every id of the pool is in `ids`."""
-        return self._distinct <= ids if isinstance(ids, (set, frozenset)) else all(t in ids for t in self._distinct)
+        return _covers(ids, self._distinct)
 
     def avoid(self, tokens: List[int], ids: AbstractSet[int]) -> List[int]:
         """Each drawn id in `ids` becomes a filler word or punctuation
@@ -381,6 +381,11 @@ class RecordedTokens:
 
     def avoid(self, tokens: List[int], ids: AbstractSet[int]) -> List[int]:
         return self.fallback.avoid(tokens, ids)
+
+
+def _covers(ids: AbstractSet[int], distinct: frozenset) -> bool:
+    """Whether `ids` holds every id of `distinct` (a file's or a text pool's ids)."""
+    return distinct <= ids if isinstance(ids, (set, frozenset)) else all(t in ids for t in distinct)
 
 
 def _avoid_by_increment(tokens: List[int], ids: AbstractSet[int]) -> List[int]:
