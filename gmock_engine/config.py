@@ -25,7 +25,8 @@ import configargparse
 
 from . import __version__
 from .faults import KINDS
-from .options import GROUPS, add_groups, long_flag
+from .option import add_groups, long_flag
+from .options import GROUPS
 
 ENV_PREFIX = "GMOCK_"
 CONFIG_SECTION = "gmock_engine"

@@ -13,7 +13,8 @@ import argparse
 from typing import List
 
 from ..config import CONFIG_SECTION, ENV_PREFIX, SERVE_SECTION, build_parser, env_name, ini_text
-from ..options import OPTIONS, long_flag
+from ..option import long_flag
+from ..options import OPTIONS
 from .serve_config import SERVE_ENV_PREFIX, build_serve_parser
 
 #: How to regenerate docs/configuration.md (the page says it; its test names it).

@@ -20,7 +20,7 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 import configargparse
 
 from ..config import ENV_PREFIX, SERVE_SECTION, ConfigError, Source, Sources, env_name, ini_reader, ini_text, new_parser
-from ..options import Group, Option, add_groups, long_flag
+from ..option import Group, Option, add_groups, long_flag
 from ..validators import choice, float_at_least, int_at_least, nonempty
 
 #: Serve's options in the environment: GMOCK_SERVE_<FLAG> (the engine's: GMOCK_<FLAG>).

@@ -38,6 +38,7 @@ PURE = [
     "lengths",
     "reload",
     "config",
+    "option",
     "options",
     "validators",
     "settings",
