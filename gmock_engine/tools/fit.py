@@ -282,7 +282,7 @@ def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None, inpu
     if profile.input_delay_ms:
         d = sorted(input_delays)
         report.append(
-            f"input delay (ADD relayed -> engine queued), {len(d)} requests that came alone: p50 {quantile(d, 0.5):.2f} ms, "
+            f"input delay (ADD relayed -> engine queued), {len(d)} requests that found the engine idle: p50 {quantile(d, 0.5):.2f} ms, "
             f"p90 {quantile(d, 0.9):.2f} ms, p99 {quantile(d, 0.99):.2f} ms"
         )
     report.append(f"chosen: {chosen.name}; its residuals on the steps it was fitted to:")

@@ -32,6 +32,8 @@ Utility replies are not steps. Records of several engines are split by rank.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional
 
@@ -255,26 +257,51 @@ def input_delays_ms(records: List[Dict[str, Any]]) -> List[float]:
     """Per request, ms from the tap relaying its ADD to the engine queueing
     it (its QUEUED event, §4.5): the engine's input path (receiving,
     decoding, preparing the request), which a request's first token waits
-    for on top of its steps. Only requests that came alone (no other ADD to
-    the engine in the ISOLATED_S before) count: in a burst each also waits
-    for the ones before it, and the mock draws each delay independently.
-    The engine clock is moved onto the tap's by the smallest lag of its
-    outputs (an engine whose outputs are not all stamped has none); a
-    request the tap was slow to stamp can come out below 0 and counts as 0."""
+    for on top of its steps. A real engine queues a request only between
+    two steps, so an ADD that comes while it runs requests also waits for
+    the step in progress; the mock's scheduler makes that wait itself (it
+    admits at a step boundary), so only the requests that found the engine
+    idle count: every request before them had finished, and no other ADD
+    came in the ISOLATED_S before (in a burst each waits for the ones
+    before it). The engine clock is moved onto the tap's by the smallest
+    lag of its outputs (an engine whose outputs are not all stamped has
+    none); a request the tap was slow to stamp can come out below 0 and
+    counts as 0."""
     delays: List[float] = []
     for rank in _ranks(records):
-        adds, _, outputs = _engine_records(records, rank)
+        adds, aborts, outputs = _engine_records(records, rank)
         offset = _clock_offset(outputs)
         if offset is None:
             continue
         queued = _first_events(outputs, QUEUED)
+        ended = _end_times(aborts, outputs, offset)
         previous = None
+        busy_until = -math.inf  # when every request added so far had ended
         for add in adds:
             alone = previous is None or add["t"] - previous >= ISOLATED_S
             previous = add["t"]
-            if alone and add["request_id"] in queued:
+            idle = busy_until <= add["t"]
+            busy_until = max(busy_until, ended.get(add["request_id"], math.inf))
+            if alone and idle and add["request_id"] in queued:
                 delays.append(max(0.0, (queued[add["request_id"]] + offset - add["t"]) * 1000.0))
     return delays
+
+
+def _end_times(aborts: List[Dict[str, Any]], outputs: List[Dict[str, Any]], offset: float) -> Dict[str, float]:
+    """Request id -> when it left the engine, on the tap's clock: the output
+    that finished it (engine clock + `offset`), or the ABORT relayed."""
+    ended: Dict[str, float] = {}
+    for record in outputs:
+        t = record["engine_timestamp"] + offset
+        for item in record.get("requests", ()):
+            if item.get("finish_reason") is not None:
+                ended.setdefault(item["id"], t)
+        for rid in record.get("finished_requests") or ():
+            ended.setdefault(rid, t)
+    for record in aborts:
+        for rid in record.get("request_ids", ()):
+            ended.setdefault(rid, record["t"])
+    return ended
 
 
 def steps_from_trace(records: List[Dict[str, Any]], max_num_batched_tokens: Optional[int] = None) -> List[Step]:

@@ -194,3 +194,30 @@ def test_engine_clock_times_steps_and_the_input_delay():
     assert (first.batch, first.prefill_tokens, second.batch, second.decode) == (1, 64, 1, 1)
     assert second.duration_ms == pytest.approx(4.0)  # not the 43.9 ms between the receive times
     assert input_delays_ms(records) == [pytest.approx(2.1)]
+
+
+def test_the_input_delay_counts_only_requests_that_found_the_engine_idle():
+    """An ADD that comes while another request runs waits for the step in
+    progress before the engine queues it: that wait is the scheduler's (the
+    mock admits at a step boundary), not the input path's, so it is left out."""
+    from gmock_engine.tools.steps import input_delays_ms
+
+    def output(t, engine_t, items, finished=None):
+        return {"kind": "output", "t": t, "rank": 0, "client": 0, "engine_timestamp": engine_t,
+                "finished_requests": finished, "requests": items}  # fmt: skip
+
+    def add(t, rid):
+        return {"kind": "add", "t": t, "rank": 0, "client": 0, "request_id": rid, "prompt_len": 64, "max_tokens": 2}
+
+    # engine clock = tap clock - 5 s, outputs relayed 0.1 ms late
+    records = [
+        add(10.000, "a"),  # idle engine: 1 ms to QUEUED
+        output(10.0101, 5.010, [{"id": "a", "tokens": 1, "finish_reason": None, "events": [[1, 5.001], [2, 5.001]]}]),
+        add(10.100, "b"),  # a still runs: QUEUED only when its step ends, 6 ms later
+        output(10.1061, 5.106, [{"id": "a", "tokens": 1, "finish_reason": None},
+                                {"id": "b", "tokens": 1, "finish_reason": None, "events": [[1, 5.106], [2, 5.106]]}]),
+        output(10.2001, 5.200, [{"id": "a", "tokens": 1, "finish_reason": 1}, {"id": "b", "tokens": 1, "finish_reason": 1}]),
+        add(10.300, "c"),  # idle again: 2 ms
+        output(10.3101, 5.310, [{"id": "c", "tokens": 1, "finish_reason": 1, "events": [[1, 5.302], [2, 5.302]]}]),
+    ]  # fmt: skip
+    assert input_delays_ms(records) == [pytest.approx(1.1), pytest.approx(2.1)]
