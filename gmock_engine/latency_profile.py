@@ -21,8 +21,11 @@ A step's time, in ms, is the sum of
   decode step's attention reads;
 
 times a factor drawn from the step's spread: the quantiles of measured /
-predicted step time of the fit, one set for steps that prefill and one for
-steps that only decode, sampled by inverse transform. A request's first
+predicted step time of the fit, sampled by inverse transform; one set for
+steps that only decode, and for steps that prefill one set per bin of the
+prompt tokens they compute (`spread_prefill_bins`, the upper edges: a real
+step's variation is about the same in ms whatever its prompt, so a long
+prefill varies less in proportion than a short one). A request's first
 token also waits for the engine's input delay (from its arrival to its
 queueing in the engine), drawn from its measured quantiles.
 
@@ -35,7 +38,7 @@ from __future__ import annotations
 import configparser
 import hashlib
 import random
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -58,7 +61,10 @@ class StepProfile:
     context_ms_per_ktoken: float = 0.0
     #: quantiles of measured / predicted at evenly spaced probabilities 0..1
     spread_decode: Tuple[float, ...] = ()
-    spread_prefill: Tuple[float, ...] = ()
+    #: prefill steps: one set per bin of prefill tokens (bins: the upper
+    #: edges, the last bin open above them)
+    spread_prefill: Tuple[Tuple[float, ...], ...] = ()
+    spread_prefill_bins: Tuple[int, ...] = ()
     #: quantiles of the engine's input delay, ms: from a request's arrival
     #: to its queueing in the engine, which its first token waits for
     input_delay_ms: Tuple[float, ...] = ()
@@ -73,10 +79,18 @@ class StepProfile:
                 raise ProfileError(f"{name}: must be >= 0")
         if any(not v >= 0.0 for v in self.step_ms):
             raise ProfileError("step_ms: values must be >= 0")
-        for name in ("spread_decode", "spread_prefill", "input_delay_ms"):
-            values = getattr(self, name)
+        for name, values in (("spread_decode", self.spread_decode), ("input_delay_ms", self.input_delay_ms), *(("spread_prefill", q) for q in self.spread_prefill)):
             if len(values) == 1 or any(not v >= 0.0 for v in values) or any(a > b for a, b in zip(values, values[1:])):
                 raise ProfileError(f"{name}: at least two non-decreasing factors >= 0 (or none)")
+        edges = self.spread_prefill_bins
+        if any(e < 1 for e in edges) or any(a >= b for a, b in zip(edges, edges[1:])):
+            raise ProfileError("spread_prefill_bins: increasing prompt token counts, each at least 1")
+        if edges and len(self.spread_prefill) != len(edges) + 1:
+            raise ProfileError(
+                f"spread_prefill: {len(edges) + 1} sets (one per bin of spread_prefill_bins, separated by |), got {len(self.spread_prefill)}"
+            )
+        if not edges and len(self.spread_prefill) > 1:
+            raise ProfileError("spread_prefill: several sets need spread_prefill_bins (their upper edges)")
 
     def batch_ms(self, batch: int) -> float:
         """The table's step time for `batch` running requests."""
@@ -101,9 +115,14 @@ class StepProfile:
             + self.context_ms_per_ktoken * context_tokens / 1000.0
         )
 
-    def spread(self, prefill: bool, rng: random.Random) -> float:
-        """A factor drawn from the measured spread of such steps (1.0: none)."""
-        return _draw(self.spread_prefill if prefill else self.spread_decode, rng, 1.0)
+    def spread(self, prefill_tokens: int, rng: random.Random) -> float:
+        """A factor drawn from the measured spread of steps that prefill this
+        many tokens (0: decode-only steps); 1.0: none."""
+        if not prefill_tokens:
+            return _draw(self.spread_decode, rng, 1.0)
+        if not self.spread_prefill:
+            return 1.0
+        return _draw(self.spread_prefill[bisect_left(self.spread_prefill_bins, prefill_tokens)], rng, 1.0)
 
     def input_delay(self, rng: random.Random) -> float:
         """A request's input delay, ms, drawn from the measured ones (0: none)."""
@@ -111,7 +130,7 @@ class StepProfile:
 
     def sample_ms(self, batch: int, prefill_tokens: int, prefill_attention: float, context_tokens: int, rng: random.Random) -> float:
         """One step's time, ms: the prediction times a drawn spread."""
-        return self.predict_ms(batch, prefill_tokens, prefill_attention, context_tokens) * self.spread(prefill_tokens > 0, rng)
+        return self.predict_ms(batch, prefill_tokens, prefill_attention, context_tokens) * self.spread(prefill_tokens, rng)
 
 
 def _draw(q: Tuple[float, ...], rng: random.Random, none: float) -> float:
@@ -130,6 +149,12 @@ def _floats(text: str) -> Tuple[float, ...]:
     return tuple(float(v) for v in text.replace(",", " ").split())
 
 
+def _whole(key: str, numbers: Tuple[float, ...]) -> Tuple[int, ...]:
+    if any(n != int(n) for n in numbers):
+        raise ProfileError(f"{key}: token and request counts are whole numbers")
+    return tuple(int(n) for n in numbers)
+
+
 _KEYS = (
     "version",
     "batch",
@@ -139,6 +164,7 @@ _KEYS = (
     "context_ms_per_ktoken",
     "spread_decode",
     "spread_prefill",
+    "spread_prefill_bins",
     "input_delay_ms",
 )
 
@@ -169,14 +195,20 @@ def parse_profile(text: str, source: str = "<profile>") -> StepProfile:
                 raise ProfileError(f"{source}: missing key {key}")
             continue
         try:
-            numbers = _floats(section[key])
+            sets = tuple(_floats(part) for part in section[key].split("|"))
         except ValueError:
             raise ProfileError(f"{source}: {key}: not a list of numbers: {section[key]!r}") from None
-        if key == "batch":
-            if any(n != int(n) for n in numbers):
-                raise ProfileError(f"{source}: batch: request counts are whole numbers")
-            values[key] = tuple(int(n) for n in numbers)
-        elif key in ("step_ms", "spread_decode", "spread_prefill", "input_delay_ms"):
+        if len(sets) > 1 and key != "spread_prefill":
+            raise ProfileError(f"{source}: {key}: one list of numbers expected (| only separates spread_prefill's sets)")
+        numbers = sets[0]
+        if key == "spread_prefill":
+            values[key] = sets if any(sets) else ()
+        elif key in ("batch", "spread_prefill_bins"):
+            try:
+                values[key] = _whole(key, numbers)
+            except ProfileError as exc:
+                raise ProfileError(f"{source}: {exc}") from None
+        elif key in ("step_ms", "spread_decode", "input_delay_ms"):
             values[key] = numbers
         else:
             if len(numbers) != 1:
@@ -242,9 +274,11 @@ def format_profile(profile: StepProfile, comment: Optional[Sequence[str]] = None
         f"prefill_attention_ms = {profile.prefill_attention_ms:.5g}",
         "# ms per 1000 tokens held by the running requests (prompt + generated)",
         f"context_ms_per_ktoken = {profile.context_ms_per_ktoken:.5g}",
-        "# measured / predicted step time, quantiles at evenly spaced probabilities",
+        "# measured / predicted step time, quantiles at evenly spaced probabilities: decode-only steps,",
+        "# and steps that prefill, one set per bin of prefill tokens (the bins' upper edges; sets separated by |)",
         f"spread_decode = {_join(profile.spread_decode)}",
-        f"spread_prefill = {_join(profile.spread_prefill)}",
+        f"spread_prefill_bins = {' '.join(str(e) for e in profile.spread_prefill_bins)}",
+        f"spread_prefill = {' | '.join(_join(q) for q in profile.spread_prefill)}",
         "# ms from a request's arrival to the engine queueing it, quantiles at evenly spaced probabilities",
         f"input_delay_ms = {_join(profile.input_delay_ms)}",
     ]

@@ -19,9 +19,12 @@ by 1/time² so that every step counts by its relative error):
   … as far as the steps reach (the non-linear growth with the batch), plus
   the three other terms.
 
-The spread around the chosen model (measured / predicted, steps that
-prefill apart from those that only decode) goes into the profile as
-quantiles; the engine draws each step's factor from them.
+The spread around the chosen model (measured / predicted) goes into the
+profile as quantiles, the engine draws each step's factor from them: one
+set for steps that only decode, and for steps that prefill one set per bin
+of the prompt tokens they compute, the bins (none, or 2 or 3 of equal
+counts) chosen by the mean pinball loss at SCORED_QUANTILES of held-out
+prefill steps over the same folds.
 """
 
 from __future__ import annotations
@@ -49,6 +52,11 @@ SPREAD_POINTS = 101
 #: maximum: one stall (a garbage collection, a page fault) in a recording
 #: would otherwise stand for 1 % of the mock's steps.
 SPREAD_TOP = 0.999
+#: The quantiles of a held-out step's time at which a binning of the
+#: prefill spread is scored: the mock draws from the whole distribution.
+SCORED_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
+#: The fewest prefill steps a bin of the spread is made of.
+MIN_BIN_STEPS = 30
 
 
 @dataclass(frozen=True)
@@ -222,9 +230,65 @@ def spread(profile: StepProfile, steps: Sequence[Step], points: int = SPREAD_POI
     return _quantiles(ratios, points) if len(ratios) >= 2 else ()
 
 
+def _pinball(y: float, predicted: float, q: float) -> float:
+    return max(q * (y - predicted), (q - 1.0) * (y - predicted))
+
+
+def prefill_bin_choices(steps: Sequence[Step]) -> List[Tuple[int, ...]]:
+    """The bins the prefill spread may have (their upper edges): none, and
+    2 or 3 of equal counts of the prefill steps, each of MIN_BIN_STEPS."""
+    tokens = sorted(s.prefill_tokens for s in steps if s.prefill_tokens)
+    choices: List[Tuple[int, ...]] = [()]
+    for bins in (2, 3):
+        edges = tuple(dict.fromkeys(tokens[len(tokens) * i // bins - 1] for i in range(1, bins))) if tokens else ()
+        counts = [sum(1 for t in tokens if lo < t <= hi) for lo, hi in zip((0,) + edges, edges + (math.inf,))]
+        if len(edges) == bins - 1 and min(counts) >= MIN_BIN_STEPS:
+            choices.append(edges)
+    return choices
+
+
+def _binned(profile: StepProfile, steps: Sequence[Step], edges: Tuple[int, ...]) -> List[List[float]]:
+    """Measured / predicted of `steps` (prefill steps), sorted, per bin of `edges`."""
+    bins: List[List[float]] = [[] for _ in range(len(edges) + 1)]
+    for s in steps:
+        p = predict(profile, s)
+        if p > 0:
+            bins[bisect_left(edges, s.prefill_tokens)].append(s.duration_ms / p)
+    return [sorted(b) for b in bins]
+
+
+def bin_scores(candidate: "Candidate", steps: Sequence[Step], folds: int, choices: Sequence[Tuple[int, ...]]) -> List[float]:
+    """Per choice of bins: the mean pinball loss (ms) at SCORED_QUANTILES of
+    held-out prefill steps' times, predicted by a fit on the other folds
+    with its spread in those bins."""
+    n = len(steps)
+    totals = [0.0] * len(choices)
+    count = 0
+    for k in range(folds):
+        lo, hi = n * k // folds, n * (k + 1) // folds
+        train = list(steps[:lo]) + list(steps[hi:])
+        test = [s for s in steps[lo:hi] if s.prefill_tokens]
+        if not train or not test:
+            continue
+        profile = fit_candidate(candidate, train)
+        train_prefill = [s for s in train if s.prefill_tokens]
+        for i, edges in enumerate(choices):
+            bins = [[quantile(b, q) for q in SCORED_QUANTILES] if b else [1.0] * len(SCORED_QUANTILES) for b in _binned(profile, train_prefill, edges)]
+            for s in test:
+                p = predict(profile, s)
+                factors = bins[bisect_left(edges, s.prefill_tokens)]
+                totals[i] += sum(_pinball(s.duration_ms, p * f, q) for q, f in zip(SCORED_QUANTILES, factors))
+        count += len(test) * len(SCORED_QUANTILES)
+    return [t / count if count else math.nan for t in totals]
+
+
 def _quantiles(sorted_values: Sequence[float], points: int = SPREAD_POINTS) -> Tuple[float, ...]:
     last = points - 1
     return tuple(quantile(sorted_values, i / last if i < last else SPREAD_TOP) for i in range(points))
+
+
+def _bins_text(edges: Tuple[int, ...]) -> str:
+    return "one set" if not edges else "tokens " + " | ".join(f"<= {e}" for e in edges) + f" | > {edges[-1]}"
 
 
 def summary(errors: Sequence[float]) -> str:
@@ -273,10 +337,17 @@ def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None, inpu
     profile = fit_candidate(chosen, usable)
     decode = [s for s in usable if not s.prefill_tokens]
     prefill = [s for s in usable if s.prefill_tokens]
+    choices = prefill_bin_choices(prefill)
+    scores = bin_scores(chosen, usable, folds, choices) if len(choices) > 1 else [0.0]
+    edges = choices[min(range(len(choices)), key=lambda i: (scores[i], i))]  # ties (or nan): fewer bins
+    if len(choices) > 1:
+        scored = ", ".join(f"{_bins_text(c)} {score:.3f}" for c, score in zip(choices, scores))
+        report.append(f"prefill spread bins by held-out pinball loss (ms): {scored}; chosen: {_bins_text(edges)}")
     profile = dataclasses.replace(
         profile,
         spread_decode=spread(profile, decode),
-        spread_prefill=spread(profile, prefill),
+        spread_prefill=tuple(_quantiles(b) for b in _binned(profile, prefill, edges)) if len(prefill) >= 2 else (),
+        spread_prefill_bins=edges if len(prefill) >= 2 else (),
         input_delay_ms=_quantiles(sorted(input_delays)) if len(input_delays) >= 2 else (),
     )
     if profile.input_delay_ms:

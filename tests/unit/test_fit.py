@@ -6,6 +6,7 @@ must be the steps the engine timed, and the fit must recover the profile.
 That ties the fit's definitions of a step's composition to the engine's.
 """
 
+import dataclasses
 import random
 
 import msgpack
@@ -132,7 +133,7 @@ def test_fit_recovers_the_profile_and_prefers_the_table():
 def test_fit_recovers_the_spread():
     spread = tuple(0.8 + 0.4 * i / 10 for i in range(11))  # uniform on [0.8, 1.2]
     noisy = StepProfile(TRUE.batch, TRUE.step_ms, TRUE.prefill_ms_per_token, TRUE.prefill_attention_ms,
-                        TRUE.context_ms_per_ktoken, spread_decode=spread, spread_prefill=spread)
+                        TRUE.context_ms_per_ktoken, spread_decode=spread, spread_prefill=(spread,))
     records, _ = simulate(noisy, workload(300, seed=3))
     result = fitting.fit(steps_from_trace(records))
     p = result.profile
@@ -221,3 +222,22 @@ def test_the_input_delay_counts_only_requests_that_found_the_engine_idle():
         output(10.3101, 5.310, [{"id": "c", "tokens": 1, "finish_reason": 1, "events": [[1, 5.302], [2, 5.302]]}]),
     ]  # fmt: skip
     assert input_delays_ms(records) == [pytest.approx(1.1), pytest.approx(2.1)]
+
+
+def test_fit_bins_the_prefill_spread_when_short_prefills_vary_more():
+    """Short prefills vary by a factor of up to 2, long ones by 2 %: one set
+    of factors would give long prefills the short ones' tail; the fit picks
+    bins by their held-out pinball loss, and each bin keeps its own spread."""
+    wide = tuple(1.0 + i / 10 for i in range(11))  # uniform on [1, 2]
+    tight = tuple(1.0 + 0.02 * i / 10 for i in range(11))
+    truth = dataclasses.replace(TRUE, spread_prefill=(wide, tight), spread_prefill_bins=(128,))
+    records, _ = simulate(truth, workload(400, seed=7))
+    steps = steps_from_trace(records)
+    result = fitting.fit(steps, model="table")
+    p = result.profile
+    assert len(p.spread_prefill_bins) >= 1, result.report
+    long_bin = p.spread_prefill[-1]
+    assert long_bin[95] < 1.1, long_bin  # the long prefills keep a tight spread
+    short_bin = p.spread_prefill[0]
+    assert short_bin[95] - short_bin[5] > 0.5, short_bin  # the short ones keep their tail
+    assert any("prefill spread bins" in line for line in result.report)

@@ -29,10 +29,14 @@ def test_table_interpolates_and_extends_its_ends():
 
 
 def test_the_file_round_trips_and_is_read_as_written():
-    noisy = StepProfile(PROFILE.batch, PROFILE.step_ms, 0.02, 0.01, 0.5, spread_decode=(0.9, 1.0, 1.2), spread_prefill=(1.0, 1.1))
+    noisy = StepProfile(PROFILE.batch, PROFILE.step_ms, 0.02, 0.01, 0.5, spread_decode=(0.9, 1.0, 1.2), spread_prefill=((1.0, 1.1),))
     text = format_profile(noisy, ["a comment"])
     assert text.startswith("# a comment\n[latency-profile]")
     assert parse_profile(text) == noisy
+    binned = StepProfile(PROFILE.batch, PROFILE.step_ms, spread_prefill=((1.0, 1.5), (0.9, 1.1), (1.0, 1.0)), spread_prefill_bins=(32, 192))
+    assert parse_profile(format_profile(binned)) == binned
+    # a profile of one prefill set, as written before there were bins, reads as one bin
+    assert parse_profile("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_prefill = 0.9 1.2\n").spread_prefill == ((0.9, 1.2),)
     hand = "[latency-profile]\nbatch = 1, 8   # by hand\nstep_ms = 4 12\n"
     assert parse_profile(hand) == StepProfile(batch=(1, 8), step_ms=(4.0, 12.0))
 
@@ -51,6 +55,11 @@ def test_the_file_round_trips_and_is_read_as_written():
         ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_decode = 1.2 0.9\n", "spread_decode: at least two non-decreasing"),
         ("[latency-profile]\nversion = 9\nbatch = 1\nstep_ms = 1\n", "newer than this engine reads"),
         ("[latency-profile]\nbatch = 1.5\nstep_ms = 1\n", "whole numbers"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_prefill = 1 2 | 1 3\n", "several sets need spread_prefill_bins"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_prefill_bins = 64\nspread_prefill = 1 2\n", "2 sets \\(one per bin"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_prefill_bins = 64 32\nspread_prefill = 1 2 | 1 2 | 1 2\n", "spread_prefill_bins: increasing"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_prefill_bins = 64\nspread_prefill = 1 2 | 2 1\n", "spread_prefill: at least two non-decreasing"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1 | 2\n", "only separates spread_prefill"),
     ],
 )
 def test_a_bad_profile_says_what_is_wrong(text, message):
@@ -61,10 +70,17 @@ def test_a_bad_profile_says_what_is_wrong(text, message):
 def test_spread_draws_between_its_quantiles():
     p = StepProfile((1,), (10.0,), spread_decode=(0.5, 1.0, 2.0))
     rng = random.Random(1)
-    draws = sorted(p.spread(False, rng) for _ in range(4000))
+    draws = sorted(p.spread(0, rng) for _ in range(4000))
     assert draws[0] >= 0.5 and draws[-1] <= 2.0
     assert draws[2000] == pytest.approx(1.0, abs=0.05)  # the median quantile
-    assert p.spread(True, rng) == 1.0  # no prefill spread given: none
+    assert p.spread(100, rng) == 1.0  # no prefill spread given: none
+
+
+def test_a_prefill_step_draws_from_the_bin_of_its_prompt_tokens():
+    p = StepProfile((1,), (10.0,), spread_prefill=((2.0, 2.0), (3.0, 3.0), (4.0, 4.0)), spread_prefill_bins=(32, 192))
+    rng = random.Random(1)
+    assert [p.spread(t, rng) for t in (1, 32, 33, 192, 193, 5000)] == [2.0, 2.0, 3.0, 3.0, 4.0, 4.0]
+    assert p.sample_ms(1, 100, 0.0, 0, rng) == pytest.approx(3.0 * p.predict_ms(1, 100))
 
 
 def test_first_token_ends_the_step_that_computed_the_prompt_then_steps_by_the_profile():
