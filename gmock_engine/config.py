@@ -33,8 +33,11 @@ CONFIG_SECTION = "gmock_engine"
 #: `./run.sh serve`'s own options (tools/serve_config.py) go in section [serve]
 #: of the same file; the engine's options stay in [gmock_engine].
 SERVE_SECTION = "serve"
+#: `./run.sh record` and `./run.sh fit` (tools/record.py, tools/fit.py) read theirs.
+RECORD_SECTION = "record"
+FIT_SECTION = "fit"
 #: The sections a config file may hold; each reader reads and checks its own.
-CONFIG_SECTIONS = (CONFIG_SECTION, SERVE_SECTION)
+CONFIG_SECTIONS = (CONFIG_SECTION, SERVE_SECTION, RECORD_SECTION, FIT_SECTION)
 
 
 class ConfigError(Exception):
@@ -261,7 +264,7 @@ class Sources:
             raise ConfigError(f"argument --config: {where} has no [{self.section}] section")
         others = [s for s in sections if s not in CONFIG_SECTIONS]
         if others:
-            read = " and ".join(f"[{s}]" for s in CONFIG_SECTIONS)
+            read = ", ".join(f"[{s}]" for s in CONFIG_SECTIONS[:-1]) + f" and [{CONFIG_SECTIONS[-1]}]"
             raise ConfigError(f"argument --config: {where} has unknown section [{others[0]}]; only {read} are read")
         known = {long_flag(a)[2:] for a in self.options() if a.dest != "config"}
         for key in ini[self.section] if self.section in sections else ():
@@ -298,6 +301,25 @@ class Sources:
 
 
 # -- public API --------------------------------------------------------------------
+
+
+def parse_tool_config(
+    parser: configargparse.ArgumentParser, section: str, argv: Sequence[str], env: Optional[Mapping[str, str]] = None
+) -> argparse.Namespace:
+    """Parse a tool's own options (record, fit: a parser of new_parser, its
+    config file section `section`) from argv + environment + config file, as
+    the engine's; raise ConfigError naming the flag and where its value came
+    from. The namespace gets `sources` and `config`."""
+    env = dict(os.environ if env is None else env)
+    sources = Sources(parser, list(argv), env, section=section)
+    sources.check_config_file()
+    try:
+        args = parser.parse_args(list(argv), namespace=sources.namespace(), env_vars=env)
+    except ConfigError as exc:
+        raise ConfigError(sources.explain(str(exc))) from None
+    args.sources = sources.resolve(args)
+    args.config = sources.config_path
+    return args
 
 
 def _load_tokenizer(args: argparse.Namespace, sources: "Sources") -> None:

@@ -42,6 +42,8 @@ class Option:
     reload: Optional[str] = None
     #: the EngineSettings field it reaches each engine by on a reload
     setting: Optional[str] = None
+    #: other spellings on the command line (-o, a vLLM flag's name)
+    aliases: Tuple[str, ...] = ()
 
     @property
     def dest(self) -> str:
@@ -57,7 +59,7 @@ class Option:
             kwargs["type"] = self.type
         if self.metavar is not None:
             kwargs["metavar"] = self.metavar
-        return group.add_argument(self.flag, **kwargs)
+        return group.add_argument(self.flag, *self.aliases, dest=self.dest, **kwargs)
 
 
 @dataclass(frozen=True)

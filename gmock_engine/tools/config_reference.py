@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 from typing import List
 
-from ..config import CONFIG_SECTION, ENV_PREFIX, SERVE_SECTION, build_parser, env_name, ini_text
+from ..config import CONFIG_SECTION, ENV_PREFIX, FIT_SECTION, RECORD_SECTION, SERVE_SECTION, build_parser, env_name, ini_text
 from ..option import long_flag
 from ..options import OPTIONS
+from .fit import FIT_ENV_PREFIX, build_fit_parser
+from .record_config import RECORD_ENV_PREFIX, build_record_parser
 from .serve_config import SERVE_ENV_PREFIX, build_serve_parser
 
 #: How to regenerate docs/configuration.md (the page says it; its test names it).
@@ -61,7 +63,8 @@ def reference_page() -> str:
         f"<!-- Generated from the parsers; do not edit. Regenerate: {REFERENCE_COMMAND} -->",
         "",
         "Every option of the engine (`./run.sh`, `python -m gmock_engine`) and of `./run.sh serve`, "
-        "generated from their parsers (`gmock_engine/options.py`, `gmock_engine/tools/serve_config.py`). "
+        "`./run.sh record` and `./run.sh fit`, generated from their parsers (`gmock_engine/options.py`, "
+        "`gmock_engine/tools/serve_config.py`, `record.py`, `fit.py`). "
         "Each option can be given on the command line, as its environment variable or as its key in "
         "the `--config` INI file. One precedence for all: "
         "**command line > environment > config file > default**. A boolean flag also has its "
@@ -88,6 +91,20 @@ def reference_page() -> str:
         "Read once at start; every other argument of `./run.sh serve` is an engine option, passed through.",
     ]
     lines += reference_tables(build_serve_parser(), SERVE_SECTION, SERVE_ENV_PREFIX, reloads=False)
+    lines += [
+        "",
+        f"## `./run.sh record`: section `[{RECORD_SECTION}]`, variables `{RECORD_ENV_PREFIX}<FLAG>`",
+        "",
+        "The record tap ([record](record.md)).",
+    ]
+    lines += reference_tables(build_record_parser(), RECORD_SECTION, RECORD_ENV_PREFIX, reloads=False)
+    lines += [
+        "",
+        f"## `./run.sh fit TRACE...`: section `[{FIT_SECTION}]`, variables `{FIT_ENV_PREFIX}<FLAG>`",
+        "",
+        "The fit of a latency profile ([latency profile](latency-profile.md)); the traces are arguments.",
+    ]
+    lines += reference_tables(build_fit_parser(), FIT_SECTION, FIT_ENV_PREFIX, reloads=False)
     return "\n".join(lines) + "\n"
 
 

@@ -35,9 +35,12 @@ import math
 import sys
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+from ..config import ENV_PREFIX, FIT_SECTION, ConfigError, ini_reader, new_parser, parse_tool_config
 from ..latency_profile import StepProfile, format_profile
+from ..option import Group, Option, add_groups
+from ..validators import choice, int_at_least, nonempty
 from ..trace import TraceFormatError, read_trace
 from .steps import Step, input_delays_ms, steps_from_trace
 
@@ -372,21 +375,50 @@ def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None, inpu
     return FitResult(profile, chosen.name, report)
 
 
+#: `./run.sh fit`'s options, also as GMOCK_FIT_<FLAG> or in [fit] of --config.
+FIT_ENV_PREFIX = ENV_PREFIX + "FIT_"
+GROUPS = (
+    Group(
+        None,
+        (
+            Option("--output", "the profile to write", default="profile.ini", type=nonempty, aliases=("-o",)),
+            Option(
+                "--max-num-batched-tokens",
+                "the recorded engine's token budget per step (its log says it), to place chunked prefills; "
+                "none: no chunking assumed",
+                type=int_at_least(1),
+            ),
+            Option("--folds", "cross-validation folds", default=5, type=int_at_least(2, 100)),
+            Option("--model", "fit only this candidate (default: every one, the best kept)",
+                   type=choice([c.name for c in CANDIDATES])),  # fmt: skip
+        ),
+    ),
+)
+
+
+def build_fit_parser() -> Any:
+    """The parser of `./run.sh fit`'s options."""
+    parser = new_parser(
+        "gmock-engine fit",
+        __doc__.split("\n\n")[0],
+        "Each option can also be set as environment variable GMOCK_FIT_<FLAG> or as key <flag> in section "
+        f"[{FIT_SECTION}] of the --config file. Precedence: command line > environment > config file > default.",
+        ini_reader(FIT_SECTION),
+        FIT_ENV_PREFIX,
+        f"INI config file with a [{FIT_SECTION}] section (keys = long flag names)",
+    )
+    parser.add_argument("traces", nargs="+", metavar="TRACE", help="trace files of the record tap (docs/record.md)")
+    add_groups(parser, GROUPS)
+    return parser
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`gmock-engine fit`: exit status 0, or 2 with a message naming the trace."""
-    parser = argparse.ArgumentParser(prog="gmock-engine fit", description=__doc__.split("\n\n")[0])
-    parser.add_argument("traces", nargs="+", metavar="TRACE", help="trace files of the record tap (docs/record.md)")
-    parser.add_argument("-o", "--output", default="profile.ini", help="the profile to write (default profile.ini)")
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="the recorded engine's token budget per step (its log says it), to place chunked prefills; "
-        "default: no chunking assumed",
-    )
-    parser.add_argument("--folds", type=int, default=5, help="cross-validation folds (default 5)")
-    parser.add_argument("--model", default=None, help="fit only this candidate (linear, linear+attention, table)")
-    args = parser.parse_args(argv)
+    try:
+        args = parse_tool_config(build_fit_parser(), FIT_SECTION, sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        print(f"gmock-engine fit: {exc}", file=sys.stderr)
+        return 2
     steps: List[Step] = []
     delays: List[float] = []
     for path in args.traces:

@@ -25,7 +25,6 @@ the relay wants to forward the next frame.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import multiprocessing
 import os
@@ -40,6 +39,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import msgpack
 import zmq
+
+from ..config import ConfigError
+from .record_config import parse_args
 
 from gmock_engine.trace import TraceWriter
 from gmock_engine.wire.handshake import decode_init
@@ -263,28 +265,13 @@ def write_trace(address: str, path: str, meta: Dict[str, Any], token_ids: bool) 
         ctx.term()
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="gmock-engine record", description="Record tap between a frontend and engine cores (docs/record.md).")
-    parser.add_argument("--handshake-address", required=True, help="the frontend's handshake ROUTER (as for an engine)")
-    parser.add_argument("--engine-handshake-address", required=True, help="the handshake ROUTER the tap binds for the engines")
-    parser.add_argument("--engine-count", "--data-parallel-size-local", type=int, default=1, dest="engine_count", help="engines behind the tap")
-    parser.add_argument("--data-parallel-start-rank", type=int, default=0, help="rank of the first engine")
-    parser.add_argument("--advertise-host", help="host the engines reach the tap's data sockets at (default: the engine handshake host)")
-    parser.add_argument("-o", "--output", default="trace.jsonl", help="trace file (JSON lines, docs/record.md)")
-    parser.add_argument("--record-token-ids", action="store_true", help="also record prompt and output token ids")
-    args = parser.parse_args(argv)
-    for name in ("handshake_address", "engine_handshake_address"):
-        value = getattr(args, name)
-        if not value.startswith(("tcp://", "ipc://")):
-            parser.error(f"--{name.replace('_', '-')} must be tcp://host:port or ipc://path, got {value!r}")
-    if args.engine_count < 1:
-        parser.error("--engine-count must be at least 1")
-    return args
-
-
 def main(argv: Sequence[str]) -> int:
     """Run the tap until SIGTERM/SIGINT; the trace is complete when it exits."""
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except ConfigError as exc:
+        print(f"gmock-engine record: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=os.environ.get("GMOCK_LOG_LEVEL", "INFO").upper(), format="%(asctime)s record %(levelname)s %(message)s")
     ranks = list(range(args.data_parallel_start_rank, args.data_parallel_start_rank + args.engine_count))
     workdir = tempfile.mkdtemp(prefix="gmock-record-")

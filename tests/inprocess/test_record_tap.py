@@ -268,8 +268,8 @@ def test_an_engine_outside_the_ranks_is_not_relayed(tmp_path):
     "args, message",
     [
         (["--engine-handshake-address", "tcp://127.0.0.1:1"], "--handshake-address"),
-        (["--handshake-address", "127.0.0.1:1", "--engine-handshake-address", "tcp://127.0.0.1:1"], "must be tcp://host:port or ipc://path"),
-        (["--handshake-address", "tcp://127.0.0.1:1", "--engine-handshake-address", "tcp://127.0.0.1:2", "--engine-count", "0"], "at least 1"),
+        (["--handshake-address", "127.0.0.1:1", "--engine-handshake-address", "tcp://127.0.0.1:1"], "is not tcp://host:port or ipc:///path (from command line)"),
+        (["--handshake-address", "tcp://127.0.0.1:1", "--engine-handshake-address", "tcp://127.0.0.1:2", "--engine-count", "0"], "--engine-count/--data-parallel-size-local: 0 is less than 1 (from command line)"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(tmp_path, args, message):

@@ -43,6 +43,7 @@ PURE = [
     "validators",
     "settings",
     "tools.serve_config",
+    "tools.record_config",
     "tools.config_reference",
     "trace",
     "tools.steps",
