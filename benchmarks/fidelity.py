@@ -374,15 +374,16 @@ def run(options: argparse.Namespace) -> int:
 
 
 def compare(options: argparse.Namespace) -> int:
-    """`compare`: the real runs of one file against the first run of another."""
+    """`compare`: the real runs of one file against the mean of another's runs."""
     real = json.loads(Path(options.real).read_text())
     mock = json.loads(Path(options.mock).read_text()) if options.mock else None
     real_runs = [r["workloads"] for r in real["runs"]]
-    mock_run = mock["runs"][0]["workloads"] if mock else None
+    mock_runs = [r["workloads"] for r in mock["runs"]] if mock else None
     names = [w.name for w in WORKLOADS if any(w.name in r for r in real_runs)]
     names += sorted({n for r in real_runs for n in r} - set(names))
-    table, misses = stats.compare_table(real_runs, mock_run, names)
-    print(f"real: {options.real} ({len(real_runs)} run(s))" + (f"; mock: {options.mock} {mock['engine_args']}" if mock else ""))
+    table, misses = stats.compare_table(real_runs, mock_runs, names)
+    print(f"real: {options.real} ({len(real_runs)} run(s))"
+          + (f"; mock: {options.mock} ({len(mock_runs)} run(s), their mean) {mock['engine_args']}" if mock else ""))  # type: ignore[arg-type]
     print()
     print(table)
     if mock is not None:

@@ -161,21 +161,26 @@ def _pct(value: Optional[float], sign: str = "+") -> str:
 
 
 def compare_table(real_runs: Sequence[Mapping[str, Mapping[str, object]]],
-                  mock: Optional[Mapping[str, Mapping[str, object]]],
+                  mock_runs: Optional[Sequence[Mapping[str, Mapping[str, object]]]],
                   workloads: Iterable[str]) -> Tuple[str, List[str]]:
     """Markdown table and the list of misses: per workload and metric, each
-    real run, the real spread, the mock value and its error. `real_runs` and
-    `mock` map workload name -> figures (fidelity.py's `workloads`)."""
+    real run, the real spread, the mock value (the mean of its runs; with
+    two or more, their spread too) and its error. Each run maps workload
+    name -> figures (fidelity.py's `workloads`)."""
     heads = [f"real {i + 1}" for i in range(len(real_runs))]
-    lines = ["| workload | metric | " + " | ".join(heads) + " | spread | mock | error | ok |",
-             "| --- | --- | " + " | ".join("---:" for _ in heads) + " | ---: | ---: | ---: | --- |"]
+    several = bool(mock_runs) and len(mock_runs) > 1  # type: ignore[arg-type]
+    mock_heads = " | mock | mock spread" if several else " | mock"
+    lines = ["| workload | metric | " + " | ".join(heads) + f" | spread{mock_heads} | error | ok |",
+             "| --- | --- | " + " | ".join("---:" for _ in heads) + " | ---:" * (5 if several else 4) + " | --- |"]
+    mock = mock_runs[0] if mock_runs else None
     misses: List[str] = []
     for name in workloads:
         for label, key in COMPARED:
             values = [run.get(name, {}).get(key) for run in real_runs]
             real = [float(v) for v in values if isinstance(v, (int, float))]
-            mock_value = (mock or {}).get(name, {}).get(key)
-            mock_value = float(mock_value) if isinstance(mock_value, (int, float)) else None
+            of_mock = [run.get(name, {}).get(key) for run in mock_runs or ()]
+            mock_values = [float(v) for v in of_mock if isinstance(v, (int, float))]
+            mock_value = statistics.fmean(mock_values) if mock_values else None
             if not real and mock_value is None:
                 continue
             error, ok = verdict(real, mock_value, key)
@@ -183,7 +188,8 @@ def compare_table(real_runs: Sequence[Mapping[str, Mapping[str, object]]],
             if mock is not None and not ok:
                 misses.append(f"{name} {label}: {_pct(error)} (goal ±{goal_for(key) * 100:.0f} %)")
             lines.append(f"| {name} | {label} | " + " | ".join(_num(v if isinstance(v, (int, float)) else None) for v in values)
-                         + f" | {_pct(spread(real), '')} | {_num(mock_value)} | {_pct(error)} | {mark} |")
+                         + f" | {_pct(spread(real), '')} | {_num(mock_value)}"
+                         + (f" | {_pct(spread(mock_values), '')}" if several else "") + f" | {_pct(error)} | {mark} |")
     return "\n".join(lines), misses
 
 

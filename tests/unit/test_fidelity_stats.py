@@ -83,7 +83,7 @@ def test_goals_spread_and_verdict():
 def test_compare_table_rows_and_misses():
     real = [{"w": {"p50_ttft_ms": 10.0, "request_throughput": 4.0}}, {"w": {"p50_ttft_ms": 11.0, "request_throughput": 4.0}}]
     mock = {"w": {"p50_ttft_ms": 10.2, "request_throughput": 3.0}}
-    table, misses = fs.compare_table(real, mock, ["w"])
+    table, misses = fs.compare_table(real, [mock], ["w"])
     lines = table.splitlines()
     assert lines[0].startswith("| workload | metric | real 1 | real 2 | spread | mock | error | ok |")
     ttft = next(line for line in lines if "| TTFT p50 |" in line)
@@ -95,6 +95,17 @@ def test_compare_table_rows_and_misses():
     assert not any("ITL" in line for line in lines)
     table, misses = fs.compare_table(real, None, ["w"])
     assert misses == [] and "| yes |" not in table
+
+
+def test_compare_table_takes_the_mean_of_several_mock_runs_and_shows_their_spread():
+    real = [{"w": {"p50_ttft_ms": 10.0}}, {"w": {"p50_ttft_ms": 10.0}}]
+    mocks = [{"w": {"p50_ttft_ms": 9.0}}, {"w": {"p50_ttft_ms": 11.4}}]
+    table, misses = fs.compare_table(real, mocks, ["w"])
+    lines = table.splitlines()
+    assert lines[0].startswith("| workload | metric | real 1 | real 2 | spread | mock | mock spread | error | ok |")
+    ttft = next(line for line in lines if "| TTFT p50 |" in line)
+    assert "| 10.2 | 23.5 % | +2.0 % | yes |" in ttft, ttft  # (9.0 + 11.4) / 2 against 10
+    assert misses == []
 
 
 def test_ttft_parts_splits_frontend_and_engine_time():
