@@ -410,16 +410,12 @@ class EngineCore:
 
     def _add_pooling(self, request: EngineCoreRequest) -> List[Outbound]:
         """A pooling request (§3.7): its tensor made now, then one prefill; a bad one gets an ERROR."""
-        rid, settings = request.request_id, self.settings
         try:
-            params = pooling.decode_params(request.pooling_params, settings.supported_tasks, settings.pooling)
-            shape, data = pooling.pooled(params, request.prompt_token_ids, request.prompt_len, settings.seed, settings.pooling)
+            entry = pooling.make_request(request, self.settings, self.clock())
         except BadValue as exc:
-            self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), f"{str(exc):.200}")
-            return self._answer_now(request.client_index, rid, FinishReason.ERROR, request_error("validation_error", f"{str(exc):.200}"))
-        entry = Request(rid, request.client_index, 1, None, request.prompt_len, self.clock())
-        entry.pooling, entry.priority = pooling.tensor(shape, data), request.priority
-        entry.pending_events = [engine_core_event(_QUEUED, entry.queued_at)]
+            reason = f"{str(exc):.200}"
+            self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(request.request_id), reason)
+            return self._answer_now(request.client_index, request.request_id, FinishReason.ERROR, request_error("validation_error", reason))
         self.kv.track(entry, request.prompt_token_ids)
         self.scheduler.add_request(entry)
         return []

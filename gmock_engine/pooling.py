@@ -34,8 +34,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .wire.outputs import engine_core_output, ndarray
-from .wire.types import BadValue, FinishReason
+from .request import Request
+from .wire.inputs import EngineCoreRequest
+from .wire.outputs import engine_core_event, engine_core_output, ndarray
+from .wire.types import BadValue, EngineCoreEventType, FinishReason
 
 #: A pooling task as the eras name it -> the output it gets (§3.7): 0.11.0's
 #: "encode" is token_embed's ancestor, "score" (to 0.19) a cross-encoder's
@@ -211,6 +213,18 @@ def tensor(shape: Sequence[int], data: bytes) -> List[Any]:
     `["float32", shape, ext 3 raw bytes]`, inline whatever its size (vLLM
     moves one of 256 bytes or more to an extra frame; its decoder takes either)."""
     return ndarray("float32", shape, data)
+
+
+def make_request(request: EngineCoreRequest, settings: Any, now: float) -> Request:
+    """The engine's Request for a pooling ADD (§3.7), its tensor made now:
+    one "token" to go (its prefill), no token source; BadValue for a
+    request the engine cannot serve. `settings`: the EngineSettings."""
+    params = decode_params(request.pooling_params, settings.supported_tasks, settings.pooling)
+    shape, data = pooled(params, request.prompt_token_ids, request.prompt_len, settings.seed, settings.pooling)
+    entry = Request(request.request_id, request.client_index, 1, None, request.prompt_len, now)
+    entry.pooling, entry.priority = tensor(shape, data), request.priority
+    entry.pending_events = [engine_core_event(EngineCoreEventType.QUEUED, entry.queued_at)]
+    return entry
 
 
 def final_output(request: Any, prefill_stats: Dict[str, Any], layout: Any) -> List[Any]:

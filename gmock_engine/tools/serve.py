@@ -427,6 +427,8 @@ class Serve:
         for feature in ("tools", "reasoning"):
             if getattr(o, feature):
                 parts.append(f"{shlex.join(frontends.feature_args(o.frontend, **{feature: True}))} (from --{feature})")
+        if self.plan.embedding_dim is not None:
+            parts.append(f"--runner pooling --convert {o.task} (from --task)")
         if self.plan.frontend_args:
             parts.append(f"{shlex.join(self.plan.frontend_args)} (from {o.sources['frontend_args']})")
         return "; ".join(parts)
