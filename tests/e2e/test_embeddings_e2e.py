@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import array
 import base64
+import json
 import math
 import subprocess
+import sys
+from pathlib import Path
 
+import msgpack
 import pytest
 import requests
 
@@ -25,9 +29,12 @@ import e2e_harness as h
 from engine_steps import TickClock, engine_with
 from gmock_engine import pooling
 from gmock_engine.tools import model_dir as model_dir_tool
-from gmock_engine.wire.eras import WIRE_LAYOUTS, Wire
+from gmock_engine.wire.eras import WIRE_LAYOUTS, Wire, layout_for_version
 from gmock_engine.wire.inputs import EngineCoreRequest
 from gmock_engine.wire.outputs import pack
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "golden"))
+import vllm_trees  # noqa: E402  (the wire eras' vllm trees, tests/golden)
 
 openai = pytest.importorskip("openai")
 
@@ -146,6 +153,44 @@ def test_vllms_msgpack_decoder_reads_the_engines_pooling_output(frontends):
     rid, tokens, finish, dtype, shape, values = done.stdout.decode().strip().splitlines()[-1].split(" ", 5)
     assert (rid, tokens, finish, dtype, shape) == ("emb-1", "[]", "0", "torch.float32", "[16]")
     close(eval(values), expected([11, 12, 13], dimensions=16))  # noqa: S307 - our own subprocess's repr of a list
+
+
+#: One child per era, with that era's vllm tree (tests/e2e/test_wire_eras.py's cache): its
+#: decoder reads our pooling output, its encoder writes a PoolingParams for ours to read.
+_ERA_CHECK = """
+import json, sys
+from vllm.pooling_params import PoolingParams
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+out = MsgpackDecoder(EngineCoreOutputs).decode([bytes.fromhex(sys.stdin.read())]).outputs[0]
+params = PoolingParams(task="embed", dimensions=8)
+setattr(params, "use_activation" if hasattr(params, "use_activation") else "normalize", False)
+t = out.pooling_output
+print(json.dumps({"finish": out.finish_reason.name, "tokens": list(out.new_token_ids), "dtype": str(t.dtype),
+                  "shape": list(t.shape), "values": t.tolist(), "params": bytes(MsgpackEncoder().encode(params)[0]).hex()}))
+"""
+#: The eras of each PoolingParams field order (§3.7), and one of the newest.
+ERAS = ("0.11.0", "0.13.0", "0.16.0", "0.17.0", "0.24.0")
+
+
+@pytest.mark.parametrize("version", ERAS)
+def test_each_eras_decoder_reads_our_pooling_output_and_we_read_its_pooling_params(frontends, version):
+    trees = vllm_trees.cache_root() / "trees"
+    if not (trees / version / "vllm").is_dir():
+        pytest.skip(f"no vllm {version} tree in {trees} (tests/e2e/test_wire_eras.py extracts them)")
+    settings = pooling.PoolingSettings(DIM, LABELS)
+    engine = engine_with(TickClock(), supported_tasks=("embed",), pooling=settings, wire=Wire(layout_for_version(version)))
+    engine.apply(EngineCoreRequest("emb-1", 3, None, False, prompt_token_ids=[11, 12, 13],
+                                   pooling_params=[True, 16, None, None, "embed", False, False, None, None, 2]))  # fmt: skip
+    frame = next(pack(m) for _, m in engine.step() if m[1])
+    done = subprocess.run([str(frontends.python), "-c", _ERA_CHECK], input=frame.hex(), capture_output=True, text=True,
+                          timeout=180, env=vllm_trees.subprocess_env(trees / version, trees))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (report["finish"], report["tokens"], report["dtype"], report["shape"]) == ("STOP", [], "torch.float32", [16])
+    close(report["values"], expected([11, 12, 13], dimensions=16))
+    params = pooling.decode_params(msgpack.unpackb(bytes.fromhex(report["params"]), raw=False), ("embed",), settings)
+    assert (params.task, params.kind, params.dimensions, params.activation) == ("embed", "embed", 8, False)
 
 
 # -- embeddings through the Python frontend -------------------------------------------------
