@@ -9,9 +9,9 @@ FINISHED_STOPPED in the step its prefill completes, with that tensor as
 prompt's token ids (a seeded hash, so the same prompt always gets the same
 vector, on every rank), in float32, shaped by the task:
 
-  embed, (0.11's) score-less embed     [D]          L2-normalized by default
-  token_embed, (0.11's) encode         [n, D]       each row normalized
-  classify, (≤ 0.19's) score           [L]          softmax by default
+  embed                                [D]          L2-normalized by default
+  token_embed (0.11.0: encode)         [n, D]       each row normalized
+  classify (to 0.19 also score)        [L]          softmax by default
   token_classify                       [n, L]       softmax per row
 
 D is `--embedding-dim` (or `dimensions`, Matryoshka: the first `dimensions`
