@@ -9,6 +9,8 @@ prompt's ids (pooling.pooled), so the test sees the whole chain: the
 frontend's PoolingParams, the engine's tensor on the wire, vLLM's
 MsgpackDecoder and the frontend's JSON. The first test decodes the engine's
 output frame with vLLM's own MsgpackDecoder in the frontend's venv.
+
+§N: section N of docs/protocol.md.
 """
 
 from __future__ import annotations
