@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from loguru import logger
 
-from . import content, kv_transfer
+from . import content, kv_transfer, pooling
 from .kv_cache_manager import KVCacheManager
 from .ledger import CHECKED_MEMORY, Ledger
 from .logprobs import LogprobModel
@@ -317,7 +317,7 @@ class EngineCore:
         if self.shutting_down:
             # vLLM's _reject_add_in_shutdown: an ABORT output for the newcomer
             return self._answer_now(client, rid, FinishReason.ABORT)
-        if not request.has_sampling_params:
+        if not request.has_sampling_params and request.pooling_params is None:
             self.throttle.warning("pooling request", "ADD {}: sampling_params is nil (pooling request); answered with ERROR", short(rid))
             return self._answer_now(client, rid, FinishReason.ERROR, request_error("unsupported", "the mock engine only generates"))
         if self.utilities.reject_new_requests:
@@ -327,6 +327,8 @@ class EngineCore:
             reason = f"the prompt has {request.prompt_len} tokens, more than max_model_len {self.settings.max_model_len}"
             self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
             return self._answer_now(client, rid, FinishReason.ERROR, request_error("validation_error", reason))
+        if not request.has_sampling_params:
+            return self._add_pooling(request)
         lora_request = None
         if request.lora_request is not None:
             # a bad LoRARequest ends this request only (vLLM's would fail in
@@ -403,6 +405,18 @@ class EngineCore:
             entry.logprob_state = request_seed(settings.seed, self.rank, rid) ^ 0x5DEECE66D
             if request.prompt_logprobs is not None:
                 entry.prompt_token_ids = request.prompt_token_ids
+        self.scheduler.add_request(entry)
+        return []
+
+    def _add_pooling(self, request: EngineCoreRequest) -> List[Outbound]:
+        """A pooling request (§3.7): its tensor made now, then one prefill; a bad one gets an ERROR."""
+        try:
+            entry = pooling.make_request(request, self.settings, self.clock())
+        except BadValue as exc:
+            reason = f"{str(exc):.200}"
+            self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(request.request_id), reason)
+            return self._answer_now(request.client_index, request.request_id, FinishReason.ERROR, request_error("validation_error", reason))
+        self.kv.track(entry, request.prompt_token_ids)
         self.scheduler.add_request(entry)
         return []
 

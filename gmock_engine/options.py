@@ -174,7 +174,20 @@ GENERATION = Group(
             reload=NEW_REQUESTS,
             setting="token_source",
         ),
-        Option("--supported-tasks", "comma-separated answer to get_supported_tasks", default=("generate",), type=task_list),
+        Option(
+            "--supported-tasks",
+            "comma-separated answer to get_supported_tasks; a pooling task among them (embed, classify, token_embed, "
+            "token_classify; score, encode for old frontends) is served to ADDs with pooling_params",
+            default=("generate",),
+            type=task_list,
+        ),
+        Option(
+            "--embedding-dim",
+            "size of an embed / token_embed pooling_output (0: hidden_size in the --tokenizer dir's config.json, else 64)",
+            default=0,
+            type=int_at_least(0, 65536),
+        ),
+        Option("--num-labels", "size of a classify / token_classify pooling_output", default=2, type=int_at_least(1, 65536)),
         Option(
             "--logprobs-top1",
             "synthetic logprobs: mean probability of each position's top-1 token (higher: a more peaked distribution)",

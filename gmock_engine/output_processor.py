@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
+from . import pooling
 from .wire.outputs import engine_core_output, logprobs_lists, prefill_stats, request_error
 from .wire.types import FinishReason
 from .kv_cache_manager import KVCacheManager
@@ -169,6 +170,11 @@ class OutputProcessor(LaneBooks, BatchObserver):
             outputs = batches.get(request.client_index)
             if outputs is None:
                 outputs = batches[request.client_index] = []
+            if request.pooling is not None:  # its prefill done (its blocks cached): its one output, the pooled tensor (§3.7)
+                outputs.append(pooling.final_output(request, self._prefill_stats(request), self.wire.layout))
+                outbox.finish(request.client_index, request.request_id)
+                done.append(request)
+                continue
             remaining = request.max_tokens - request.num_output_tokens
             replaying = request.replay
             if replaying is None:

@@ -117,6 +117,8 @@ class Request:
         "replay",
         # the latency profile's input delay (latency_profile.py)
         "admit_at",
+        # a pooling request's output tensor (pooling.py)
+        "pooling",
     )
 
     def __init__(
@@ -200,6 +202,8 @@ class Request:
         self.status = _WAITING
         #: --replay: the recording it follows (replay.Replaying), None: the engine's model.
         self.replay: Any = None
+        #: A pooling request's pooling_output (pooling.tensor), None: it generates.
+        self.pooling: Any = None
 
     @property
     def num_tokens(self) -> int:

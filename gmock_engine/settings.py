@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple
 
-from . import kv_transfer, lengths, options, replay, spec_decode, tokens
+from . import kv_transfer, lengths, options, pooling, replay, spec_decode, tokens
 from .content import ContentSettings
 from .faults import FaultSpec
 from .latency import LatencyModel
@@ -97,6 +97,8 @@ class EngineSettings:
     content: ContentSettings = field(default_factory=ContentSettings)
     #: speculative decoding (spec_decode.py): the K per-position acceptance rates; (): off
     spec_acceptance: Tuple[float, ...] = ()
+    #: pooling requests (pooling.py): the sizes of their tensors
+    pooling: pooling.PoolingSettings = field(default_factory=pooling.PoolingSettings)
 
 
 #: The EngineSettings a reload (SIGHUP, reload.py) may change while requests
@@ -128,6 +130,8 @@ class GenerationSettings:
     logprobs_sampled_top1: float
     #: --spec-tokens / --spec-acceptance: K per-position acceptance rates; (): no speculative decoding
     spec_acceptance: Tuple[float, ...] = ()
+    #: --embedding-dim / --num-labels (pooling.py)
+    pooling: pooling.PoolingSettings = field(default_factory=pooling.PoolingSettings)
 
 
 @dataclass(frozen=True)
@@ -236,6 +240,7 @@ def from_config(c: Any) -> Settings:
             logprobs_top1=c.logprobs_top1,
             logprobs_sampled_top1=c.logprobs_sampled_top1,
             spec_acceptance=spec_decode.acceptance_rates(getattr(c, "spec_tokens", 0), getattr(c, "spec_acceptance", (0.0,))),
+            pooling=pooling.settings_from(getattr(c, "embedding_dim", 0), getattr(c, "num_labels", 2), getattr(c, "tokenizer", None)),
         ),
         scheduler=SchedulerSettings(
             scheduling_policy=c.scheduling_policy,
@@ -326,4 +331,5 @@ def engine_settings(
         tokenizer=gen.tokenizer,
         content=gen.content,
         spec_acceptance=gen.spec_acceptance,
+        pooling=gen.pooling,
     )

@@ -33,7 +33,14 @@ kwargs) closes an empty `<think></think>` block in the generation prompt, as
 the qwen3 reasoning parser expects. Without tools and without a system
 message nothing is added (no default system prompt).
 
+With `embedding_dim` (`--embedding-dim N`) the same decoder describes a
+pooling model (docs/embeddings.md): hidden_size N, the size a frontend
+started with `--runner pooling --convert embed` reports for its vectors, and
+`is_matryoshka` so that it passes a request's `dimensions` on to the engine;
+with `num_labels` also `id2label`, the labels of `--convert classify`.
+
 Usage: python -m gmock_engine.tools.model_dir OUTDIR [--vocab-size N] [--max-model-len N]
+       [--embedding-dim N [--num-labels L]]
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 #: Added tokens that are not special (Qwen's order), placed just before SPECIALS:
@@ -229,9 +236,12 @@ def tokenizer_json(vocab_size: int) -> dict:
     }
 
 
-def small_files(vocab_size: int = 32000, max_model_len: int = 8192) -> Dict[str, dict]:
+def small_files(vocab_size: int = 32000, max_model_len: int = 8192, embedding_dim: Optional[int] = None,
+                num_labels: Optional[int] = None) -> Dict[str, dict]:
     """file name -> JSON content of every file but tokenizer.json, config.json
-    last (cheap: no vocabulary is built)."""
+    last (cheap: no vocabulary is built). `embedding_dim`: a pooling model
+    of that hidden size (Matryoshka: any smaller `dimensions` is allowed);
+    with `num_labels`, its classifier's labels (LABEL_0...)."""
     eos_id = vocab_size - 1  # <|im_end|>
     pad_id = vocab_size - 3  # <|endoftext|>
     config = {
@@ -259,6 +269,11 @@ def small_files(vocab_size: int = 32000, max_model_len: int = 8192) -> Dict[str,
         "torch_dtype": "bfloat16",
         "use_cache": True,
     }
+    if embedding_dim is not None:
+        config.update(hidden_size=embedding_dim, is_matryoshka=True)
+        if num_labels is not None:
+            config.update(id2label={str(i): f"LABEL_{i}" for i in range(num_labels)},
+                          label2id={f"LABEL_{i}": i for i in range(num_labels)})  # fmt: skip
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": max_model_len,
@@ -279,17 +294,19 @@ def small_files(vocab_size: int = 32000, max_model_len: int = 8192) -> Dict[str,
     }
 
 
-def model_files(vocab_size: int = 32000, max_model_len: int = 8192) -> Dict[str, dict]:
+def model_files(vocab_size: int = 32000, max_model_len: int = 8192, embedding_dim: Optional[int] = None,
+                num_labels: Optional[int] = None) -> Dict[str, dict]:
     """file name -> JSON content of the model directory, config.json last."""
-    return {"tokenizer.json": tokenizer_json(vocab_size), **small_files(vocab_size, max_model_len)}
+    return {"tokenizer.json": tokenizer_json(vocab_size), **small_files(vocab_size, max_model_len, embedding_dim, num_labels)}
 
 
-def write_model_dir(dest: Path, vocab_size: int = 32000, max_model_len: int = 8192) -> Path:
+def write_model_dir(dest: Path, vocab_size: int = 32000, max_model_len: int = 8192, embedding_dim: Optional[int] = None,
+                    num_labels: Optional[int] = None) -> Path:
     """Write the model directory into `dest` (created). Each file is written
     aside and renamed into place, config.json last, so a frontend reading
     the directory, or a second writer of the same one, never sees half a
     file. ValueError for a vocabulary the rules cannot make."""
-    files = model_files(vocab_size, max_model_len)  # before touching the disk: may raise
+    files = model_files(vocab_size, max_model_len, embedding_dim, num_labels)  # before touching the disk: may raise
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     for name, content in files.items():
@@ -306,13 +323,14 @@ def write_model_dir(dest: Path, vocab_size: int = 32000, max_model_len: int = 81
 _HEAD_CHARS = 8192
 
 
-def is_current(dest: Path, vocab_size: int = 32000, max_model_len: int = 8192) -> bool:
+def is_current(dest: Path, vocab_size: int = 32000, max_model_len: int = 8192, embedding_dim: Optional[int] = None,
+               num_labels: Optional[int] = None) -> bool:
     """`dest` is complete and what this version writes: every file but
     tokenizer.json as written now, and tokenizer.json's added tokens (a dir
     written before the added tokens or the tool-calling template existed is not)."""
     dest = Path(dest)
     try:
-        for name, content in small_files(vocab_size, max_model_len).items():
+        for name, content in small_files(vocab_size, max_model_len, embedding_dim, num_labels).items():
             with open(dest / name, encoding="utf-8") as f:
                 if json.load(f) != content:
                     return False
@@ -323,11 +341,12 @@ def is_current(dest: Path, vocab_size: int = 32000, max_model_len: int = 8192) -
     return f'"added_tokens": {json.dumps(added_tokens(vocab_size), ensure_ascii=False)}' in head
 
 
-def ensure_model_dir(dest: Path, vocab_size: int = 32000, max_model_len: int = 8192) -> Path:
+def ensure_model_dir(dest: Path, vocab_size: int = 32000, max_model_len: int = 8192, embedding_dim: Optional[int] = None,
+                     num_labels: Optional[int] = None) -> Path:
     """`dest`, written unless it is complete and current already (is_current)."""
     dest = Path(dest)
-    if not is_current(dest, vocab_size, max_model_len):
-        write_model_dir(dest, vocab_size, max_model_len)
+    if not is_current(dest, vocab_size, max_model_len, embedding_dim, num_labels):
+        write_model_dir(dest, vocab_size, max_model_len, embedding_dim, num_labels)
     return dest
 
 
@@ -336,9 +355,11 @@ def main(argv: List[str] = None, say: Callable[[str], None] = lambda text: print
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--embedding-dim", type=int, default=None, help="a pooling model of this hidden size")
+    parser.add_argument("--num-labels", type=int, default=None, help="with --embedding-dim: its classifier's labels")
     args = parser.parse_args(argv)
     try:
-        write_model_dir(args.outdir, args.vocab_size, args.max_model_len)
+        write_model_dir(args.outdir, args.vocab_size, args.max_model_len, args.embedding_dim, args.num_labels)
     except ValueError as exc:
         parser.error(f"--vocab-size: {exc}")
     say(f"model dir {args.outdir}: vocab={args.vocab_size} eos={args.vocab_size - 1} max_model_len={args.max_model_len}")

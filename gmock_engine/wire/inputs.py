@@ -68,6 +68,9 @@ class EngineCoreRequest:
     lora_request: Any = None
     #: SamplingParams.structured_outputs (guided_decoding before 0.12), None: none.
     structured_outputs: Optional["StructuredOutputsParams"] = None
+    #: `pooling_params` (index 4) as decoded by msgpack, read only when
+    #: sampling_params is nil; pooling.py checks it (§3.7).
+    pooling_params: Any = None
 
 
 #: The constraint keys of StructuredOutputsParams (§3.3): exactly one is set.
@@ -252,6 +255,7 @@ def _decode_add_fields(payload: List[Any], ix: Dict[str, int], request_id: str, 
     external = payload[position] if position < size else None
     position = ix["abort_immediately"]
     position_lora = ix["lora_request"]
+    position_pooling = ix["pooling_params"]
     return EngineCoreRequest(
         request_id=request_id,
         prompt_len=prompt_len,
@@ -266,6 +270,7 @@ def _decode_add_fields(payload: List[Any], ix: Dict[str, int], request_id: str, 
         abort_immediately=position < size and payload[position] is True,
         prompt_token_ids=prompt,
         lora_request=payload[position_lora] if position_lora < size else None,
+        pooling_params=payload[position_pooling] if sampling is None and position_pooling < size else None,
         **stops,
     )
 

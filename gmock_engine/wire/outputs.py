@@ -31,6 +31,7 @@ def engine_core_output(
     new_logprobs: Optional[List[Any]] = None,
     new_prompt_logprobs_tensors: Optional[List[Any]] = None,
     kv_transfer_params: Optional[Dict[str, Any]] = None,
+    pooling_output: Optional[List[Any]] = None,
 ) -> List[Any]:
     """An EngineCoreOutput array in `layout`, as short as its content allows
     (§0, §4.3, §8.1).
@@ -42,8 +43,9 @@ def engine_core_output(
     accounting is the int `num_cached_tokens` instead. The slots before them
     get their defaults: nil, or 0 for the era's int fields, which must never
     be nil (num_nans_in_logits, num_cached_tokens, num_external_computed_tokens).
+    `pooling_output` (a tensor, index 4 in every era) ends a pooling request (§3.7).
     """
-    if events is None and error is None and new_prompt_logprobs_tensors is None and kv_transfer_params is None:
+    if events is None and error is None and new_prompt_logprobs_tensors is None and kv_transfer_params is None and pooling_output is None:
         if finish_reason is None:
             # the per-token path: keep it cheap
             return [request_id, new_token_ids] if new_logprobs is None else [request_id, new_token_ids, new_logprobs]
@@ -62,7 +64,7 @@ def engine_core_output(
     # the era's defaults up to the last field given (the slots before it
     # must hold their defaults: 0, never nil, for the int fields)
     out = list(layout.output_defaults[: last + 1])
-    out[0], out[1], out[2], out[3] = request_id, new_token_ids, new_logprobs, new_prompt_logprobs_tensors
+    out[0], out[1], out[2], out[3], out[4] = request_id, new_token_ids, new_logprobs, new_prompt_logprobs_tensors, pooling_output
     out[5] = None if finish_reason is None else layout.wire_finish_reason(finish_reason)
     for position, value in slots:
         out[position] = values[value]

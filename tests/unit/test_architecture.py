@@ -26,6 +26,7 @@ PURE = [
     "output_processor",
     "lanes",
     "spec_decode",
+    "pooling",
     "outbox",
     "utilities",
     "tokens",
