@@ -187,6 +187,8 @@ class EngineCore:
         self.settings = new
         self.latency = new.latency
         self.scheduler.reconfigure(new.latency, sampler, new.max_num_seqs, new.max_num_batched_tokens)
+        if self.scheduler.spec is not None and new.spec_acceptance:
+            self.scheduler.spec.set_acceptance(new.spec_acceptance)
         self.outbox.strict_ledger = new.strict_ledger
 
     # -- queries ---------------------------------------------------------

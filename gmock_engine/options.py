@@ -125,6 +125,8 @@ GENERATION = Group(
             default=(0.7,),
             type=rate_list,
             metavar="RATES",
+            reload=NEXT_STEP,
+            setting="spec_acceptance",
         ),
         Option(
             "--vocab-size",

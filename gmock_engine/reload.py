@@ -175,6 +175,12 @@ def check(current: argparse.Namespace, load: Callable[[], argparse.Namespace]) -
             f"argument --token-id-range: {id_range} goes past --vocab-size {merged.vocab_size} "
             f"(from {merged.sources['token_id_range']}), and --vocab-size cannot change while running"
         )
+    spec_tokens, rates = merged.spec_tokens, merged.spec_acceptance
+    if spec_tokens and len(rates) not in (1, spec_tokens):
+        return refused(
+            f"argument --spec-acceptance: {len(rates)} rates (from {merged.sources['spec_acceptance']}) for "
+            f"--spec-tokens {spec_tokens} draft positions: give {spec_tokens} or 1 (--spec-tokens cannot change while running)"
+        )
     return result
 
 

@@ -45,14 +45,20 @@ class SpecDecode:
             raise ValueError("speculative decoding needs at least one draft position")
         #: K, vLLM's num_spec_tokens
         self.num_spec_tokens = len(acceptance)
-        self.acceptance = tuple(float(a) for a in acceptance)
-        # draft i is accepted when the 64-bit draw is below rate_i * 2**64
-        self._thresholds = tuple(min(int(a * (1 << 64)), 1 << 64) for a in self.acceptance)
+        self.set_acceptance(acceptance)
         self.seed = seed
         self.rank = rank
         #: counts already sent in SpecDecodingStats: drafts, draft tokens, accepted tokens, accepted per position
         self._sent = [0, 0, 0, [0] * self.num_spec_tokens]
         self._reset()
+
+    def set_acceptance(self, acceptance: Sequence[float]) -> None:
+        """The per-position rates from the next step on (a reload); K stays."""
+        if len(acceptance) != self.num_spec_tokens:
+            raise ValueError(f"{len(acceptance)} acceptance rates for {self.num_spec_tokens} draft positions")
+        self.acceptance = tuple(float(a) for a in acceptance)
+        # draft i is accepted when the 64-bit draw is below rate_i * 2**64
+        self._thresholds = tuple(min(int(a * (1 << 64)), 1 << 64) for a in self.acceptance)
 
     def _reset(self) -> None:
         self.num_drafts = 0

@@ -22,6 +22,7 @@ every output decodes to text and the frontends send a chunk for each.
 from __future__ import annotations
 
 import json
+import math
 import threading
 
 import pytest
@@ -33,7 +34,9 @@ from test_frontends import COMPLETIONS, DP1_TOPOLOGIES, check_stream, completion
 
 RATES = (0.8, 0.6, 0.4)
 EXPECTED_TOKENS_PER_STEP = 1 + 0.8 + 0.8 * 0.6 + 0.8 * 0.6 * 0.4
-STREAMS, MAX_TOKENS = 6, 200
+#: 8 x 700 tokens at about 2.47 a step: over 2 000 drafts, so each position's
+#: acceptance is measured to about 1 % (one standard error)
+STREAMS, MAX_TOKENS = 8, 700
 
 pytestmark = [pytest.mark.e2e]
 
@@ -135,6 +138,14 @@ def test_streams_and_spec_decode_metrics(stack):
     except Exception:  # noqa: BLE001 - the comparison below says what differs
         pass
     assert frontend == engine
+    # each position accepted at its rate, given the earlier ones were (within 4 standard errors)
+    assert engine["num_drafts"] >= 2000
+    proposed = engine["num_drafts"]
+    for position, rate in enumerate(RATES):
+        accepted = engine["per_pos"][position]
+        error = 4 * math.sqrt(rate * (1 - rate) / proposed)
+        assert abs(accepted / proposed - rate) < error, (position, accepted, proposed, rate)
+        proposed = accepted  # a draft reaches the next position only if this one was accepted
 
 
 def test_vllm_xargs_set_a_request_s_acceptance(stack):

@@ -18,7 +18,7 @@ from gmock_engine.wire.inputs import EngineCoreRequest
 from gmock_engine.wire.types import FinishReason
 
 import wire_rules
-from engine_steps import engine_with, outputs_of, run
+from engine_steps import engine_with, outputs_of, run, tokens_of
 
 RATES = (0.8, 0.6, 0.4)
 
@@ -183,3 +183,40 @@ def test_vllm_xargs_mock_spec_acceptance_sets_a_request_s_rate():
         with pytest.raises(BadXargs, match="mock_spec_acceptance"):
             check_xargs({"mock_spec_acceptance": value})
     assert check_xargs({"mock_spec_acceptance": 1}).spec_acceptance == 1.0
+
+
+def test_a_reload_changes_the_rates_from_the_next_step_and_keeps_k(tmp_path):
+    """--spec-acceptance reloads (SIGHUP): the engine's verifier takes the new
+    rates between two steps; a count that fits neither K nor 1 is refused,
+    since --spec-tokens cannot change while running."""
+    import dataclasses
+
+    from gmock_engine import reload
+
+    path = tmp_path / "live.ini"
+    path.write_text("[gmock_engine]\nspec-tokens = 2\nspec-acceptance = 1.0\n")
+
+    def load():
+        return parse_config(["--config", str(path)], env={})
+
+    current = load()
+    engine = engine_with(spec_acceptance=settings.from_config(current).generation.spec_acceptance)
+    engine.apply(add("a", 40))
+    sent = run_steps_counting(engine, 4)
+    assert sent[1:] == [3, 3, 3]  # every draft accepted: K + 1 tokens a step (the first step prefills)
+    path.write_text("[gmock_engine]\nspec-tokens = 2\nspec-acceptance = 0.0\n")
+    found = reload.check(current, load)
+    assert found.error is None and [c.flag for c in found.changes] == ["--spec-acceptance"]
+    new = settings.from_config(found.config).generation.spec_acceptance
+    assert new == (0.0, 0.0)
+    engine.reconfigure(dataclasses.replace(engine.settings, spec_acceptance=new))
+    assert run_steps_counting(engine, 3) == [1, 1, 1]
+    assert engine.scheduler.spec.num_spec_tokens == 2
+    path.write_text("[gmock_engine]\nspec-tokens = 3\nspec-acceptance = 0.5,0.5,0.5\n")
+    found = reload.check(current, load)
+    assert found.error is not None and "--spec-acceptance: 3 rates" in found.error and "give 2 or 1" in found.error
+
+
+def run_steps_counting(engine, steps):
+    """Tokens of request "a" in each of `steps` steps."""
+    return [len(tokens_of(engine.step(), "a")) for _ in range(steps)]
