@@ -98,6 +98,15 @@ CONNECTION = Group(
             default=AUTO,
             type=protocol_version,
         ),
+        Option(
+            "--frontend-heartbeat",
+            "ZMTP heartbeat interval toward the frontend, seconds (0: off): a connection that answers none of "
+            "the PINGs for 3 intervals is ended and reconnected, so a cut link is noticed and logged. Shorter "
+            "notices shorter cuts, but turns them into reconnects (what was in flight on the connection is "
+            "lost) where TCP alone would have ridden them out (docs/operations.md, The frontend watch)",
+            default=1.0,
+            type=float_in(0.0, 600.0),
+        ),
     ),
 )
 
@@ -441,6 +450,14 @@ STOPPING = Group(
             default=False,
             boolean=True,
             reload=AT_ONCE,
+        ),
+        Option(
+            "--exit-when-frontend-gone",
+            "stop cleanly (exit 0, as on SIGTERM) once the frontend has been gone this many seconds: its "
+            "sockets disconnected and not back; with several engines, once every joined engine's frontend "
+            "is (default: off, the engine waits for its frontend to come back)",
+            type=float_at_least(0.0),
+            metavar="SECONDS",
         ),
     ),
 )

@@ -51,6 +51,7 @@ PURE = [
     "tokenizer",
     "corpus",
     "content",
+    "frontend_link",
 ]
 
 
