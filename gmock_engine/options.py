@@ -100,11 +100,12 @@ CONNECTION = Group(
         ),
         Option(
             "--frontend-heartbeat",
-            "ZMTP heartbeat interval toward the frontend, seconds (0: off): a connection that answers none of "
-            "the PINGs for 3 intervals is ended and reconnected, so a cut link is noticed and logged. Shorter "
-            "notices shorter cuts, but turns them into reconnects (what was in flight on the connection is "
-            "lost) where TCP alone would have ridden them out (docs/operations.md, The frontend watch)",
-            default=1.0,
+            "ZMTP heartbeat interval toward the frontend, seconds (default 0: off): a connection that answers "
+            "none of the PINGs for 3 intervals is ended, so a cut link is noticed and logged. Only for a "
+            "frontend on libzmq (vllm serve): vllm-rs's ZMQ does not know PING, and its output dispatcher fails at "
+            "the first one (every request then gets 500). A reconnect may not resume serving (docs/operations.md, "
+            "The frontend watch)",
+            default=0.0,
             type=float_in(0.0, 600.0),
         ),
     ),

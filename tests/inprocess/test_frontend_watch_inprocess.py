@@ -3,9 +3,13 @@ frontend in one hub: its sockets closing is noticed within a few seconds (one
 log line, the metrics), its coming back too, and --exit-when-frontend-gone
 stops the App with status 0 once every engine's frontend is gone that long."""
 
+import os
+import signal
+import sys
 import time
 
 import gevent
+from gevent import subprocess
 import zmq.green as zmq
 from loguru import logger
 
@@ -111,3 +115,72 @@ def test_exit_when_frontend_gone_stops_with_status_0_after_the_timeout():
             app.stop()
             waiter.join(timeout=5)
         frontend.close()
+
+
+def test_heartbeats_are_set_and_leave_a_libzmq_frontend_alone():
+    lines, sink = _lines()
+    frontend = FakeFrontend(num_clients=1, dp=1)
+    app, waiter = _start(frontend, "--frontend-heartbeat", "0.1")
+    try:
+        sockets = app.runners[0].sockets
+        for sock in [*sockets.inputs, *sockets.outputs]:
+            assert sock.getsockopt(zmq.HEARTBEAT_IVL) == 100 and sock.getsockopt(zmq.HEARTBEAT_TIMEOUT) == 300
+        gevent.sleep(1.0)  # ten PINGs, each answered by the fake frontend's libzmq
+        frontend.add(0, "r1", max_tokens=3)
+        assert frontend.collect(["r1"]).tokens("r1")
+        assert not any("frontend gone" in line for line in lines), lines
+        assert _sample(app, "gmock_frontend_connected", engine="0") == 1
+    finally:
+        logger.remove(sink)
+        app.stop()
+        assert waiter.get(timeout=5) == 0
+        frontend.close()
+
+
+#: The fake frontend in a process of its own, so that it can be stopped (SIGSTOP):
+#: then it answers nothing, not even a PING, as over a cut link.
+FRONTEND_PROCESS = """
+import sys
+sys.path.insert(0, {tests!r})
+import gevent
+from fake_frontend import FakeFrontend
+frontend = FakeFrontend()
+print(frontend.handshake_address, flush=True)
+frontend.accept_engines(timeout=20)
+print("joined", flush=True)
+gevent.sleep(30)
+"""
+
+
+def test_heartbeats_notice_a_frontend_that_answers_nothing_and_its_return():
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", FRONTEND_PROCESS.format(tests=tests)], stdout=subprocess.PIPE, text=True)
+    lines, sink = _lines()
+    app = waiter = None
+    try:
+        address = proc.stdout.readline().strip()
+        argv = ["--handshake-address", address, "--summary-interval", "0", "--frontend-heartbeat", "0.2"]
+        app = App(parse_config(argv, env={}))
+        app.start()
+        waiter = gevent.spawn(app.run_until_stopped)
+        with gevent.Timeout(10):
+            assert proc.stdout.readline().strip() == "joined"
+        assert app.wait_joined(5)
+        gevent.sleep(1.0)  # answered PINGs: nothing happens
+        assert not any("frontend gone" in line for line in lines), lines
+        os.kill(proc.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        _wait_for(lambda: any("frontend gone" in line for line in lines), 3, "'frontend gone' line")
+        assert 0.5 <= time.monotonic() - stopped < 3  # the heartbeat timeout (0.6 s) and one interval
+        assert _sample(app, "gmock_frontend_connected", engine="0") == 0
+        os.kill(proc.pid, signal.SIGCONT)
+        _wait_for(lambda: any("frontend back after" in line for line in lines), 5, "'frontend back' line")
+        assert sum("frontend gone" in line for line in lines) == 1
+    finally:
+        logger.remove(sink)
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+        if app is not None:
+            app.stop()
+            assert waiter.get(timeout=5) == 0
