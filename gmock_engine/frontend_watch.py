@@ -1,15 +1,14 @@
 """The engine watches its frontend: socket monitors, heartbeats, the exit timer.
 
-Every socket the handshake makes (transport.join_frontend) comes from a
-`WatchedContext`: it gets a libzmq socket monitor (an inproc PAIR that
-receives the socket's connection events) and, with --frontend-heartbeat,
-ZMTP heartbeats. Both are set before the socket connects: libzmq copies a
-socket's options into each connection when it is made, and a monitor
-attached later would miss the first connection's events.
+The sockets the handshake makes (transport.join_frontend) come from a
+`WatchedContext`: each the engine keeps gets a libzmq socket monitor (an
+inproc PAIR that receives the socket's connection events) and, with
+--frontend-heartbeat, ZMTP heartbeats. Both are set before the socket
+connects: libzmq copies a socket's options into each connection when it is
+made, and a monitor attached later would miss the first connection's events.
 
 After the handshake one supervised greenlet per engine (`FrontendWatch.run`)
-reads the monitors of the sockets the engine keeps (the handshake DEALER is
-closed by then; its monitor is closed unread) and feeds the events to a
+reads those monitors and feeds the events to a
 `frontend_link.FrontendLink`, which says when the frontend is gone and
 when it is back. Each transition is logged once (the "frontend gone"
 lines are rate-limited, so a flapping link is summarised); events are
@@ -25,6 +24,7 @@ when every engine's frontend is).
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -42,22 +42,37 @@ HEARTBEAT_TIMEOUT_INTERVALS = 3
 GONE_LOGS = 5
 GONE_WINDOW_S = 60.0
 
+#: Numbers the monitors' inproc endpoints. pyzmq's default name is made from
+#: the socket's FD, which a new socket can get while the endpoint of a closed
+#: one (the handshake DEALER lingers) is still bound: EADDRINUSE.
+_MONITOR_IDS = itertools.count()
+
 
 class WatchedContext:
     """A stand-in for the ZMQ context in transport.join_frontend: `socket`
     makes each socket with a monitor and, when `heartbeat_s` > 0, with ZMTP
     heartbeats (a PING every `heartbeat_s`; the connection ends when no
-    traffic comes back within HEARTBEAT_TIMEOUT_INTERVALS of them)."""
+    traffic comes back within HEARTBEAT_TIMEOUT_INTERVALS of them).
+
+    Except the first: join_frontend makes the handshake DEALER first and
+    closes it after READY, and with a monitor on it the frontend at times
+    did not see that connection close within seconds (tests/inprocess,
+    test_the_handshake_connection_is_closed_once_ready)."""
 
     def __init__(self, ctx: Any, heartbeat_s: float) -> None:
         self.ctx = ctx
         self.heartbeat_ms = int(round(heartbeat_s * 1000))
-        #: every socket made so far, with its monitor PAIR
+        #: every monitored socket made so far, with its monitor PAIR
         self.made: List[Tuple[Any, Any]] = []
+        self._first = True
 
     def socket(self, kind: int) -> Any:
-        """A new socket of `kind`, monitored (and heartbeating)."""
+        """A new socket of `kind`, monitored (and heartbeating); the first,
+        the handshake DEALER, plain."""
         sock = self.ctx.socket(kind)
+        if self._first:
+            self._first = False
+            return sock
         if self.heartbeat_ms > 0:
             timeout = self.heartbeat_ms * HEARTBEAT_TIMEOUT_INTERVALS
             sock.setsockopt(zmq.HEARTBEAT_IVL, self.heartbeat_ms)
@@ -70,7 +85,7 @@ class WatchedContext:
             # long, instead of waiting for the kernel's SYN retries (minutes).
             sock.setsockopt(zmq.CONNECT_TIMEOUT, timeout)
         try:
-            monitor = sock.get_monitor_socket()
+            monitor = sock.get_monitor_socket(addr=f"inproc://gmock-frontend-watch-{next(_MONITOR_IDS)}")
         except BaseException:
             sock.close(linger=0)
             raise
@@ -128,10 +143,13 @@ class FrontendWatch:
         return self.watched
 
     def attach(self, sockets: Any) -> None:
-        """The handshake is done: watch the sockets the engine keeps; close
-        the monitors of the others (the handshake DEALER, closed already)."""
+        """The handshake is done: watch the sockets the engine keeps (a
+        monitor of any other socket is closed unread)."""
         roles = socket_roles(sockets)
         assert self.watched is not None
+        monitored = {id(sock) for sock, _ in self.watched.made}
+        if not roles.keys() <= monitored:  # join_frontend made a kept socket first
+            raise RuntimeError("a socket toward the frontend has no monitor: the handshake DEALER is no longer made first")
         for sock, monitor in self.watched.made:
             role = roles.get(id(sock))
             if role is None:

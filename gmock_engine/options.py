@@ -456,7 +456,7 @@ STOPPING = Group(
             "--exit-when-frontend-gone",
             "stop cleanly (exit 0, as on SIGTERM) once the frontend has been gone this many seconds: its "
             "sockets disconnected and not back; with several engines, once every joined engine's frontend "
-            "is (default: off, the engine waits for its frontend to come back)",
+            "is (default, and 0: off; the engine waits for its frontend to come back)",
             type=float_at_least(0.0),
             metavar="SECONDS",
         ),

@@ -5,11 +5,11 @@ stops the App with status 0 once every engine's frontend is gone that long."""
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
 import gevent
-from gevent import subprocess
 import zmq.green as zmq
 from loguru import logger
 
@@ -147,31 +147,30 @@ from fake_frontend import FakeFrontend
 frontend = FakeFrontend()
 print(frontend.handshake_address, flush=True)
 frontend.accept_engines(timeout=20)
-print("joined", flush=True)
 gevent.sleep(30)
 """
 
 
 def test_heartbeats_notice_a_frontend_that_answers_nothing_and_its_return():
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # stdlib subprocess: gevent's would install its SIGCHLD reaper in this
+    # process, and reap the children of later tests behind their Popen's back.
     proc = subprocess.Popen([sys.executable, "-c", FRONTEND_PROCESS.format(tests=tests)], stdout=subprocess.PIPE, text=True)
     lines, sink = _lines()
     app = waiter = None
     try:
-        address = proc.stdout.readline().strip()
+        address = proc.stdout.readline().strip()  # blocks the hub, but nothing runs in it yet
         argv = ["--handshake-address", address, "--summary-interval", "0", "--frontend-heartbeat", "0.2"]
         app = App(parse_config(argv, env={}))
         app.start()
         waiter = gevent.spawn(app.run_until_stopped)
-        with gevent.Timeout(10):
-            assert proc.stdout.readline().strip() == "joined"
-        assert app.wait_joined(5)
+        assert app.wait_joined(10)
         gevent.sleep(1.0)  # answered PINGs: nothing happens
         assert not any("frontend gone" in line for line in lines), lines
         os.kill(proc.pid, signal.SIGSTOP)
         stopped = time.monotonic()
         _wait_for(lambda: any("frontend gone" in line for line in lines), 3, "'frontend gone' line")
-        assert 0.5 <= time.monotonic() - stopped < 3  # the heartbeat timeout (0.6 s) and one interval
+        assert 0.3 <= time.monotonic() - stopped < 3  # the heartbeat timeout (0.6 s), give or take one interval
         assert _sample(app, "gmock_frontend_connected", engine="0") == 0
         os.kill(proc.pid, signal.SIGCONT)
         _wait_for(lambda: any("frontend back after" in line for line in lines), 5, "'frontend back' line")
