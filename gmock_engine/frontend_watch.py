@@ -33,6 +33,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from .frontend_link import FrontendLink
 from .logs import Throttle
+from .transport import WAIT_SAFETY_NET_S
 
 #: The heartbeat timeout is this many heartbeat intervals: a connection
 #: whose peer answered none of the last PINGs for that long is ended.
@@ -163,6 +164,10 @@ class FrontendWatch:
         """Read the monitors until killed: every event to the link, each
         transition logged once; the exit timer while the frontend is gone."""
         poller = zmq.Poller()
+        # zmq.green's Poller looks again every 1.33 s even when nothing
+        # signalled (its guard against a lost edge); an idle engine waits for
+        # its monitors for ever, so its guard is the readers' (transport.py).
+        poller._gevent_bug_timeout = WAIT_SAFETY_NET_S
         for monitor, _ in self._monitors:
             poller.register(monitor, zmq.POLLIN)
         roles = dict((id(monitor), role) for monitor, role in self._monitors)
