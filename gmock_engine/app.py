@@ -26,7 +26,7 @@ import gevent.event
 import zmq.green as zmq
 from loguru import logger
 
-from . import faults, logs, reload
+from . import faults, frontend_link, logs, reload
 from .wire.eras import Wire
 from .reload import Reconfiguration
 from .runner import KILL_TIMEOUT_S, SENDER_FLUSH_TIMEOUT_S, EngineRunner
@@ -63,7 +63,7 @@ class App:
         self.summary: Optional[gevent.Greenlet] = None
         first = config.data_parallel_start_rank
         self.runners = [
-            EngineRunner(self.ctx, self.supervisor, rank, config, self.wire, self._on_crash)
+            EngineRunner(self.ctx, self.supervisor, rank, config, self.wire, self._on_crash, self._on_frontend_gone)
             for rank in range(first, first + config.engine_count)
         ]
 
@@ -73,6 +73,16 @@ class App:
         if all(r.crashed for r in self.runners):
             logger.critical("every engine of this process crashed (injected); exiting with status {}", faults.CRASH_EXIT_STATUS)
             os._exit(faults.CRASH_EXIT_STATUS)
+
+    def _on_frontend_gone(self) -> None:
+        """--exit-when-frontend-gone: an engine's frontend has been gone that
+        long; once every joined engine's has (crashed ones aside), stop as
+        SIGTERM does: the ordinary ordered shutdown, exit status 0."""
+        limit = self.config.exit_when_frontend_gone
+        links = [r.watch.link for r in self.runners if not r.crashed]
+        if limit is not None and frontend_link.expired(links, limit, time.monotonic()):
+            logger.warning("the frontend has been gone for {:g} s or more (--exit-when-frontend-gone); stopping", limit)
+            self.stop()
 
     def start(self) -> None:
         """Bind the metrics endpoint (OSError if it cannot), then start every engine."""

@@ -1,9 +1,10 @@
 """The program: configuration -> logging -> engines -> signals -> exit status.
 
-Exit status: 0 after SIGINT/SIGTERM, 1 when any greenlet failed, 2 for a bad
-configuration (nothing was connected then). A second signal exits at once.
-SIGUSR1 logs every engine's books; SIGHUP reads the configuration again and
-applies what may change while requests run (reload.py).
+Exit status: 0 after SIGINT/SIGTERM (or --exit-when-frontend-gone), 1 when any
+greenlet failed, 2 for a bad configuration (nothing was connected then). A
+second signal exits at once. SIGUSR1 logs every engine's books; SIGHUP reads
+the configuration again and applies what may change while requests run
+(reload.py).
 """
 
 from __future__ import annotations

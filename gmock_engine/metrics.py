@@ -61,7 +61,22 @@ class EngineCollector(Collector):
         spec_pos = CounterMetricFamily(
             "gmock_spec_decode_num_accepted_tokens_per_pos", "accepted draft tokens by position", labels=["engine", "position"]
         )
+        # the frontend watch (frontend_watch.py): its sockets' monitor events by
+        # kind (disconnected, connect_retried, ...) and whether every socket is connected
+        link_events = CounterMetricFamily(
+            "gmock_frontend_socket_events", "monitor events of the sockets toward the frontend, by kind", labels=["engine", "event"]
+        )
+        link_up = GaugeMetricFamily(
+            "gmock_frontend_connected", "1 while every socket toward the frontend is connected, else 0", labels=["engine"]
+        )
+        outages = CounterMetricFamily("gmock_frontend_outages", "times the frontend went (a socket lost its connection)", labels=["engine"])
         for runner in self.runners:
+            link = runner.watch.link
+            if link is not None:
+                for kind, count in sorted(link.counts.items()):
+                    link_events.add_metric([str(runner.rank), kind], count)
+                link_up.add_metric([str(runner.rank)], 1 if link.connected else 0)
+                outages.add_metric([str(runner.rank)], link.outages)
             publisher = getattr(runner, "kv_events", None)
             if publisher is not None:
                 for name in ("batches", "events", "dropped_queue_full", "replay_requests", "replayed_batches", "bad_replay_requests"):
@@ -97,7 +112,7 @@ class EngineCollector(Collector):
             summary = runner.step_lateness.summary()
             lateness.add_metric([rank, "0.5"], summary["p50"])
             lateness.add_metric([rank, "0.99"], summary["p99"])
-        yield from (running, waiting, started, finished, tokens, steps, preemptions, violations, bad_frames, utility, kv, queues, lateness, faults, generation, kv_events, spec, spec_pos)
+        yield from (running, waiting, started, finished, tokens, steps, preemptions, violations, bad_frames, utility, kv, queues, lateness, faults, generation, kv_events, spec, spec_pos, link_events, link_up, outages)
 
 
 class ConfigCollector(Collector):

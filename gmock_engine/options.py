@@ -98,6 +98,16 @@ CONNECTION = Group(
             default=AUTO,
             type=protocol_version,
         ),
+        Option(
+            "--frontend-heartbeat",
+            "ZMTP heartbeat interval toward the frontend, seconds (default 0: off): a connection that answers "
+            "none of the PINGs for 3 intervals is ended, so a cut link is noticed and logged. Only for a "
+            "frontend on libzmq (vllm serve): vllm-rs's ZMQ does not know PING, and its output dispatcher fails at "
+            "the first one (every request then gets 500). A reconnect may not resume serving (docs/operations.md, "
+            "The frontend watch)",
+            default=0.0,
+            type=float_in(0.0, 600.0),
+        ),
     ),
 )
 
@@ -456,6 +466,14 @@ STOPPING = Group(
             default=False,
             boolean=True,
             reload=AT_ONCE,
+        ),
+        Option(
+            "--exit-when-frontend-gone",
+            "stop cleanly (exit 0, as on SIGTERM) once the frontend has been gone this many seconds: its "
+            "sockets disconnected and not back; with several engines, once every joined engine's frontend "
+            "is (default, and 0: off; the engine waits for its frontend to come back)",
+            type=float_at_least(0.0),
+            metavar="SECONDS",
         ),
     ),
 )

@@ -37,7 +37,7 @@ import gevent.event
 import gevent.queue
 from loguru import logger
 
-from . import fault_injection, kv_event_publisher, kv_events, tokens, transport
+from . import fault_injection, frontend_watch, kv_event_publisher, kv_events, tokens, transport
 from .wire.eras import Wire
 from .wire.handshake import engine_ready_message, engine_ready_response, InitMessage
 from .wire.inputs import decode_coordinator, decode_input
@@ -92,6 +92,7 @@ class EngineRunner:
         config: Any,
         wire: Wire,
         on_crash: Callable[["EngineRunner"], None] = lambda runner: None,
+        on_frontend_gone: Callable[[], None] = lambda: None,
     ) -> None:
         self.ctx = ctx
         self.supervisor = supervisor
@@ -110,6 +111,11 @@ class EngineRunner:
         self.stepper: Optional[gevent.Greenlet] = None
         self.sender: Optional[gevent.Greenlet] = None
         self.joined = gevent.event.Event()
+        #: The watch of the frontend (frontend_watch.py) and its greenlet, once joined.
+        self.watch = frontend_watch.FrontendWatch(
+            rank, self.log, config.frontend_heartbeat, config.exit_when_frontend_gone, on_frontend_gone
+        )
+        self.watcher: Optional[gevent.Greenlet] = None
         #: Rate-limited warnings for what the frontend (or anyone) sends.
         self.throttle = Throttle(self.log, BAD_FRAME_LOGS, BAD_FRAME_WINDOW_S)
         #: Bad frames and contained failures, counted by the socket loops and the stepper.
@@ -180,7 +186,7 @@ class EngineRunner:
 
     def _handshake(self) -> None:
         self.sockets, init = transport.join_frontend(
-            self.ctx, self.rank, self.config.handshake_address, self.ready_response, self.ready_message
+            self.watch.context(self.ctx), self.rank, self.config.handshake_address, self.ready_response, self.ready_message
         )
         # From here to the end no greenlet runs in between: a reload meanwhile
         # found this engine not joined and changed `config` and the injector.
@@ -198,6 +204,8 @@ class EngineRunner:
                 spawn(name, reader.run, self.sockets.coordinator_input, "coordinator_input", decode_coordinator)
             )
         self.stepper = spawn(f"engine-{self.rank}-stepper", self._stepper)
+        self.watch.attach(self.sockets)
+        self.watcher = spawn(f"engine-{self.rank}-frontend-watch", self.watch.run)
         sender = transport.Sender(self.links, self.sockets, self.wire, self.incidents, self.throttle)
         self.sender = spawn(f"engine-{self.rank}-sender", sender.run)
         self.links.attach_sender(sender.send_now, sender.encode)
@@ -419,9 +427,10 @@ class EngineRunner:
         self.crashed = True
         self._on_crash(self)  # does not return if this was the process's last engine
         current = gevent.getcurrent()
-        stages = [*self.readers, self.fault_timer, self.stepper, self.sender]
+        stages = [*self.readers, self.fault_timer, self.stepper, self.sender, self.watcher]
         greenlets = [g for g in stages if g is not None and g is not current]
         gevent.killall(greenlets, block=True, timeout=KILL_TIMEOUT_S)
+        self.watch.close()
         if self.sockets is not None:
             self.sockets.close(output_linger_ms=0)
         if self.kv_events is not None:  # a crashed engine publishes nothing more
@@ -469,8 +478,10 @@ class EngineRunner:
 
     def input_greenlets(self) -> List[gevent.Greenlet]:
         """Stage 1 of shutdown stops these: the handshake (if still waiting),
-        the readers, the timed faults and the stepper."""
-        return [g for g in [self.handshake, *self.readers, self.fault_timer, self.stepper] if g is not None]
+        the readers, the timed faults, the stepper and the frontend watch
+        (before the sockets close: their closing is no frontend going)."""
+        stages = [self.handshake, *self.readers, self.fault_timer, self.stepper, self.watcher]
+        return [g for g in stages if g is not None]
 
     def request_drain(self, finish: bool) -> None:
         """Ask the stepper to end (or finish) everything (--on-stop)."""
@@ -515,6 +526,7 @@ class EngineRunner:
         publisher sends what it has queued first (bounded too)."""
         if self.kv_events is not None and not self.crashed:
             self.kv_events.close()
+        self.watch.close()  # the monitors first (also when the handshake failed)
         if self.sockets is not None and not self.crashed:
             self.sockets.close()
 

@@ -53,6 +53,7 @@ PURE = [
     "tokenizer",
     "corpus",
     "content",
+    "frontend_link",
 ]
 
 
