@@ -216,7 +216,9 @@ def reach_hint(address: str, outcome: str, ranks: str, dp: int, last_rank: int) 
     if outcome == "refused":
         return (
             f"nothing listens at {where} (connection refused): the frontend is not running there yet, has exited "
-            "(see its log), or listens on another address or port. A frontend started with --data-parallel-address "
+            "(see its log), already has all its engines (both frontends close the handshake then: is its "
+            f"--data-parallel-size {dp} like this process's?), or listens on another address or port. "
+            "A frontend started with --data-parallel-address "
             "127.0.0.1 or localhost listens on its loopback only, out of reach from other hosts: give it the IP the "
             f"engine hosts reach it at - {FRONTEND_ADDRESS_FLAGS}"
         )

@@ -75,6 +75,8 @@ def test_reach_hint_open_points_at_the_dp_size():
 def test_reach_hint_refused_names_the_address_and_the_frontend_flags():
     text = reach_hint("tcp://10.0.0.1:29550", "refused", "engines 0..1", 4, 1)
     assert text.startswith("nothing listens at 10.0.0.1:29550 (connection refused)")
+    assert "already has all its engines (both frontends close the handshake then: is its --data-parallel-size 4 " \
+           "like this process's?)" in text
     assert "--data-parallel-address 127.0.0.1 or localhost listens on its loopback only" in text
     assert "vllm serve: --data-parallel-address IP --data-parallel-rpc-port PORT" in text
 
