@@ -9,6 +9,7 @@ the configuration again and applies what may change while requests run
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import re
@@ -17,17 +18,21 @@ import sys
 from typing import Optional, Sequence
 
 import gevent
+import gevent.socket
 from loguru import logger
 
 from . import __version__, kv_event_publisher
 from .config import ConfigError, format_config, parse_config
 from .logs import setup_logging
 from .app import App
+from .wire.handshake import COORDINATOR_WAIT_HINT, reach_hint, tcp_host_port
 
 #: Allocations (net) between young-generation collections; CPython's default is 700.
 GC_THRESHOLD = 100_000
 #: How long the engines wait for INIT before they say, once, what they wait for.
 NO_FRONTEND_HINT_AFTER_S = 5.0
+#: How long the hint's TCP connect to the handshake address may take.
+PROBE_TIMEOUT_S = 3.0
 
 
 def _msgpack_is_compiled() -> bool:
@@ -63,15 +68,47 @@ def no_frontend_hint(address: str, waiting: Sequence[int], joined: Sequence[int]
     return text + f"or run ./run.sh serve --dp {dp}: a real frontend and the mock engines in one command"
 
 
+def probe_handshake(address: str, timeout: float = PROBE_TIMEOUT_S) -> Optional[str]:
+    """A plain TCP connect to a tcp:// handshake address: "open", "refused",
+    "timeout", "unreachable" (no route) or the error's text (None for other transports). Both frontends'
+    handshake ROUTERs take a connection that closes before the ZMTP greeting."""
+    parsed = tcp_host_port(address)
+    if parsed is None:
+        return None
+    try:
+        conn = gevent.socket.create_connection(parsed, timeout=timeout)
+    except ConnectionRefusedError:
+        return "refused"
+    except TimeoutError:  # socket.timeout too
+        return "timeout"
+    except OSError as exc:
+        if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+            return "unreachable"
+        return exc.strerror or str(exc)
+    conn.close()
+    return "open"
+
+
 def _hint_if_no_frontend(app: App, config) -> None:
     """Once per process: after NO_FRONTEND_HINT_AFTER_S, if engines still
-    wait for INIT, say what for and how to start a frontend (the per-engine
-    "still waiting" lines of transport.py only say that they wait)."""
+    wait for INIT, say what for, what a TCP connect to the handshake address
+    tells, and how to start a frontend; if they got INIT but wait for the
+    coordinator's READY, why (the per-engine "still waiting" lines of
+    transport.py only say that they wait)."""
     gevent.sleep(NO_FRONTEND_HINT_AFTER_S)
-    waiting = [r.rank for r in app.runners if not r.joined.is_set()]
+    got_init = [r for r in app.runners if getattr(r, "got_init", None) is not None and r.got_init.is_set()]
+    waiting = [r.rank for r in app.runners if not r.joined.is_set() and r not in got_init]
+    coordinator = [r.rank for r in got_init if not r.joined.is_set()]
     if waiting:
-        joined = [r.rank for r in app.runners if r.joined.is_set()]
-        logger.warning(no_frontend_hint(config.handshake_address, waiting, joined, config.data_parallel_size, NO_FRONTEND_HINT_AFTER_S))
+        joined = [r.rank for r in app.runners if r.rank not in waiting]
+        text = no_frontend_hint(config.handshake_address, waiting, joined, config.data_parallel_size, NO_FRONTEND_HINT_AFTER_S)
+        outcome = probe_handshake(config.handshake_address)
+        if outcome is not None:
+            text += "\n" + reach_hint(config.handshake_address, outcome, _ranks(waiting), config.data_parallel_size, waiting[-1])
+        logger.warning(text)
+    elif coordinator:
+        logger.warning("{} got INIT but no READY from the frontend's DP coordinator after {:g} s: {}",
+                       _ranks(coordinator), NO_FRONTEND_HINT_AFTER_S, COORDINATOR_WAIT_HINT)  # fmt: skip
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

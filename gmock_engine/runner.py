@@ -116,6 +116,8 @@ class EngineRunner:
             rank, self.log, config.frontend_heartbeat, config.exit_when_frontend_gone, on_frontend_gone
         )
         self.watcher: Optional[gevent.Greenlet] = None
+        #: Set once INIT arrived (joined follows after the coordinator's READY, if any).
+        self.got_init = gevent.event.Event()
         #: Rate-limited warnings for what the frontend (or anyone) sends.
         self.throttle = Throttle(self.log, BAD_FRAME_LOGS, BAD_FRAME_WINDOW_S)
         #: Bad frames and contained failures, counted by the socket loops and the stepper.
@@ -186,7 +188,8 @@ class EngineRunner:
 
     def _handshake(self) -> None:
         self.sockets, init = transport.join_frontend(
-            self.watch.context(self.ctx), self.rank, self.config.handshake_address, self.ready_response, self.ready_message
+            self.watch.context(self.ctx), self.rank, self.config.handshake_address, self.ready_response, self.ready_message,
+            on_init=lambda init: self.got_init.set(),
         )
         # From here to the end no greenlet runs in between: a reload meanwhile
         # found this engine not joined and changed `config` and the injector.

@@ -38,7 +38,7 @@ from loguru import logger
 from zmq.backend import Socket as _BackendSocket
 
 from .wire.eras import Wire
-from .wire.handshake import decode_init, hello_message, InitMessage
+from .wire.handshake import COORDINATOR_WAIT_HINT, decode_init, hello_message, init_address_problem, InitMessage
 from .wire.outputs import pack, salvage, without_requests, Packer
 from .wire.types import COORDINATOR_READY, ENGINE_CORE_DEAD, SUBSCRIBE_ALL, engine_identity, ProtocolError
 from .links import StageLinks
@@ -203,15 +203,20 @@ class EngineSockets:
                 log.warning("ENGINE_CORE_DEAD not sent on output[{}]: the frontend is not reading (high-water mark)", index)
 
 
-def recv_waiting(sock: Any, what: str, log: Any) -> List[bytes]:
-    """recv_multipart that logs every WAIT_LOG_INTERVAL_S while the frontend is silent."""
+def recv_waiting(sock: Any, what: str, log: Any, hint: Optional[str] = None) -> List[bytes]:
+    """recv_multipart that logs every WAIT_LOG_INTERVAL_S while the frontend
+    is silent; the first such line is a warning with `hint`, if given."""
     while True:
         frames = None
         with gevent.Timeout(WAIT_LOG_INTERVAL_S, False):
             frames = sock.recv_multipart()
         if frames is not None:
             return frames
-        log.info("still waiting for {} from the frontend", what)
+        if hint is not None:
+            log.warning("still waiting for {} from the frontend: {}", what, hint)
+            hint = None
+        else:
+            log.info("still waiting for {} from the frontend", what)
 
 
 def join_frontend(
@@ -220,12 +225,15 @@ def join_frontend(
     handshake_address: str,
     ready_response: Callable[[InitMessage], Dict[str, Any]],
     ready_message: Callable[[InitMessage], Dict[str, Any]],
+    on_init: Optional[Callable[[InitMessage], None]] = None,
 ) -> "tuple[EngineSockets, InitMessage]":
     """Run the startup handshake for engine `rank` (§2.1) and return its sockets.
 
     `ready_response(init)` builds the registration map sent on every input
     socket (§2.5); `ready_message(init)` the READY map (§2.7). Raises
     ProtocolError if INIT is malformed (the frontend would not work anyway).
+    `on_init(init)`, if given, is called once INIT arrived (the start-up hint
+    tells a missing INIT from a missing coordinator READY by it).
     """
     log = logger.bind(engine=rank)
     identity = engine_identity(rank)
@@ -239,6 +247,11 @@ def join_frontend(
         log.debug("HELLO sent to {}", handshake_address)
         init = decode_init(recv_waiting(handshake, "INIT", log))
         log.debug("INIT {}", init)
+        if on_init is not None:
+            on_init(init)
+        problem = init_address_problem(handshake_address, init)
+        if problem is not None:
+            log.error(problem)
 
         registration = pack(ready_response(init))
         for address in init.inputs:
@@ -266,7 +279,7 @@ def join_frontend(
             push.connect(init.coordinator_output)
             sockets.coordinator_input, sockets.coordinator_output = sub, push
             while True:
-                frames = recv_waiting(sub, "the coordinator's READY", log)
+                frames = recv_waiting(sub, "the coordinator's READY", log, None if problem else COORDINATOR_WAIT_HINT)
                 if frames == [COORDINATOR_READY]:
                     break
                 log.warning("coordinator sent {} frame(s) before READY; ignored", len(frames))
