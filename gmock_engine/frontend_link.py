@@ -21,6 +21,7 @@ Pure: neither gevent nor zmq. The event numbers are libzmq's own
 
 from __future__ import annotations
 
+import struct
 from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, Iterable, Optional
@@ -149,3 +150,94 @@ def expired(links: Iterable[Optional[FrontendLink]], limit: float, now: float) -
     i.e. not joined or crashed, does not count); False when none is watched."""
     watched = [link for link in links if link is not None]
     return bool(watched) and all(link.gone and link.gone_for(now) >= limit for link in watched)
+
+
+# -- a connection that stopped getting ACKs: a link down under load --------------
+
+#: The fields of the kernel's struct tcp_info (linux/tcp.h) read here: eight
+#: u8 (state, ca_state, retransmits, probes, backoff, options, wscale,
+#: flags), then u32s from rto to last_ack_recv.
+TCP_INFO_FORMAT = "=8B13I"
+TCP_INFO_SIZE = struct.calcsize(TCP_INFO_FORMAT)
+#: No ACK for this long while data waits for one and TCP has retransmitted
+#: it: the link is down (or drops every packet). ACKs come from the peer's
+#: kernel, not from the frontend's process, so a frontend that is busy or
+#: stopped still ACKs. The retransmission tells a stall from data sent a
+#: moment ago after a long quiet spell (its ACK is on its way, and the last
+#: one came long ago).
+STALL_AFTER_MS = 2000
+
+
+@dataclass(frozen=True)
+class TcpInfo:
+    """What the kernel says of one TCP connection (getsockopt TCP_INFO)."""
+
+    #: segments sent and not yet acknowledged
+    unacked: int
+    #: ms since the last ACK came from the peer
+    last_ack_recv_ms: int
+    #: retransmissions by timeout of the oldest unacknowledged segment (0 once it is ACKed)
+    retransmits: int
+
+
+def parse_tcp_info(data: bytes) -> TcpInfo:
+    """The fields TcpInfo keeps, from getsockopt(IPPROTO_TCP, TCP_INFO)'s bytes."""
+    fields = struct.unpack_from(TCP_INFO_FORMAT, data)
+    return TcpInfo(unacked=fields[12], last_ack_recv_ms=fields[20], retransmits=fields[2])
+
+
+@dataclass(frozen=True)
+class StallTransition:
+    """A connection toward the frontend stopped getting ACKs (`stalled`:
+    True) or got them again (`stalled`: False)."""
+
+    stalled: bool
+    socket: str
+    endpoint: str
+    info: TcpInfo
+    #: back: how long the connection was stalled, seconds
+    after: float = 0.0
+
+    def line(self, rank: int) -> str:
+        """The log line of this transition (one per transition)."""
+        if self.stalled:
+            return (
+                f"engine {rank}: no TCP ACK from the frontend for {self.info.last_ack_recv_ms / 1000:.1f} s on {self.socket} "
+                f"({self.endpoint}; {self.info.unacked} segments unacknowledged, {self.info.retransmits} retransmissions): "
+                "the network link is down or dropping packets; the connection is kept and TCP retransmits"
+            )
+        return f"engine {rank}: the link to the frontend carries ACKs again on {self.socket} after {self.after:.1f} s"
+
+
+class LinkStalls:
+    """Which connections toward the frontend stopped getting ACKs, from
+    their TCP_INFO read now and then (`observe`); a stall is told once when
+    it starts and once when it ends. A link that is down while nothing is
+    sent is not seen: nothing waits for an ACK, and nothing is lost."""
+
+    def __init__(self, stall_after_ms: int = STALL_AFTER_MS) -> None:
+        self.stall_after_ms = stall_after_ms
+        #: socket role -> when its stall was seen to start (monotonic seconds)
+        self.since: Dict[str, float] = {}
+        #: stalls so far
+        self.stalls = 0
+
+    @property
+    def stalled(self) -> bool:
+        """Some connection toward the frontend gets no ACKs now."""
+        return bool(self.since)
+
+    def observe(self, socket: str, endpoint: str, info: Optional[TcpInfo], now: float) -> Optional[StallTransition]:
+        """Take one reading of `socket`'s connection (None: it has none
+        now); the transition it makes, if any."""
+        waiting = info is not None and info.unacked > 0 and info.retransmits > 0 and info.last_ack_recv_ms >= self.stall_after_ms
+        if waiting and socket not in self.since:
+            # the stall began when the last ACK came
+            assert info is not None
+            self.since[socket] = now - info.last_ack_recv_ms / 1000.0
+            self.stalls += 1
+            return StallTransition(True, socket, endpoint, info)
+        if not waiting and socket in self.since:
+            began = self.since.pop(socket)
+            return StallTransition(False, socket, endpoint, info or TcpInfo(0, 0, 0), now - began)
+        return None

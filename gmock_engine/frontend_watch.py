@@ -14,8 +14,15 @@ when it is back. Each transition is logged once (the "frontend gone"
 lines are rate-limited, so a flapping link is summarised); events are
 counted by kind for /metrics. A frontend killed outright is noticed at
 once: its kernel closes the TCP connections, and every socket reports
-"disconnected". A cut network link closes nothing: only the heartbeats
-notice it (no answer to a PING within the timeout ends the connection).
+"disconnected". A cut network link closes nothing: the heartbeats notice
+it (no answer to a PING within the timeout ends the connection), and so
+does, without touching the connection, the kernel's view of it: while the
+engine runs requests the watch reads each connection's TCP_INFO every
+STALL_CHECK_S, and data that waits STALL_AFTER_MS for an ACK is a link
+that is down (frontend_link.LinkStalls; the peer's kernel ACKs even when
+the frontend's process is busy or stopped). The stall and its end are
+logged once each; the connection is left to TCP, which delivers what
+waited once the link is back.
 
 With --exit-when-frontend-gone SECONDS the watch calls `on_expired` once
 the frontend has been gone that long (the App stops the process cleanly
@@ -24,14 +31,17 @@ when every engine's frontend is).
 
 from __future__ import annotations
 
+import _socket  # the C sockets: gevent's would set the duplicated FD non-blocking
+import ipaddress
 import itertools
+import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import zmq.green as zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from .frontend_link import FrontendLink
+from .frontend_link import TCP_INFO_SIZE, FrontendLink, LinkStalls, TcpInfo, event_name, parse_tcp_info
 from .logs import Throttle
 from .transport import WAIT_SAFETY_NET_S
 
@@ -42,6 +52,9 @@ HEARTBEAT_TIMEOUT_INTERVALS = 3
 #: line saying how many were left out): a flapping link must not flood the log.
 GONE_LOGS = 5
 GONE_WINDOW_S = 60.0
+#: How often the TCP connections toward the frontend are read while the
+#: engine has requests (or a stall is under way); never while it is idle.
+STALL_CHECK_S = 1.0
 
 #: Numbers the monitors' inproc endpoints. pyzmq's default name is made from
 #: the socket's FD, which a new socket can get while the endpoint of a closed
@@ -120,6 +133,7 @@ class FrontendWatch:
         exit_after: Optional[float],
         on_expired: Callable[[], None],
         clock: Callable[[], float] = time.monotonic,
+        busy: Callable[[], bool] = lambda: False,
     ) -> None:
         self.rank = rank
         self.log = log
@@ -137,6 +151,14 @@ class FrontendWatch:
         #: this outage's "gone" line was written (so its "back" line is too)
         self._said_gone = False
         self._expiry_told = False
+        #: whether the engine has requests (the connections are read only then)
+        self.busy = busy
+        self.stalls = LinkStalls()
+        #: socket role -> (the FD of its TCP connection, the endpoint), from its monitor's "connected"
+        self._connections: Dict[str, Tuple[int, str]] = {}
+        #: an inproc PAIR the stepper pokes (`wake`) when work starts, and the end the watch polls
+        self._wake_send: Optional[Any] = None
+        self._wake_recv: Optional[Any] = None
 
     def context(self, ctx: Any) -> WatchedContext:
         """The context the handshake makes the engine's sockets with."""
@@ -159,6 +181,20 @@ class FrontendWatch:
                 self._monitors.append((monitor, role))
         self.watched.made = [(sock, monitor) for sock, monitor in self.watched.made if id(sock) in roles]
         self.link = FrontendLink(role for _, role in self._monitors)
+        address = f"inproc://gmock-frontend-watch-wake-{next(_MONITOR_IDS)}"
+        self._wake_recv = self.watched.ctx.socket(zmq.PAIR)
+        self._wake_recv.bind(address)
+        self._wake_send = self.watched.ctx.socket(zmq.PAIR)
+        self._wake_send.connect(address)
+
+    def wake(self) -> None:
+        """The engine got work after being idle: read the connections from
+        now on (called by the stepper; never blocks)."""
+        if self._wake_send is not None and not self._wake_send.closed:
+            try:
+                self._wake_send.send(b"", zmq.NOBLOCK)
+            except zmq.Again:  # a wake is already queued
+                pass
 
     def run(self) -> None:
         """Read the monitors until killed: every event to the link, each
@@ -170,15 +206,44 @@ class FrontendWatch:
         poller._gevent_bug_timeout = WAIT_SAFETY_NET_S
         for monitor, _ in self._monitors:
             poller.register(monitor, zmq.POLLIN)
+        if self._wake_recv is not None:
+            poller.register(self._wake_recv, zmq.POLLIN)
         roles = dict((id(monitor), role) for monitor, role in self._monitors)
+        next_check = 0.0
         while True:
             timeout_ms = None
             if self.exit_after is not None and self.link.gone and not self._expiry_told:
                 left = self.exit_after - self.link.gone_for(self.clock())
                 timeout_ms = max(0, int(left * 1000) + 1)
-            for monitor, _ in poller.poll(timeout_ms):
-                self._read(monitor, roles[id(monitor)])
+            if self._connections and (self.stalls.stalled or self.busy()):
+                wait_ms = max(0, int((next_check - self.clock()) * 1000) + 1)
+                timeout_ms = wait_ms if timeout_ms is None else min(timeout_ms, wait_ms)
+            for sock, _ in poller.poll(timeout_ms):
+                if sock is self._wake_recv:
+                    self._drain(sock)
+                else:
+                    self._read(sock, roles[id(sock)])
             self._check_expiry()
+            now = self.clock()
+            if self._connections and now >= next_check and (self.stalls.stalled or self.busy()):
+                self.check_stalls()
+                next_check = now + STALL_CHECK_S
+
+    @staticmethod
+    def _drain(sock: Any) -> None:
+        while True:
+            try:
+                sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def check_stalls(self) -> None:
+        """Read every connection's TCP_INFO; each stall and its end logged once."""
+        now = self.clock()
+        for role, (fd, endpoint) in list(self._connections.items()):
+            transition = self.stalls.observe(role, endpoint, read_tcp_info(fd, endpoint), now)
+            if transition is not None:
+                (self.log.warning if transition.stalled else self.log.info)("{}", transition.line(self.rank))
 
     def _read(self, monitor: Any, role: str) -> None:
         """Every event queued on one monitor (its FD is edge-triggered: read
@@ -192,6 +257,11 @@ class FrontendWatch:
             endpoint = message["endpoint"]
             if isinstance(endpoint, bytes):
                 endpoint = endpoint.decode("utf-8", "replace")
+            name = event_name(message["event"])
+            if name == "connected" and endpoint.startswith("tcp://"):
+                self._connections[role] = (int(message["value"]), endpoint)  # the event's value is the connection's FD
+            elif name in ("disconnected", "closed"):
+                self._connections.pop(role, None)
             self.take(role, message["event"], endpoint)
 
     def take(self, role: str, event: int, endpoint: str) -> None:
@@ -218,6 +288,11 @@ class FrontendWatch:
         """Stop every monitor and close its PAIR (the context cannot end
         while one is open); again: nothing."""
         watched, self.watched = self.watched, None
+        for end in (self._wake_send, self._wake_recv):
+            if end is not None:
+                end.close(linger=0)
+        self._wake_send = self._wake_recv = None
+        self._connections = {}
         if watched is not None:
             for sock, monitor in watched.made:
                 if not sock.closed:
@@ -227,3 +302,34 @@ class FrontendWatch:
                         pass
                 monitor.close(linger=0)
         self._monitors = []
+
+
+def read_tcp_info(fd: int, endpoint: str) -> Optional[TcpInfo]:
+    """TCP_INFO of the connection on `fd`, or None when `fd` is no longer a
+    TCP connection to `endpoint` (libzmq closed it, and the number may be
+    another file's by now). The FD is duplicated for the read and the
+    duplicate closed at once: holding one would keep a connection libzmq
+    closed open."""
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    host = host.strip("[]")
+    try:
+        dup = _socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        peer = dup.getpeername()
+        if dup.type != _socket.SOCK_STREAM or str(peer[1]) != port or (_is_ip(host) and peer[0] != host):
+            return None
+        return parse_tcp_info(dup.getsockopt(_socket.IPPROTO_TCP, _socket.TCP_INFO, TCP_INFO_SIZE))
+    except (OSError, ValueError, TypeError, IndexError):
+        return None
+    finally:
+        dup.close()
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False  # a name (the peer's address is what it resolved to): the port must do
+    return True

@@ -70,6 +70,9 @@ class EngineCollector(Collector):
             "gmock_frontend_connected", "1 while every socket toward the frontend is connected, else 0", labels=["engine"]
         )
         outages = CounterMetricFamily("gmock_frontend_outages", "times the frontend went (a socket lost its connection)", labels=["engine"])
+        # a connection toward the frontend whose data waits for ACKs: a link down under load
+        stalls = CounterMetricFamily("gmock_frontend_link_stalls", "times a connection toward the frontend got no TCP ACKs", labels=["engine"])
+        stalled = GaugeMetricFamily("gmock_frontend_link_stalled", "1 while a connection toward the frontend gets no TCP ACKs", labels=["engine"])
         for runner in self.runners:
             link = runner.watch.link
             if link is not None:
@@ -77,6 +80,8 @@ class EngineCollector(Collector):
                     link_events.add_metric([str(runner.rank), kind], count)
                 link_up.add_metric([str(runner.rank)], 1 if link.connected else 0)
                 outages.add_metric([str(runner.rank)], link.outages)
+                stalls.add_metric([str(runner.rank)], runner.watch.stalls.stalls)
+                stalled.add_metric([str(runner.rank)], 1 if runner.watch.stalls.stalled else 0)
             publisher = getattr(runner, "kv_events", None)
             if publisher is not None:
                 for name in ("batches", "events", "dropped_queue_full", "replay_requests", "replayed_batches", "bad_replay_requests"):
@@ -112,7 +117,7 @@ class EngineCollector(Collector):
             summary = runner.step_lateness.summary()
             lateness.add_metric([rank, "0.5"], summary["p50"])
             lateness.add_metric([rank, "0.99"], summary["p99"])
-        yield from (running, waiting, started, finished, tokens, steps, preemptions, violations, bad_frames, utility, kv, queues, lateness, faults, generation, kv_events, spec, spec_pos, link_events, link_up, outages)
+        yield from (running, waiting, started, finished, tokens, steps, preemptions, violations, bad_frames, utility, kv, queues, lateness, faults, generation, kv_events, spec, spec_pos, link_events, link_up, outages, stalls, stalled)
 
 
 class ConfigCollector(Collector):

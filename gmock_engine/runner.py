@@ -113,7 +113,8 @@ class EngineRunner:
         self.joined = gevent.event.Event()
         #: The watch of the frontend (frontend_watch.py) and its greenlet, once joined.
         self.watch = frontend_watch.FrontendWatch(
-            rank, self.log, config.frontend_heartbeat, config.exit_when_frontend_gone, on_frontend_gone
+            rank, self.log, config.frontend_heartbeat, config.exit_when_frontend_gone, on_frontend_gone,
+            busy=lambda: self.engine is not None and self.engine.has_work,
         )
         self.watcher: Optional[gevent.Greenlet] = None
         #: Set once INIT arrived (joined follows after the coordinator's READY, if any).
@@ -245,6 +246,7 @@ class EngineRunner:
         next_step_at: Optional[float] = None
         started = 0.0  # when the last step started
         yielded = 0.0  # when the stepper last gave the hub a round
+        idle = True  # no work since the last step: the frontend watch rests
         in_queue, out_queue = links.input_queue, links.output_queue
         try:
             while True:
@@ -290,9 +292,13 @@ class EngineRunner:
                     next_step_at = None  # idle: the next work starts a step at once
                     if more_input:
                         continue  # the rest of the input first (wake may be clear)
+                    idle = True
                     woken.wait()
                     woken.clear()
                     continue
+                if idle:
+                    idle = False
+                    self.watch.wake()  # it reads the connections while there is work
                 now = clock()
                 if next_step_at is not None and now < next_step_at:
                     if more_input:

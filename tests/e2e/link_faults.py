@@ -148,6 +148,8 @@ class Outage:
     books: Dict[int, Dict[str, int]] = field(default_factory=dict)
     finished_ids: collections.Counter = field(default_factory=collections.Counter)
     engine_lines: List[str] = field(default_factory=list)
+    #: the engines' log lines written during the outage and after it
+    engine_log: str = ""
     t_down: float = 0.0
     t_up: float = 0.0
 
@@ -249,6 +251,7 @@ def outage(stack: multihost.MultiHostStack, seconds: float, silent: bool = False
     text = stack.engine_logs_since(offsets)
     result.finished_ids = collections.Counter(m.group(2) for m in RE_FINISHED.finditer(text))
     result.engine_lines = _engine_lines(text)
+    result.engine_log = text
     return result
 
 

@@ -137,6 +137,7 @@ def test_engine_host_link_down_while_streams_run(stack, seconds, silent):
     """Host 3's link down for `seconds` under load, then up: the streams on its ranks pause
     and resume, those on host 2 do not pause, every stream and every request sent meanwhile
     ends exact, 8 fresh streams are exact, and the engines' books balance."""
+    offsets = stack.engine_log_offsets()
     result = link_faults.outage(stack, seconds, silent)
     print(link_faults.table([result.row()]))
     assert not result.problems(), "\n".join(result.problems())
@@ -144,6 +145,12 @@ def test_engine_host_link_down_while_streams_run(stack, seconds, silent):
     assert 0 < len(stalled) < len(result.streams), [s.gap for s in result.streams]
     started = sum(b.get("started", 0) for b in result.books.values())
     assert started == len(result.streams) + len(result.during) + len(result.fresh), result.books
+    if seconds >= 10:
+        # the cut host's engines saw their outputs wait for ACKs (frontend_watch.py), and
+        # the end of it (read once a second: the line may come after the streams ended)
+        assert "no TCP ACK from the frontend for" in result.engine_log, result.engine_lines
+        h.wait_until(lambda: "the link to the frontend carries ACKs again" in stack.engine_logs_since(offsets), 10,
+                     "the engines' line saying the link carries ACKs again")
 
 
 # --------------------------------------------------------------------------- misconfigurations

@@ -183,3 +183,33 @@ def test_heartbeats_notice_a_frontend_that_answers_nothing_and_its_return():
         if app is not None:
             app.stop()
             assert waiter.get(timeout=5) == 0
+
+
+def test_read_tcp_info_reads_a_connection_and_only_the_one_named():
+    """The kernel's view of a live TCP connection (nothing unacknowledged on
+    loopback), and None for an FD that is not a connection to that endpoint
+    (another port, or closed: libzmq may have closed it)."""
+    import socket as plain
+
+    from gmock_engine.frontend_watch import read_tcp_info
+
+    server = plain.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    client = plain.create_connection(("127.0.0.1", port))
+    peer, _ = server.accept()
+    try:
+        client.sendall(b"x" * 1000)
+        assert peer.recv(1000)
+        info = read_tcp_info(client.fileno(), f"tcp://127.0.0.1:{port}")
+        assert info is not None and info.unacked == 0 and info.last_ack_recv_ms < 5000
+        assert read_tcp_info(client.fileno(), f"tcp://localhost:{port}") is not None  # a name: the port decides
+        assert read_tcp_info(client.fileno(), f"tcp://127.0.0.1:{port + 1}") is None
+        assert read_tcp_info(client.fileno(), f"tcp://127.0.0.2:{port}") is None
+        fd = client.fileno()
+        client.close()
+        assert read_tcp_info(fd, f"tcp://127.0.0.1:{port}") is None
+    finally:
+        for s in (client, peer, server):
+            s.close()

@@ -1,6 +1,7 @@
 """The frontend watch's pure part (frontend_link.py): monitor events ->
 one transition per outage and per return, counts by kind, the exit timer."""
 
+import pytest
 import zmq
 
 from gmock_engine import frontend_link as fl
@@ -88,3 +89,51 @@ def test_expired_needs_every_watched_engine_gone_long_enough():
     assert not fl.expired([a, b], 5.0, 16.9) and fl.expired([a, b], 5.0, 17.0)
     b.event("output[0]", UP, OUT, 18.0)
     assert not fl.expired([a, b], 5.0, 100.0)
+
+
+# -- connections that get no ACKs ---------------------------------------------------
+
+
+def _tcp_info(unacked, last_ack_recv_ms, retransmits=0):
+    """Bytes as the kernel's struct tcp_info starts (the fields parse_tcp_info reads set)."""
+    import struct
+
+    from gmock_engine.frontend_link import TCP_INFO_FORMAT
+
+    u8 = [1, 0, retransmits, 0, 0, 0, 0, 0]
+    u32 = [200000, 0, 1448, 536, unacked, 0, 0, 0, 0, 10, 0, 20, last_ack_recv_ms]
+    return struct.pack(TCP_INFO_FORMAT, *u8, *u32) + bytes(160)  # the kernel's struct goes on
+
+
+def test_tcp_info_fields():
+    from gmock_engine.frontend_link import TcpInfo, parse_tcp_info
+
+    assert parse_tcp_info(_tcp_info(7, 2500, 3)) == TcpInfo(unacked=7, last_ack_recv_ms=2500, retransmits=3)
+
+
+def test_a_stall_is_told_once_when_it_starts_and_once_when_it_ends():
+    from gmock_engine.frontend_link import LinkStalls, TcpInfo
+
+    stalls = LinkStalls(stall_after_ms=2000)
+    ep = "tcp://10.0.0.1:5555"
+    # data waiting but ACKed recently, nothing waiting, or data sent just now
+    # after a quiet spell (not retransmitted yet): no stall
+    assert stalls.observe("output[0]", ep, TcpInfo(4, 300, 1), 100.0) is None
+    assert stalls.observe("output[0]", ep, TcpInfo(0, 9000, 0), 101.0) is None
+    assert stalls.observe("output[0]", ep, TcpInfo(1, 55000, 0), 101.5) is None
+    assert not stalls.stalled
+    went = stalls.observe("output[0]", ep, TcpInfo(12, 2500, 3), 102.0)
+    assert went is not None and went.stalled and stalls.stalled and stalls.stalls == 1
+    assert went.line(1) == (
+        "engine 1: no TCP ACK from the frontend for 2.5 s on output[0] (tcp://10.0.0.1:5555; 12 segments "
+        "unacknowledged, 3 retransmissions): the network link is down or dropping packets; the connection is kept and TCP retransmits"
+    )
+    # still no ACK: nothing new; another socket's stall is its own
+    assert stalls.observe("output[0]", ep, TcpInfo(12, 5500, 4), 105.0) is None
+    assert stalls.observe("input[0]", ep, TcpInfo(1, 3000, 1), 105.0).stalled and stalls.stalls == 2
+    back = stalls.observe("output[0]", ep, TcpInfo(0, 10, 0), 110.0)
+    assert back is not None and not back.stalled and back.after == pytest.approx(10.5)  # from the last ACK before it
+    assert back.line(1) == "engine 1: the link to the frontend carries ACKs again on output[0] after 10.5 s"
+    assert stalls.stalled  # input[0] still waits
+    # a connection that is gone (None) ends its stall too
+    assert not stalls.observe("input[0]", ep, None, 111.0).stalled and not stalls.stalled
