@@ -7,8 +7,8 @@ inproc PAIR that receives the socket's connection events) and, with
 connects: libzmq copies a socket's options into each connection when it is
 made, and a monitor attached later would miss the first connection's events.
 
-After the handshake one supervised greenlet per engine (`FrontendWatch.run`)
-reads those monitors and feeds the events to a
+After the handshake two supervised greenlets per engine watch: one
+(`FrontendWatch.run`) reads those monitors and feeds the events to a
 `frontend_link.FrontendLink`, which says when the frontend is gone and
 when it is back. Each transition is logged once (the "frontend gone"
 lines are rate-limited, so a flapping link is summarised); events are
@@ -17,8 +17,8 @@ once: its kernel closes the TCP connections, and every socket reports
 "disconnected". A cut network link closes nothing: the heartbeats notice
 it (no answer to a PING within the timeout ends the connection), and so
 does, without touching the connection, the kernel's view of it: while the
-engine runs requests the watch reads each connection's TCP_INFO every
-STALL_CHECK_S, and data that waits STALL_AFTER_MS for an ACK is a link
+engine runs requests the other (`run_stalls`) reads each connection's
+TCP_INFO every STALL_CHECK_S, and data that waits STALL_AFTER_MS for an ACK is a link
 that is down (frontend_link.LinkStalls; the peer's kernel ACKs even when
 the frontend's process is busy or stopped). The stall and its end are
 logged once each; the connection is left to TCP, which delivers what
@@ -38,6 +38,8 @@ import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import gevent
+import gevent.event
 import zmq.green as zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -156,9 +158,8 @@ class FrontendWatch:
         self.stalls = LinkStalls()
         #: socket role -> (the FD of its TCP connection, the endpoint), from its monitor's "connected"
         self._connections: Dict[str, Tuple[int, str]] = {}
-        #: an inproc PAIR the stepper pokes (`wake`) when work starts, and the end the watch polls
-        self._wake_send: Optional[Any] = None
-        self._wake_recv: Optional[Any] = None
+        #: set by the stepper (`wake`) when work starts: `run_stalls` reads the connections again
+        self._work = gevent.event.Event()
 
     def context(self, ctx: Any) -> WatchedContext:
         """The context the handshake makes the engine's sockets with."""
@@ -181,20 +182,25 @@ class FrontendWatch:
                 self._monitors.append((monitor, role))
         self.watched.made = [(sock, monitor) for sock, monitor in self.watched.made if id(sock) in roles]
         self.link = FrontendLink(role for _, role in self._monitors)
-        address = f"inproc://gmock-frontend-watch-wake-{next(_MONITOR_IDS)}"
-        self._wake_recv = self.watched.ctx.socket(zmq.PAIR)
-        self._wake_recv.bind(address)
-        self._wake_send = self.watched.ctx.socket(zmq.PAIR)
-        self._wake_send.connect(address)
 
     def wake(self) -> None:
         """The engine got work after being idle: read the connections from
         now on (called by the stepper; never blocks)."""
-        if self._wake_send is not None and not self._wake_send.closed:
-            try:
-                self._wake_send.send(b"", zmq.NOBLOCK)
-            except zmq.Again:  # a wake is already queued
-                pass
+        self._work.set()
+
+    def run_stalls(self) -> None:
+        """Read the connections' TCP_INFO every STALL_CHECK_S while the
+        engine has work or a stall is under way; otherwise wait for `wake`
+        (a gevent sleep, not a poll with a timeout: zmq.green's Poller keeps
+        memory for every timed poll)."""
+        while True:
+            if not (self._connections and (self.stalls.stalled or self.busy())):
+                self._work.clear()
+                if not self.busy():
+                    self._work.wait()
+                    continue
+            self.check_stalls()
+            gevent.sleep(STALL_CHECK_S)
 
     def run(self) -> None:
         """Read the monitors until killed: every event to the link, each
@@ -206,36 +212,15 @@ class FrontendWatch:
         poller._gevent_bug_timeout = WAIT_SAFETY_NET_S
         for monitor, _ in self._monitors:
             poller.register(monitor, zmq.POLLIN)
-        if self._wake_recv is not None:
-            poller.register(self._wake_recv, zmq.POLLIN)
         roles = dict((id(monitor), role) for monitor, role in self._monitors)
-        next_check = 0.0
         while True:
             timeout_ms = None
             if self.exit_after is not None and self.link.gone and not self._expiry_told:
                 left = self.exit_after - self.link.gone_for(self.clock())
                 timeout_ms = max(0, int(left * 1000) + 1)
-            if self._connections and (self.stalls.stalled or self.busy()):
-                wait_ms = max(0, int((next_check - self.clock()) * 1000) + 1)
-                timeout_ms = wait_ms if timeout_ms is None else min(timeout_ms, wait_ms)
-            for sock, _ in poller.poll(timeout_ms):
-                if sock is self._wake_recv:
-                    self._drain(sock)
-                else:
-                    self._read(sock, roles[id(sock)])
+            for monitor, _ in poller.poll(timeout_ms):
+                self._read(monitor, roles[id(monitor)])
             self._check_expiry()
-            now = self.clock()
-            if self._connections and now >= next_check and (self.stalls.stalled or self.busy()):
-                self.check_stalls()
-                next_check = now + STALL_CHECK_S
-
-    @staticmethod
-    def _drain(sock: Any) -> None:
-        while True:
-            try:
-                sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
 
     def check_stalls(self) -> None:
         """Read every connection's TCP_INFO; each stall and its end logged once."""
@@ -288,10 +273,6 @@ class FrontendWatch:
         """Stop every monitor and close its PAIR (the context cannot end
         while one is open); again: nothing."""
         watched, self.watched = self.watched, None
-        for end in (self._wake_send, self._wake_recv):
-            if end is not None:
-                end.close(linger=0)
-        self._wake_send = self._wake_recv = None
         self._connections = {}
         if watched is not None:
             for sock, monitor in watched.made:

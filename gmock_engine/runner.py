@@ -117,6 +117,7 @@ class EngineRunner:
             busy=lambda: self.engine is not None and self.engine.has_work,
         )
         self.watcher: Optional[gevent.Greenlet] = None
+        self.stall_watcher: Optional[gevent.Greenlet] = None
         #: Set once INIT arrived (joined follows after the coordinator's READY, if any).
         self.got_init = gevent.event.Event()
         #: Rate-limited warnings for what the frontend (or anyone) sends.
@@ -210,6 +211,7 @@ class EngineRunner:
         self.stepper = spawn(f"engine-{self.rank}-stepper", self._stepper)
         self.watch.attach(self.sockets)
         self.watcher = spawn(f"engine-{self.rank}-frontend-watch", self.watch.run)
+        self.stall_watcher = spawn(f"engine-{self.rank}-link-stalls", self.watch.run_stalls)
         sender = transport.Sender(self.links, self.sockets, self.wire, self.incidents, self.throttle)
         self.sender = spawn(f"engine-{self.rank}-sender", sender.run)
         self.links.attach_sender(sender.send_now, sender.encode)
@@ -436,7 +438,7 @@ class EngineRunner:
         self.crashed = True
         self._on_crash(self)  # does not return if this was the process's last engine
         current = gevent.getcurrent()
-        stages = [*self.readers, self.fault_timer, self.stepper, self.sender, self.watcher]
+        stages = [*self.readers, self.fault_timer, self.stepper, self.sender, self.watcher, self.stall_watcher]
         greenlets = [g for g in stages if g is not None and g is not current]
         gevent.killall(greenlets, block=True, timeout=KILL_TIMEOUT_S)
         self.watch.close()
@@ -489,7 +491,7 @@ class EngineRunner:
         """Stage 1 of shutdown stops these: the handshake (if still waiting),
         the readers, the timed faults, the stepper and the frontend watch
         (before the sockets close: their closing is no frontend going)."""
-        stages = [self.handshake, *self.readers, self.fault_timer, self.stepper, self.watcher]
+        stages = [self.handshake, *self.readers, self.fault_timer, self.stepper, self.watcher, self.stall_watcher]
         return [g for g in stages if g is not None]
 
     def request_drain(self, finish: bool) -> None:
