@@ -84,27 +84,16 @@ def reference_page() -> str:
         "started with, named in one warning.",
     ]
     lines += reference_tables(build_parser(), CONFIG_SECTION, ENV_PREFIX, reloads=True)
-    lines += [
-        "",
-        f"## `./run.sh serve`: section `[{SERVE_SECTION}]`, variables `{SERVE_ENV_PREFIX}<FLAG>`",
-        "",
-        "Read once at start; every other argument of `./run.sh serve` is an engine option, passed through.",
-    ]
-    lines += reference_tables(build_serve_parser(), SERVE_SECTION, SERVE_ENV_PREFIX, reloads=False)
-    lines += [
-        "",
-        f"## `./run.sh record`: section `[{RECORD_SECTION}]`, variables `{RECORD_ENV_PREFIX}<FLAG>`",
-        "",
-        "The record tap ([record](record.md)).",
-    ]
-    lines += reference_tables(build_record_parser(), RECORD_SECTION, RECORD_ENV_PREFIX, reloads=False)
-    lines += [
-        "",
-        f"## `./run.sh fit TRACE...`: section `[{FIT_SECTION}]`, variables `{FIT_ENV_PREFIX}<FLAG>`",
-        "",
-        "The fit of a latency profile ([latency profile](latency-profile.md)); the traces are arguments.",
-    ]
-    lines += reference_tables(build_fit_parser(), FIT_SECTION, FIT_ENV_PREFIX, reloads=False)
+    tools = (
+        ("`./run.sh serve`", build_serve_parser, SERVE_SECTION, SERVE_ENV_PREFIX,
+         "Read once at start; every other argument of `./run.sh serve` is an engine option, passed through."),
+        ("`./run.sh record`", build_record_parser, RECORD_SECTION, RECORD_ENV_PREFIX, "The record tap ([record](record.md))."),
+        ("`./run.sh fit TRACE...`", build_fit_parser, FIT_SECTION, FIT_ENV_PREFIX,
+         "The fit of a latency profile ([latency profile](latency-profile.md)); the traces are arguments."),
+    )  # fmt: skip
+    for title, build, section, prefix, intro in tools:
+        lines += ["", f"## {title}: section `[{section}]`, variables `{prefix}<FLAG>`", "", intro]
+        lines += reference_tables(build(), section, prefix, reloads=False)
     return "\n".join(lines) + "\n"
 
 

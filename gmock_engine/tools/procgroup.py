@@ -76,10 +76,12 @@ def free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
             s.close()
 
 
-def is_listening(port: int) -> bool:
-    """Is some socket LISTENing on TCP `port` (any address)? From /proc/net/tcp{,6}."""
+def is_listening(port: int, pid: Optional[int] = None) -> bool:
+    """Is some socket LISTENing on TCP `port` (any address)? From /proc/net/tcp{,6}
+    of this process's network namespace, or of process `pid`'s."""
     suffix = f":{port:04X}"
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    root = "/proc" if pid is None else f"/proc/{pid}"
+    for table in (f"{root}/net/tcp", f"{root}/net/tcp6"):
         try:
             with open(table) as f:
                 next(f, None)
@@ -87,7 +89,7 @@ def is_listening(port: int) -> bool:
                     fields = line.split()
                     if len(fields) > 3 and fields[3] == "0A" and fields[1].endswith(suffix):
                         return True
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):
             continue
     return False
 

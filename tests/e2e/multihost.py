@@ -25,22 +25,6 @@ HANDSHAKE_PORT = 29550
 HTTP_PORT = 8000
 
 
-def listening_in(pid: int, port: int) -> bool:
-    """Is some socket LISTENing on TCP `port` in the network namespace of process `pid`?"""
-    suffix = f":{port:04X}"
-    for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f, None)
-                for line in f:
-                    fields = line.split()
-                    if len(fields) > 3 and fields[3] == "0A" and fields[1].endswith(suffix):
-                        return True
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return False
-
-
 def netns_of(pid: int) -> Optional[int]:
     """The inode of process `pid`'s network namespace (None if gone)."""
     try:
@@ -100,7 +84,7 @@ class MultiHostStack(h.Stack):
                                        self.log_dir / "frontend.log",
                                        env={**h.frontend_env(), **self.frontend_env_extra})
         pid = self.frontend.popen.pid
-        waited = h.wait_until(lambda: listening_in(pid, HANDSHAKE_PORT), self.topology.handshake_timeout,
+        waited = h.wait_until(lambda: h.is_listening(HANDSHAKE_PORT, pid), self.topology.handshake_timeout,
                               f"the frontend's handshake port {HANDSHAKE_PORT} to listen on host 1",
                               check=self._check_alive)
         self.timings["handshake_listen_s"] = round(waited, 1)
