@@ -21,11 +21,13 @@ A step's time, in ms, is the sum of
   decode step's attention reads;
 
 times a factor drawn from the step's spread: the quantiles of measured /
-predicted step time of the fit, sampled by inverse transform; one set for
-steps that only decode, and for steps that prefill one set per bin of the
-prompt tokens they compute (`spread_prefill_bins`, the upper edges: a real
-step's variation is about the same in ms whatever its prompt, so a long
-prefill varies less in proportion than a short one). A request's first
+predicted step time of the fit, sampled by inverse transform; for steps
+that only decode one set per bin of the batch (`spread_decode_bins`), for
+steps that prefill one set per bin of the prompt tokens they compute
+(`spread_prefill_bins`; both the bins' upper edges). A real step's
+variation is about the same in ms whatever is in it, so a long step varies
+less in proportion than a short one: one set fitted mostly on short steps
+would give long ones too wide a tail. A request's first
 token also waits for the engine's input delay (from its arrival to its
 queueing in the engine), drawn from its measured quantiles.
 
@@ -60,9 +62,11 @@ class StepProfile:
     prefill_attention_ms: float = 0.0
     context_ms_per_ktoken: float = 0.0
     #: quantiles of measured / predicted at evenly spaced probabilities 0..1
-    spread_decode: Tuple[float, ...] = ()
-    #: prefill steps: one set per bin of prefill tokens (bins: the upper
-    #: edges, the last bin open above them)
+    #: of decode-only steps, one set per bin of the batch (bins: the upper
+    #: edges, the last bin open above them; no bins: one set)
+    spread_decode: Tuple[Tuple[float, ...], ...] = ()
+    spread_decode_bins: Tuple[int, ...] = ()
+    #: the same for steps that prefill, per bin of their prefill tokens
     spread_prefill: Tuple[Tuple[float, ...], ...] = ()
     spread_prefill_bins: Tuple[int, ...] = ()
     #: quantiles of the engine's input delay, ms: from a request's arrival
@@ -79,18 +83,20 @@ class StepProfile:
                 raise ProfileError(f"{name}: must be >= 0")
         if any(not v >= 0.0 for v in self.step_ms):
             raise ProfileError("step_ms: values must be >= 0")
-        for name, values in (("spread_decode", self.spread_decode), ("input_delay_ms", self.input_delay_ms), *(("spread_prefill", q) for q in self.spread_prefill)):
-            if len(values) == 1 or any(not v >= 0.0 for v in values) or any(a > b for a, b in zip(values, values[1:])):
-                raise ProfileError(f"{name}: at least two non-decreasing factors >= 0 (or none)")
-        edges = self.spread_prefill_bins
-        if any(e < 1 for e in edges) or any(a >= b for a, b in zip(edges, edges[1:])):
-            raise ProfileError("spread_prefill_bins: increasing prompt token counts, each at least 1")
-        if edges and len(self.spread_prefill) != len(edges) + 1:
-            raise ProfileError(
-                f"spread_prefill: {len(edges) + 1} sets (one per bin of spread_prefill_bins, separated by |), got {len(self.spread_prefill)}"
-            )
-        if not edges and len(self.spread_prefill) > 1:
-            raise ProfileError("spread_prefill: several sets need spread_prefill_bins (their upper edges)")
+        if self.input_delay_ms and not _quantile_list(self.input_delay_ms):
+            raise ProfileError("input_delay_ms: at least two non-decreasing values >= 0 (or none)")
+        for kind, unit in (("decode", "batch sizes"), ("prefill", "prompt token counts")):
+            sets, edges = getattr(self, f"spread_{kind}"), getattr(self, f"spread_{kind}_bins")
+            if not all(_quantile_list(values) for values in sets):
+                raise ProfileError(f"spread_{kind}: at least two non-decreasing factors >= 0 (or none)")
+            if any(e < 1 for e in edges) or any(a >= b for a, b in zip(edges, edges[1:])):
+                raise ProfileError(f"spread_{kind}_bins: increasing {unit}, each at least 1")
+            if edges and len(sets) != len(edges) + 1:
+                raise ProfileError(
+                    f"spread_{kind}: {len(edges) + 1} sets (one per bin of spread_{kind}_bins, separated by |), got {len(sets)}"
+                )
+            if not edges and len(sets) > 1:
+                raise ProfileError(f"spread_{kind}: several sets need spread_{kind}_bins (their upper edges)")
 
     def batch_ms(self, batch: int) -> float:
         """The table's step time for `batch` running requests."""
@@ -115,14 +121,17 @@ class StepProfile:
             + self.context_ms_per_ktoken * context_tokens / 1000.0
         )
 
-    def spread(self, prefill_tokens: int, rng: random.Random) -> float:
+    def spread(self, prefill_tokens: int, rng: random.Random, batch: int = 1) -> float:
         """A factor drawn from the measured spread of steps that prefill this
-        many tokens (0: decode-only steps); 1.0: none."""
-        if not prefill_tokens:
-            return _draw(self.spread_decode, rng, 1.0)
-        if not self.spread_prefill:
+        many tokens, or of decode-only steps of this batch (prefill_tokens
+        0); 1.0: none."""
+        if prefill_tokens:
+            sets, edges, key = self.spread_prefill, self.spread_prefill_bins, prefill_tokens
+        else:
+            sets, edges, key = self.spread_decode, self.spread_decode_bins, batch
+        if not sets:
             return 1.0
-        return _draw(self.spread_prefill[bisect_left(self.spread_prefill_bins, prefill_tokens)], rng, 1.0)
+        return _draw(sets[bisect_left(edges, key)], rng, 1.0)
 
     def input_delay(self, rng: random.Random) -> float:
         """A request's input delay, ms, drawn from the measured ones (0: none)."""
@@ -130,7 +139,12 @@ class StepProfile:
 
     def sample_ms(self, batch: int, prefill_tokens: int, prefill_attention: float, context_tokens: int, rng: random.Random) -> float:
         """One step's time, ms: the prediction times a drawn spread."""
-        return self.predict_ms(batch, prefill_tokens, prefill_attention, context_tokens) * self.spread(prefill_tokens, rng)
+        return self.predict_ms(batch, prefill_tokens, prefill_attention, context_tokens) * self.spread(prefill_tokens, rng, batch)
+
+
+def _quantile_list(values: Tuple[float, ...]) -> bool:
+    """Whether `values` can be quantiles: two or more, non-decreasing, >= 0."""
+    return len(values) >= 2 and all(v >= 0.0 for v in values) and all(a <= b for a, b in zip(values, values[1:]))
 
 
 def _draw(q: Tuple[float, ...], rng: random.Random, none: float) -> float:
@@ -163,10 +177,14 @@ _KEYS = (
     "prefill_attention_ms",
     "context_ms_per_ktoken",
     "spread_decode",
+    "spread_decode_bins",
     "spread_prefill",
     "spread_prefill_bins",
     "input_delay_ms",
 )
+
+#: Keys whose value is one or more lists of numbers, separated by |.
+_SETS = ("spread_decode", "spread_prefill")
 
 
 def parse_profile(text: str, source: str = "<profile>") -> StepProfile:
@@ -198,17 +216,17 @@ def parse_profile(text: str, source: str = "<profile>") -> StepProfile:
             sets = tuple(_floats(part) for part in section[key].split("|"))
         except ValueError:
             raise ProfileError(f"{source}: {key}: not a list of numbers: {section[key]!r}") from None
-        if len(sets) > 1 and key != "spread_prefill":
-            raise ProfileError(f"{source}: {key}: one list of numbers expected (| only separates spread_prefill's sets)")
+        if len(sets) > 1 and key not in _SETS:
+            raise ProfileError(f"{source}: {key}: one list of numbers expected (| only separates the sets of {' and '.join(_SETS)})")
         numbers = sets[0]
-        if key == "spread_prefill":
+        if key in _SETS:
             values[key] = sets if any(sets) else ()
-        elif key in ("batch", "spread_prefill_bins"):
+        elif key in ("batch", "spread_decode_bins", "spread_prefill_bins"):
             try:
                 values[key] = _whole(key, numbers)
             except ProfileError as exc:
                 raise ProfileError(f"{source}: {exc}") from None
-        elif key in ("step_ms", "spread_decode", "input_delay_ms"):
+        elif key in ("step_ms", "input_delay_ms"):
             values[key] = numbers
         else:
             if len(numbers) != 1:
@@ -274,9 +292,11 @@ def format_profile(profile: StepProfile, comment: Optional[Sequence[str]] = None
         f"prefill_attention_ms = {profile.prefill_attention_ms:.5g}",
         "# ms per 1000 tokens held by the running requests (prompt + generated)",
         f"context_ms_per_ktoken = {profile.context_ms_per_ktoken:.5g}",
-        "# measured / predicted step time, quantiles at evenly spaced probabilities: decode-only steps,",
-        "# and steps that prefill, one set per bin of prefill tokens (the bins' upper edges; sets separated by |)",
-        f"spread_decode = {_join(profile.spread_decode)}",
+        "# measured / predicted step time, quantiles at evenly spaced probabilities: decode-only steps, one set",
+        "# per bin of the batch, and steps that prefill, one set per bin of prefill tokens (the bins' upper edges;",
+        "# sets separated by |)",
+        f"spread_decode_bins = {' '.join(str(e) for e in profile.spread_decode_bins)}",
+        f"spread_decode = {' | '.join(_join(q) for q in profile.spread_decode)}",
         f"spread_prefill_bins = {' '.join(str(e) for e in profile.spread_prefill_bins)}",
         f"spread_prefill = {' | '.join(_join(q) for q in profile.spread_prefill)}",
         "# ms from a request's arrival to the engine queueing it, quantiles at evenly spaced probabilities",

@@ -20,11 +20,12 @@ by 1/time² so that every step counts by its relative error):
   the three other terms.
 
 The spread around the chosen model (measured / predicted) goes into the
-profile as quantiles, the engine draws each step's factor from them: one
-set for steps that only decode, and for steps that prefill one set per bin
-of the prompt tokens they compute, the bins (none, or 2 or 3 of equal
-counts) chosen by the mean pinball loss at SCORED_QUANTILES of held-out
-prefill steps over the same folds.
+profile as quantiles, the engine draws each step's factor from them: for
+steps that only decode one set per bin of the batch (none, or bins that
+double or grow fourfold), for steps that prefill one set per bin of the
+prompt tokens they compute (none, or 2 or 3 of equal counts). Each kind's
+bins are chosen by the mean pinball loss at SCORED_QUANTILES of its
+held-out steps, predicted by the fits of the same folds.
 """
 
 from __future__ import annotations
@@ -55,10 +56,10 @@ SPREAD_POINTS = 101
 #: maximum: one stall (a garbage collection, a page fault) in a recording
 #: would otherwise stand for 1 % of the mock's steps.
 SPREAD_TOP = 0.999
-#: The quantiles of a held-out step's time at which a binning of the
-#: prefill spread is scored: the mock draws from the whole distribution.
+#: The quantiles of a held-out step's time at which a binning of a
+#: spread is scored: the mock draws from the whole distribution.
 SCORED_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
-#: The fewest prefill steps a bin of the spread is made of.
+#: The fewest steps a bin of a spread is made of.
 MIN_BIN_STEPS = 30
 
 
@@ -237,52 +238,114 @@ def _pinball(y: float, predicted: float, q: float) -> float:
     return max(q * (y - predicted), (q - 1.0) * (y - predicted))
 
 
-def prefill_bin_choices(steps: Sequence[Step]) -> List[Tuple[int, ...]]:
-    """The bins the prefill spread may have (their upper edges): none, and
-    2 or 3 of equal counts of the prefill steps, each of MIN_BIN_STEPS."""
-    tokens = sorted(s.prefill_tokens for s in steps if s.prefill_tokens)
+@dataclass(frozen=True)
+class SpreadKind:
+    """The steps one spread of the profile is drawn for (decode-only or
+    prefilling), and what its bins are over."""
+
+    name: str
+    unit: str
+    selects: Callable[[Step], bool]
+    key: Callable[[Step], int]
+    choices: Callable[[Sequence[int]], List[Tuple[int, ...]]]
+
+
+def _fits(edges: Tuple[int, ...], keys: Sequence[int]) -> bool:
+    """Whether every bin of `edges` holds MIN_BIN_STEPS of the sorted `keys`."""
+    bounds = (0,) + edges + (math.inf,)
+    return all(bisect_right(keys, hi) - bisect_right(keys, lo) >= MIN_BIN_STEPS for lo, hi in zip(bounds, bounds[1:]))
+
+
+def equal_count_bins(keys: Sequence[int]) -> List[Tuple[int, ...]]:
+    """None, and 2 or 3 bins of equal counts of the sorted `keys` (their
+    upper edges), each of MIN_BIN_STEPS."""
     choices: List[Tuple[int, ...]] = [()]
     for bins in (2, 3):
-        edges = tuple(dict.fromkeys(tokens[len(tokens) * i // bins - 1] for i in range(1, bins))) if tokens else ()
-        counts = [sum(1 for t in tokens if lo < t <= hi) for lo, hi in zip((0,) + edges, edges + (math.inf,))]
-        if len(edges) == bins - 1 and min(counts) >= MIN_BIN_STEPS:
+        edges = tuple(dict.fromkeys(keys[len(keys) * i // bins - 1] for i in range(1, bins))) if keys else ()
+        if len(edges) == bins - 1 and _fits(edges, keys):
             choices.append(edges)
     return choices
 
 
-def _binned(profile: StepProfile, steps: Sequence[Step], edges: Tuple[int, ...]) -> List[List[float]]:
-    """Measured / predicted of `steps` (prefill steps), sorted, per bin of `edges`."""
+def doubling_bins(keys: Sequence[int]) -> List[Tuple[int, ...]]:
+    """None, and bins that double over the sorted `keys` (1 | 2-3 | 4-7 | …,
+    the upper edges), and coarser ones that grow fourfold (1 | 2-7 | 8-31 |
+    …): a bin of fewer than MIN_BIN_STEPS joins the next one up, a top bin
+    that small the one below."""
+    choices: List[Tuple[int, ...]] = [()]
+    if not keys:
+        return choices
+    for factor in (2, 4):
+        edges: List[int] = []
+        edge = 1
+        while edge < keys[-1]:
+            if bisect_right(keys, edge) - bisect_right(keys, edges[-1] if edges else 0) >= MIN_BIN_STEPS:
+                edges.append(edge)
+            edge = edge * factor + factor - 1
+        while edges and len(keys) - bisect_right(keys, edges[-1]) < MIN_BIN_STEPS:
+            edges.pop()  # too few above the last edge: the top bin joins the one below
+        if edges and tuple(edges) not in choices:
+            choices.append(tuple(edges))
+    return choices
+
+
+SPREAD_KINDS = (
+    SpreadKind("decode", "batch", lambda s: not s.prefill_tokens, lambda s: s.batch, doubling_bins),
+    SpreadKind("prefill", "tokens", lambda s: bool(s.prefill_tokens), lambda s: s.prefill_tokens, equal_count_bins),
+)
+
+
+def _binned(profile: StepProfile, steps: Sequence[Step], kind: SpreadKind, edges: Tuple[int, ...]) -> List[List[float]]:
+    """Measured / predicted of `steps` (of the kind), sorted, per bin of `edges`."""
     bins: List[List[float]] = [[] for _ in range(len(edges) + 1)]
     for s in steps:
         p = predict(profile, s)
         if p > 0:
-            bins[bisect_left(edges, s.prefill_tokens)].append(s.duration_ms / p)
+            bins[bisect_left(edges, kind.key(s))].append(s.duration_ms / p)
     return [sorted(b) for b in bins]
 
 
-def bin_scores(candidate: "Candidate", steps: Sequence[Step], folds: int, choices: Sequence[Tuple[int, ...]]) -> List[float]:
+def bin_scores(profile: StepProfile, steps: Sequence[Step], kind: SpreadKind, choices: Sequence[Tuple[int, ...]], folds: int) -> List[float]:
     """Per choice of bins: the mean pinball loss (ms) at SCORED_QUANTILES of
-    held-out prefill steps' times, predicted by a fit on the other folds
-    with its spread in those bins."""
-    n = len(steps)
+    the times of held-out `steps` (of the kind) predicted by `profile` times
+    the spread of the other folds in those bins. The folds interleave (every
+    `folds`-th step): a spread is a distribution over the whole recording,
+    and a contiguous block would hold out a whole workload's batches."""
+    known = [(kind.key(s), s.duration_ms, p) for s in steps if kind.selects(s) and (p := predict(profile, s)) > 0]
     totals = [0.0] * len(choices)
     count = 0
     for k in range(folds):
-        lo, hi = n * k // folds, n * (k + 1) // folds
-        train = list(steps[:lo]) + list(steps[hi:])
-        test = [s for s in steps[lo:hi] if s.prefill_tokens]
-        if not train or not test:
+        test = known[k::folds]
+        train = [x for i, x in enumerate(known) if i % folds != k]
+        if not test or not train:
             continue
-        profile = fit_candidate(candidate, train)
-        train_prefill = [s for s in train if s.prefill_tokens]
         for i, edges in enumerate(choices):
-            bins = [[quantile(b, q) for q in SCORED_QUANTILES] if b else [1.0] * len(SCORED_QUANTILES) for b in _binned(profile, train_prefill, edges)]
-            for s in test:
-                p = predict(profile, s)
-                factors = bins[bisect_left(edges, s.prefill_tokens)]
-                totals[i] += sum(_pinball(s.duration_ms, p * f, q) for q, f in zip(SCORED_QUANTILES, factors))
+            ratios: List[List[float]] = [[] for _ in range(len(edges) + 1)]
+            for key, ms, p in train:
+                ratios[bisect_left(edges, key)].append(ms / p)
+            bins = [[quantile(sorted(r), q) for q in SCORED_QUANTILES] if r else [1.0] * len(SCORED_QUANTILES) for r in ratios]
+            for key, ms, p in test:
+                factors = bins[bisect_left(edges, key)]
+                totals[i] += sum(_pinball(ms, p * f, q) for q, f in zip(SCORED_QUANTILES, factors))
         count += len(test) * len(SCORED_QUANTILES)
     return [t / count if count else math.nan for t in totals]
+
+
+def fit_spread(profile: StepProfile, steps: Sequence[Step], folds: int, kind: SpreadKind, report: List[str]) -> StepProfile:
+    """`profile` with its spread of `kind` from `steps`, in the bins whose
+    held-out pinball loss is lowest (ties: fewer bins); the scores reported."""
+    chosen = [s for s in steps if kind.selects(s)]
+    if len(chosen) < 2:
+        return dataclasses.replace(profile, **{f"spread_{kind.name}": (), f"spread_{kind.name}_bins": ()})
+    choices = kind.choices(sorted(kind.key(s) for s in chosen))
+    edges: Tuple[int, ...] = ()
+    if len(choices) > 1:
+        scores = bin_scores(profile, chosen, kind, choices, folds)
+        edges = choices[min(range(len(choices)), key=lambda i: (scores[i], len(choices[i])))]
+        scored = ", ".join(f"{_bins_text(c, kind.unit)} {score:.3f}" for c, score in zip(choices, scores))
+        report.append(f"{kind.name} spread bins by held-out pinball loss (ms): {scored}; chosen: {_bins_text(edges, kind.unit)}")
+    sets = tuple(_quantiles(b) if len(b) >= 2 else (1.0, 1.0) for b in _binned(profile, chosen, kind, edges))
+    return dataclasses.replace(profile, **{f"spread_{kind.name}": sets, f"spread_{kind.name}_bins": edges})
 
 
 def _quantiles(sorted_values: Sequence[float], points: int = SPREAD_POINTS) -> Tuple[float, ...]:
@@ -290,8 +353,8 @@ def _quantiles(sorted_values: Sequence[float], points: int = SPREAD_POINTS) -> T
     return tuple(quantile(sorted_values, i / last if i < last else SPREAD_TOP) for i in range(points))
 
 
-def _bins_text(edges: Tuple[int, ...]) -> str:
-    return "one set" if not edges else "tokens " + " | ".join(f"<= {e}" for e in edges) + f" | > {edges[-1]}"
+def _bins_text(edges: Tuple[int, ...], unit: str) -> str:
+    return "one set" if not edges else f"{unit} " + " | ".join(f"<= {e}" for e in edges) + f" | > {edges[-1]}"
 
 
 def summary(errors: Sequence[float]) -> str:
@@ -340,19 +403,9 @@ def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None, inpu
     profile = fit_candidate(chosen, usable)
     decode = [s for s in usable if not s.prefill_tokens]
     prefill = [s for s in usable if s.prefill_tokens]
-    choices = prefill_bin_choices(prefill)
-    scores = bin_scores(chosen, usable, folds, choices) if len(choices) > 1 else [0.0]
-    edges = choices[min(range(len(choices)), key=lambda i: (scores[i], i))]  # ties (or nan): fewer bins
-    if len(choices) > 1:
-        scored = ", ".join(f"{_bins_text(c)} {score:.3f}" for c, score in zip(choices, scores))
-        report.append(f"prefill spread bins by held-out pinball loss (ms): {scored}; chosen: {_bins_text(edges)}")
-    profile = dataclasses.replace(
-        profile,
-        spread_decode=spread(profile, decode),
-        spread_prefill=tuple(_quantiles(b) for b in _binned(profile, prefill, edges)) if len(prefill) >= 2 else (),
-        spread_prefill_bins=edges if len(prefill) >= 2 else (),
-        input_delay_ms=_quantiles(sorted(input_delays)) if len(input_delays) >= 2 else (),
-    )
+    for kind in SPREAD_KINDS:
+        profile = fit_spread(profile, usable, folds, kind, report)
+    profile = dataclasses.replace(profile, input_delay_ms=_quantiles(sorted(input_delays)) if len(input_delays) >= 2 else ())
     if profile.input_delay_ms:
         d = sorted(input_delays)
         report.append(

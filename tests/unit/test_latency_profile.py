@@ -29,14 +29,17 @@ def test_table_interpolates_and_extends_its_ends():
 
 
 def test_the_file_round_trips_and_is_read_as_written():
-    noisy = StepProfile(PROFILE.batch, PROFILE.step_ms, 0.02, 0.01, 0.5, spread_decode=(0.9, 1.0, 1.2), spread_prefill=((1.0, 1.1),))
+    noisy = StepProfile(PROFILE.batch, PROFILE.step_ms, 0.02, 0.01, 0.5, spread_decode=((0.9, 1.0, 1.2),), spread_prefill=((1.0, 1.1),))
     text = format_profile(noisy, ["a comment"])
     assert text.startswith("# a comment\n[latency-profile]")
     assert parse_profile(text) == noisy
     binned = StepProfile(PROFILE.batch, PROFILE.step_ms, spread_prefill=((1.0, 1.5), (0.9, 1.1), (1.0, 1.0)), spread_prefill_bins=(32, 192))
     assert parse_profile(format_profile(binned)) == binned
-    # a profile of one prefill set, as written before there were bins, reads as one bin
+    by_batch = StepProfile(PROFILE.batch, PROFILE.step_ms, spread_decode=((0.5, 2.0), (0.9, 1.1)), spread_decode_bins=(1,))
+    assert parse_profile(format_profile(by_batch)) == by_batch
+    # a profile of one set, as written before there were bins, reads as one bin
     assert parse_profile("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_prefill = 0.9 1.2\n").spread_prefill == ((0.9, 1.2),)
+    assert parse_profile("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_decode = 0.9 1.2\n").spread_decode == ((0.9, 1.2),)
     hand = "[latency-profile]\nbatch = 1, 8   # by hand\nstep_ms = 4 12\n"
     assert parse_profile(hand) == StepProfile(batch=(1, 8), step_ms=(4.0, 12.0))
 
@@ -59,7 +62,12 @@ def test_the_file_round_trips_and_is_read_as_written():
         ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_prefill_bins = 64\nspread_prefill = 1 2\n", "2 sets \\(one per bin"),
         ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_prefill_bins = 64 32\nspread_prefill = 1 2 | 1 2 | 1 2\n", "spread_prefill_bins: increasing"),
         ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_prefill_bins = 64\nspread_prefill = 1 2 | 2 1\n", "spread_prefill: at least two non-decreasing"),
-        ("[latency-profile]\nbatch = 1\nstep_ms = 1 | 2\n", "only separates spread_prefill"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1 | 2\n", "only separates the sets of spread_decode and spread_prefill"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_decode = 1 2 | 1 3\n", "several sets need spread_decode_bins"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_decode_bins = 0\nspread_decode = 1 2 | 1 3\n", "spread_decode_bins: increasing batch sizes"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_decode_bins = 1 3\nspread_decode = 1 2 | 1 3\n", "spread_decode: 3 sets"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_decode_bins = 2.5\n", "whole numbers"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1\ninput_delay_ms = 3\n", "input_delay_ms: at least two"),
     ],
 )
 def test_a_bad_profile_says_what_is_wrong(text, message):
@@ -68,7 +76,7 @@ def test_a_bad_profile_says_what_is_wrong(text, message):
 
 
 def test_spread_draws_between_its_quantiles():
-    p = StepProfile((1,), (10.0,), spread_decode=(0.5, 1.0, 2.0))
+    p = StepProfile((1,), (10.0,), spread_decode=((0.5, 1.0, 2.0),))
     rng = random.Random(1)
     draws = sorted(p.spread(0, rng) for _ in range(4000))
     assert draws[0] >= 0.5 and draws[-1] <= 2.0
@@ -81,6 +89,15 @@ def test_a_prefill_step_draws_from_the_bin_of_its_prompt_tokens():
     rng = random.Random(1)
     assert [p.spread(t, rng) for t in (1, 32, 33, 192, 193, 5000)] == [2.0, 2.0, 3.0, 3.0, 4.0, 4.0]
     assert p.sample_ms(1, 100, 0.0, 0, rng) == pytest.approx(3.0 * p.predict_ms(1, 100))
+
+
+def test_a_decode_step_draws_from_the_bin_of_its_batch():
+    p = StepProfile((1,), (10.0,), spread_decode=((2.0, 2.0), (3.0, 3.0), (4.0, 4.0)), spread_decode_bins=(1, 7),
+                    spread_prefill=((5.0, 5.0),))  # fmt: skip
+    rng = random.Random(1)
+    assert [p.spread(0, rng, batch) for batch in (1, 2, 7, 8, 64)] == [2.0, 3.0, 3.0, 4.0, 4.0]
+    assert p.sample_ms(8, 0, 0.0, 0, rng) == pytest.approx(4.0 * p.predict_ms(8))
+    assert p.sample_ms(8, 10, 0.0, 0, rng) == pytest.approx(5.0 * p.predict_ms(8, 10))  # prefill: its own spread
 
 
 def test_first_token_ends_the_step_that_computed_the_prompt_then_steps_by_the_profile():
