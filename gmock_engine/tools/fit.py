@@ -23,9 +23,11 @@ The spread around the chosen model (measured / predicted) goes into the
 profile as quantiles, the engine draws each step's factor from them: for
 steps that only decode one set per bin of the batch (none, or bins that
 double or grow fourfold), for steps that prefill one set per bin of the
-prompt tokens they compute (none, or 2 or 3 of equal counts). Each kind's
+prompt tokens they compute (none, 2 or 3 of equal counts, or bins that
+double or grow fourfold). Each kind's
 bins are chosen by the mean pinball loss at SCORED_QUANTILES of its
-held-out steps, predicted by the fits of the same folds.
+held-out steps (interleaved folds: the model's prediction times the
+spread of the other steps).
 """
 
 from __future__ import annotations
@@ -228,12 +230,6 @@ def quantile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[i] + (sorted_values[i + 1] - sorted_values[i]) * (x - i)
 
 
-def spread(profile: StepProfile, steps: Sequence[Step], points: int = SPREAD_POINTS) -> Tuple[float, ...]:
-    """Quantiles of measured / predicted at `points` evenly spaced probabilities."""
-    ratios = sorted(s.duration_ms / p for s in steps if (p := predict(profile, s)) > 0)
-    return _quantiles(ratios, points) if len(ratios) >= 2 else ()
-
-
 def _pinball(y: float, predicted: float, q: float) -> float:
     return max(q * (y - predicted), (q - 1.0) * (y - predicted))
 
@@ -289,9 +285,14 @@ def doubling_bins(keys: Sequence[int]) -> List[Tuple[int, ...]]:
     return choices
 
 
+def prefill_bins(keys: Sequence[int]) -> List[Tuple[int, ...]]:
+    """The binnings of equal counts and those that double or grow fourfold."""
+    return list(dict.fromkeys(equal_count_bins(keys) + doubling_bins(keys)))
+
+
 SPREAD_KINDS = (
     SpreadKind("decode", "batch", lambda s: not s.prefill_tokens, lambda s: s.batch, doubling_bins),
-    SpreadKind("prefill", "tokens", lambda s: bool(s.prefill_tokens), lambda s: s.prefill_tokens, equal_count_bins),
+    SpreadKind("prefill", "tokens", lambda s: bool(s.prefill_tokens), lambda s: s.prefill_tokens, prefill_bins),
 )
 
 

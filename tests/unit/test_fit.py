@@ -267,3 +267,11 @@ def test_batch_bins_double_and_merge_bins_too_small():
     assert choices == [(), (1, 3, 7), (1, 7)]
     assert fitting.doubling_bins([4] * 50) == [()]  # one key: no bins
     assert fitting.doubling_bins([]) == [()]
+
+
+def test_prefill_bins_offer_equal_counts_and_doubling_once_each():
+    keys = sorted([16] * 40 + [100] * 40 + [500] * 40)
+    choices = fitting.prefill_bins(keys)
+    assert choices[0] == () and len(choices) == len(set(choices))
+    assert (16, 100) in choices  # three of equal counts
+    assert (31, 127) in choices  # doubling: ... | 32-63 | 64-127 | ..., empty bins merged upward
