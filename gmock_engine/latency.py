@@ -66,16 +66,23 @@ class LatencyModel:
         return 1.0 + self.jitter * (2.0 * rng.random() - 1.0) if self.jitter else 1.0
 
     def step_seconds(
-        self, running: int, prefill_tokens: int, rng: random.Random, prefill_attention: float = 0.0, context_tokens: int = 0
+        self,
+        running: int,
+        prefill_tokens: int,
+        rng: random.Random,
+        prefill_attention: float = 0.0,
+        context_tokens: int = 0,
+        prefill_reqs: int = 0,
     ) -> float:
         """Duration of a step with `running` requests that prefills
         `prefill_tokens` (with a profile: also their attention, Σ c·(p + c/2)
-        over the prompt chunks, and the `context_tokens` the batch holds)."""
+        over the prompt chunks, the `context_tokens` the batch holds and the
+        `prefill_reqs` requests that compute a prompt chunk)."""
         profile = self.profile
         if profile is not None:
             if not running:
                 return 0.0  # nothing ran (e.g. the head of the queue is not in yet): a real engine does not step
-            ms = profile.sample_ms(running, prefill_tokens, prefill_attention, context_tokens, rng) * self._jitter(rng)
+            ms = profile.sample_ms(running, prefill_tokens, prefill_attention, context_tokens, rng, prefill_reqs) * self._jitter(rng)
         else:
             ms = (self.itl_ms + self.itl_ms_per_request * running) * self._jitter(rng)
             ms += self.prefill_ms_per_token * prefill_tokens
@@ -94,6 +101,7 @@ class LatencyModel:
             rng,
             scheduler_output.prefill_attention,
             context_tokens,
+            scheduler_output.num_prefill_reqs,
         )
 
     def first_token_seconds(self, prompt_len: int, rng: random.Random, ttft_ms: Optional[float] = None) -> float:

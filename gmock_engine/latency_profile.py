@@ -13,6 +13,9 @@ A step's time, in ms, is the sum of
   cost, which is not linear on real hardware;
 * `prefill_ms_per_token × prefill tokens` (the prompt tokens computed in
   the step, prefix-cache hits excluded);
+* `prefill_ms_per_request × prefilling requests` (those of the batch that
+  compute prompt tokens in the step): what a prompt costs beyond its
+  tokens, so that a short prompt is not priced as a slice of a long one;
 * `prefill_attention_ms × Σ c·(p + c/2) / 1000` over the prompt chunks of
   the step (c tokens from position p): the attention over the prompt, which
   grows with the square of its length;
@@ -61,6 +64,7 @@ class StepProfile:
     prefill_ms_per_token: float = 0.0
     prefill_attention_ms: float = 0.0
     context_ms_per_ktoken: float = 0.0
+    prefill_ms_per_request: float = 0.0
     #: quantiles of measured / predicted at evenly spaced probabilities 0..1
     #: of decode-only steps, one set per bin of the batch (bins: the upper
     #: edges, the last bin open above them; no bins: one set)
@@ -78,7 +82,7 @@ class StepProfile:
             raise ProfileError("batch and step_ms need the same number of values (at least one)")
         if any(b < 1 for b in self.batch) or any(b >= c for b, c in zip(self.batch, self.batch[1:])):
             raise ProfileError("batch: increasing request counts, each at least 1")
-        for name in ("prefill_ms_per_token", "prefill_attention_ms", "context_ms_per_ktoken"):
+        for name in ("prefill_ms_per_token", "prefill_attention_ms", "prefill_ms_per_request", "context_ms_per_ktoken"):
             if not getattr(self, name) >= 0.0:
                 raise ProfileError(f"{name}: must be >= 0")
         if any(not v >= 0.0 for v in self.step_ms):
@@ -111,13 +115,17 @@ class StepProfile:
         x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
         return max(0.0, y0 + (y1 - y0) * (batch - x0) / (x1 - x0))
 
-    def predict_ms(self, batch: int, prefill_tokens: int = 0, prefill_attention: float = 0.0, context_tokens: int = 0) -> float:
+    def predict_ms(
+        self, batch: int, prefill_tokens: int = 0, prefill_attention: float = 0.0, context_tokens: int = 0, prefill_reqs: int = 0
+    ) -> float:
         """The step time the profile predicts, ms, before its spread.
-        `prefill_attention` is Σ c·(p + c/2) over the step's prompt chunks."""
+        `prefill_attention` is Σ c·(p + c/2) over the step's prompt chunks,
+        `prefill_reqs` the requests that compute a prompt chunk."""
         return (
             self.batch_ms(batch)
             + self.prefill_ms_per_token * prefill_tokens
             + self.prefill_attention_ms * prefill_attention / 1000.0
+            + self.prefill_ms_per_request * prefill_reqs
             + self.context_ms_per_ktoken * context_tokens / 1000.0
         )
 
@@ -137,9 +145,12 @@ class StepProfile:
         """A request's input delay, ms, drawn from the measured ones (0: none)."""
         return _draw(self.input_delay_ms, rng, 0.0)
 
-    def sample_ms(self, batch: int, prefill_tokens: int, prefill_attention: float, context_tokens: int, rng: random.Random) -> float:
+    def sample_ms(
+        self, batch: int, prefill_tokens: int, prefill_attention: float, context_tokens: int, rng: random.Random, prefill_reqs: int = 0
+    ) -> float:
         """One step's time, ms: the prediction times a drawn spread."""
-        return self.predict_ms(batch, prefill_tokens, prefill_attention, context_tokens) * self.spread(prefill_tokens, rng, batch)
+        predicted = self.predict_ms(batch, prefill_tokens, prefill_attention, context_tokens, prefill_reqs)
+        return predicted * self.spread(prefill_tokens, rng, batch)
 
 
 def _quantile_list(values: Tuple[float, ...]) -> bool:
@@ -175,6 +186,7 @@ _KEYS = (
     "step_ms",
     "prefill_ms_per_token",
     "prefill_attention_ms",
+    "prefill_ms_per_request",
     "context_ms_per_ktoken",
     "spread_decode",
     "spread_decode_bins",
@@ -290,6 +302,8 @@ def format_profile(profile: StepProfile, comment: Optional[Sequence[str]] = None
         f"prefill_ms_per_token = {profile.prefill_ms_per_token:.5g}",
         "# ms per 1000 of sum c*(p + c/2) over the step's prompt chunks (c tokens from position p)",
         f"prefill_attention_ms = {profile.prefill_attention_ms:.5g}",
+        "# ms per request computing a prompt chunk in the step",
+        f"prefill_ms_per_request = {profile.prefill_ms_per_request:.5g}",
         "# ms per 1000 tokens held by the running requests (prompt + generated)",
         f"context_ms_per_ktoken = {profile.context_ms_per_ktoken:.5g}",
         "# measured / predicted step time, quantiles at evenly spaced probabilities: decode-only steps, one set",

@@ -60,7 +60,8 @@ class SchedulerOutput:
       of running requests, then the admitted ones);
       `total_num_scheduled_tokens` is their sum; `prefill_attention` is
       Σ c·(p + c/2) over the step's prompt chunks (c tokens from position
-      p), the attention work of the prefill (latency_profile.py);
+      p), the attention work of the prefill (latency_profile.py), and
+      `num_prefill_reqs` the requests that compute a prompt chunk;
       `num_draft_tokens`: with speculative decoding, the K drafts each
       decoding request verifies (spec_decode.py), computed as prompt tokens
       are.
@@ -81,6 +82,7 @@ class SchedulerOutput:
         "chunk",
         "prefill_attention",
         "num_draft_tokens",
+        "num_prefill_reqs",
     )
 
     def __init__(
@@ -94,6 +96,7 @@ class SchedulerOutput:
         chunk: int = 1,
         prefill_attention: float = 0.0,
         num_draft_tokens: int = 0,
+        num_prefill_reqs: int = 0,
     ) -> None:
         self.scheduled_new_reqs = scheduled_new_reqs
         self.num_running_reqs = num_running_reqs
@@ -108,6 +111,7 @@ class SchedulerOutput:
         #: speculative decoding: the draft tokens the decoding requests
         #: verify in this step (K each, what the token budget reserves)
         self.num_draft_tokens = num_draft_tokens
+        self.num_prefill_reqs = num_prefill_reqs
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -114,6 +114,8 @@ class Scheduler:
         self.chunking: Dict[str, Request] = {}
         #: Σ c·(p + c/2) over the prompt chunks of the step being planned (latency_profile.py)
         self._prefill_attention = 0.0
+        #: requests that compute a prompt chunk in the step being planned
+        self._prefill_reqs = 0
         self.pause_state = PauseState.UNPAUSED
         #: Engine time the last step asked its successor to wait (latency model).
         self.step_delay = 0.0
@@ -269,6 +271,7 @@ class Scheduler:
         running = self.running
         prefill_tokens = 0
         self._prefill_attention = 0.0
+        self._prefill_reqs = 0
         preempted = self._reserve_decode_blocks(now) if self.kv.enforced and running else _NONE
         prefilling = self.prefilling
         # a request whose prefill ended in the last step has its first token
@@ -290,8 +293,9 @@ class Scheduler:
             new, rejected = [], []
             prefill_tokens += self._admit(now, budget, new, rejected)
         return SchedulerOutput(
-            new, len(running), decode_tokens, prefill_tokens, preempted, rejected, self.chunk, self._prefill_attention, draft_tokens
-        )
+            new, len(running), decode_tokens, prefill_tokens, preempted, rejected, self.chunk, self._prefill_attention, draft_tokens,
+            self._prefill_reqs,
+        )  # fmt: skip
 
     def finish_step(self, scheduler_output: SchedulerOutput, finished: List[Request]) -> None:
         """After the outputs of the step `scheduler_output` planned: the
@@ -415,6 +419,8 @@ class Scheduler:
             take = target if budget is None else min(target, budget)
             prefill_tokens += take
             self._prefill_attention += take * (request.cached_tokens + take / 2)
+            if take:
+                self._prefill_reqs += 1
             if budget is not None:
                 budget -= take
             request.prefill_left = target - take
@@ -480,6 +486,8 @@ class Scheduler:
                 break
             take = min(request.prefill_left, budget)
             self._prefill_attention += take * (request.num_tokens - request.prefill_left + take / 2)
+            if take:
+                self._prefill_reqs += 1
             request.prefill_left -= take
             budget -= take
             prefilled += take

@@ -9,15 +9,17 @@ one as a profile the engine reads with `--latency-profile`
 (latency_profile.py; docs/latency-profile.md).
 
 The candidates (all non-negative least squares on the step time, weighted
-by 1/time² so that every step counts by its relative error):
+by 1/time² so that every step counts by its relative error, and made robust
+by Huber's reweighting: fit_candidate):
 
 * `linear`: a + b·batch + c·prefill tokens, the form of the hand-set
   flags (--itl-ms, --itl-ms-per-request, --prefill-ms-per-token);
-* `linear+attention`: that, plus the prompt's attention (Σ c·(p + c/2)) and
-  the context the batch holds;
+* `linear+attention`: that, plus the prompt's attention (Σ c·(p + c/2)),
+  the requests prefilling (what a prompt costs beyond its tokens) and the
+  context the batch holds;
 * `table`: a step time per batch size, linear between points at 1, 2, 4, 8,
   … as far as the steps reach (the non-linear growth with the batch), plus
-  the three other terms.
+  the four other terms.
 
 The spread around the chosen model (measured / predicted) goes into the
 profile as quantiles, the engine draws each step's factor from them: for
@@ -63,6 +65,11 @@ SPREAD_TOP = 0.999
 SCORED_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
 #: The fewest steps a bin of a spread is made of.
 MIN_BIN_STEPS = 30
+#: The robust fit (fit_candidate): reweightings, and the relative residual
+#: (in robust standard deviations, 1.4826 x the median |residual|) beyond
+#: which a step's weight falls as 1/distance. 1.5 is the usual choice.
+ROBUST_ITERATIONS = 5
+HUBER_K = 1.5
 
 
 @dataclass(frozen=True)
@@ -115,27 +122,35 @@ def _hats(knots: Sequence[int], batch: int) -> List[float]:
     return row
 
 
-def _linear(c: Sequence[float], attention: float = 0.0, context: float = 0.0) -> StepProfile:
+def _linear(c: Sequence[float], attention: float = 0.0, context: float = 0.0, per_request: float = 0.0) -> StepProfile:
     return StepProfile(
         batch=(1, 2),
         step_ms=(c[0] + c[1], c[0] + 2 * c[1]),
         prefill_ms_per_token=c[2],
         prefill_attention_ms=attention,
+        prefill_ms_per_request=per_request,
         context_ms_per_ktoken=context,
     )
+
+
+def _terms(s: Step) -> List[float]:
+    """The features beside the batch's: prefill tokens, their attention,
+    the requests prefilling, the context held."""
+    return [float(s.prefill_tokens), s.prefill_attention / 1000.0, float(s.batch - s.decode), s.context_tokens / 1000.0]
 
 
 def _table(steps: Sequence[Step]) -> Model:
     knots = table_points(steps)
     n = len(knots)
     return Model(
-        lambda s: _hats(knots, s.batch) + [float(s.prefill_tokens), s.prefill_attention / 1000.0, s.context_tokens / 1000.0],
+        lambda s: _hats(knots, s.batch) + _terms(s),
         lambda c: StepProfile(
             batch=knots,
             step_ms=tuple(c[:n]),
             prefill_ms_per_token=c[n],
             prefill_attention_ms=c[n + 1],
-            context_ms_per_ktoken=c[n + 2],
+            prefill_ms_per_request=c[n + 2],
+            context_ms_per_ktoken=c[n + 3],
         ),
     )
 
@@ -144,10 +159,7 @@ CANDIDATES = (
     Candidate("linear", lambda _: Model(lambda s: [1.0, float(s.batch), float(s.prefill_tokens)], _linear)),
     Candidate(
         "linear+attention",
-        lambda _: Model(
-            lambda s: [1.0, float(s.batch), float(s.prefill_tokens), s.prefill_attention / 1000.0, s.context_tokens / 1000.0],
-            lambda c: _linear(c, c[3], c[4]),
-        ),
+        lambda _: Model(lambda s: [1.0, float(s.batch)] + _terms(s), lambda c: _linear(c, c[3], c[5], c[4])),
     ),
     Candidate("table", _table),
 )
@@ -188,16 +200,30 @@ def _usable(steps: Sequence[Step]) -> List[Step]:
 
 
 def fit_candidate(candidate: Candidate, steps: Sequence[Step]) -> StepProfile:
-    """The candidate's profile fitted to `steps` (no spread yet)."""
+    """The candidate's profile fitted to `steps` (no spread yet): least
+    squares on the relative error, then ROBUST_ITERATIONS reweightings that
+    give a step whose relative residual is beyond HUBER_K robust standard
+    deviations the weight of one at that distance (Huber's). The model is
+    the typical step; the tail goes into the spread, not into the
+    coefficients (a prefill slowed by a burst of arrivals on the frontend
+    would otherwise price every prompt token higher)."""
     model = candidate.make(steps)
     rows = [model.features(s) for s in steps]
     ys = [s.duration_ms for s in steps]
-    return model.profile(nnls(rows, ys, [1.0 / (y * y) for y in ys]))
+    weights = [1.0 / (y * y) for y in ys]
+    c = nnls(rows, ys, weights)
+    for _ in range(ROBUST_ITERATIONS):
+        residuals = [(sum(a * b for a, b in zip(row, c)) - y) / y for row, y in zip(rows, ys)]
+        threshold = HUBER_K * 1.4826 * quantile(sorted(abs(r) for r in residuals), 0.5)
+        if threshold <= 0.0:
+            break  # an exact fit: nothing to reweight
+        c = nnls(rows, ys, [w if abs(r) <= threshold else w * threshold / abs(r) for w, r in zip(weights, residuals)])
+    return model.profile(c)
 
 
 def predict(profile: StepProfile, step: Step) -> float:
     """The profile's step time for a recorded step, ms (before its spread)."""
-    return profile.predict_ms(step.batch, step.prefill_tokens, step.prefill_attention, step.context_tokens)
+    return profile.predict_ms(step.batch, step.prefill_tokens, step.prefill_attention, step.context_tokens, step.batch - step.decode)
 
 
 def relative_errors(profile: StepProfile, steps: Sequence[Step]) -> List[float]:

@@ -26,10 +26,12 @@ def test_table_interpolates_and_extends_its_ends():
     assert PROFILE.batch_ms(8) == pytest.approx(15.0)  # last segment: +1.5 ms per request
     assert PROFILE.batch_ms(0) == pytest.approx(4.0)  # first segment, extended down
     assert PROFILE.predict_ms(2, 100, 5000.0, 2000) == pytest.approx(6.0 + 2.0 + 0.05 + 1.0)
+    per_prompt = StepProfile(PROFILE.batch, PROFILE.step_ms, prefill_ms_per_request=1.5)
+    assert per_prompt.predict_ms(2, 100, 5000.0, 2000, prefill_reqs=2) == pytest.approx(6.0 + 3.0)
 
 
 def test_the_file_round_trips_and_is_read_as_written():
-    noisy = StepProfile(PROFILE.batch, PROFILE.step_ms, 0.02, 0.01, 0.5, spread_decode=((0.9, 1.0, 1.2),), spread_prefill=((1.0, 1.1),))
+    noisy = StepProfile(PROFILE.batch, PROFILE.step_ms, 0.02, 0.01, 0.5, 0.7, spread_decode=((0.9, 1.0, 1.2),), spread_prefill=((1.0, 1.1),))
     text = format_profile(noisy, ["a comment"])
     assert text.startswith("# a comment\n[latency-profile]")
     assert parse_profile(text) == noisy
@@ -55,6 +57,7 @@ def test_the_file_round_trips_and_is_read_as_written():
         ("[latency-profile]\nbatch = 1\nstep_ms = x\n", "step_ms: not a list of numbers"),
         ("[latency-profile]\nbatch = 1\nstep_ms = 1\nitl = 3\n", "unknown key\\(s\\) itl"),
         ("[latency-profile]\nbatch = 1\nstep_ms = 1\nprefill_ms_per_token = -1\n", "prefill_ms_per_token: must be >= 0"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1\nprefill_ms_per_request = nan\n", "prefill_ms_per_request: must be >= 0"),
         ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_decode = 1.2 0.9\n", "spread_decode: at least two non-decreasing"),
         ("[latency-profile]\nversion = 9\nbatch = 1\nstep_ms = 1\n", "newer than this engine reads"),
         ("[latency-profile]\nbatch = 1.5\nstep_ms = 1\n", "whole numbers"),
