@@ -7,6 +7,7 @@ real Python frontend, under the same `vllm bench serve` workloads.
         --engine-arg=--latency-profile=p.ini
     .venv/bin/python benchmarks/fidelity.py compare real-held.json mock-held.json
     .venv/bin/python benchmarks/fidelity.py breakdown real-held.json mock-held.json
+    .venv/bin/python benchmarks/fidelity.py sitting --dir DIR [--repeat 2]
     .venv/bin/python benchmarks/fidelity.py list
 
 A target is a stack started once per repetition and reused across its
@@ -29,6 +30,13 @@ gets fine buckets so that a quantile is worth comparing). The workload's
 wall-clock window (`t_start`, `t_end`: time.time(), the trace's clock) and
 the load average and busy cores before it are stored too.
 
+`sitting` is the whole measurement of docs/latency-profile.md#accuracy in
+one command: the real engine's calibration and held-out sets alternating
+(cal, held, cal, held: the machine's drift over the sitting is in both),
+`./run.sh fit` on the calibration traces, the mock with that profile
+(behind the tap) and with the hand-set linear flags (LINEAR_FLAGS) on the
+held-out set, and `compare` of each; every file in --dir.
+
 `breakdown` splits each workload's TTFT from the runs' traces: the
 frontend's part (arrival to ADD), the engine's (ADD to first token) and the
 engine's own queued-to-first-token. `compare` prints a markdown table: every real repetition, their spread, the
@@ -39,6 +47,7 @@ mock and its error against the real mean, and whether it meets the goals
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -80,6 +89,8 @@ REAL_KV_GIB = 2
 #: thread, which then send ADDs and outputs late and in bursts. Lowered, it
 #: yields to them, and the worker (which does the steps) is untouched.
 ENGINE_CORE_NICE = 10
+#: The hand-set linear model a user would fit by hand from three calibration runs: what the profile is judged beside.
+LINEAR_FLAGS = ["--itl-ms=5.5", "--itl-ms-per-request=0.5", "--ttft-ms=10", "--prefill-ms-per-token=0.045"]
 #: gmock_engine with the real engine's limits; `--engine-arg` flags come after (and win).
 MOCK_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--block-size", "32", "--num-gpu-blocks", "32768",
              "--max-num-seqs", "128", "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS), "--prefix-caching"]  # fmt: skip
@@ -373,6 +384,43 @@ def run(options: argparse.Namespace) -> int:
     return 0
 
 
+def sitting(options: argparse.Namespace) -> int:
+    """`sitting`: real cal and held runs alternating, fit, mock runs, compare (module docstring)."""
+    from gmock_engine.tools import fit
+
+    d = Path(options.dir).resolve()
+    d.mkdir(parents=True, exist_ok=True)
+    common = {"engine_core_nice": ENGINE_CORE_NICE, "model_dir": str(d / "real-model"), "seed": options.seed,
+              "timeout": options.timeout, "max_busy": options.max_busy, "max_wait": options.max_wait,
+              "keep_logs": False, "repeat": 1}  # fmt: skip
+
+    def step(target: str, workloads: str, out: str, trace: Optional[str], engine_args: Sequence[str] = (), repeat: int = 1) -> None:
+        run(argparse.Namespace(**{**common, "repeat": repeat}, target=target, set=workloads, out=str(d / out),
+                               trace=str(d / trace) if trace else None, engine_arg=list(engine_args)))  # fmt: skip
+
+    for i in range(1, options.repeat + 1):
+        step("real", "cal", f"real-cal{i}.json", f"cal{i}.jsonl")
+        step("real", "held", f"real-held{i}.json", f"held{i}.jsonl")
+    held = [json.loads((d / f"real-held{i}.json").read_text()) for i in range(1, options.repeat + 1)]
+    held[0]["runs"] = [r for h in held for r in h["runs"]]
+    (d / "real-held.json").write_text(json.dumps(held[0], indent=1))
+    traces = [str(d / f"cal{i}.jsonl") for i in range(1, options.repeat + 1)]
+    fit_args = [*traces, "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS), "-o", str(d / "profile.ini")]
+    with open(d / "fit.out", "w") as f, contextlib.redirect_stdout(f):
+        status = fit.main(fit_args)
+    if status:
+        _say(f"fit failed ({d / 'fit.out'})")
+        return status
+    step("mock", "held", "mock-profile.json", "mock{run}.jsonl", [f"--latency-profile={d / 'profile.ini'}"], options.repeat)
+    step("mock", "held", "mock-linear.json", None, LINEAR_FLAGS)
+    for name in ("profile", "linear"):
+        with open(d / f"compare-{name}.md", "w") as f, contextlib.redirect_stdout(f):
+            compare(argparse.Namespace(real=str(d / "real-held.json"), mock=str(d / f"mock-{name}.json")))
+        outside = [line for line in (d / f"compare-{name}.md").read_text().splitlines() if line.startswith("Outside")]
+        _say(f"{name}: {d / f'compare-{name}.md'}; {outside[0] if outside else 'no comparison'}")
+    return 0
+
+
 def compare(options: argparse.Namespace) -> int:
     """`compare`: the real runs of one file against the mean of another's runs."""
     real = json.loads(Path(options.real).read_text())
@@ -440,12 +488,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     c.add_argument("mock", nargs="?")
     b = sub.add_parser("breakdown", help="markdown table: where TTFT goes, from the runs' traces")
     b.add_argument("results", nargs="+", help="results JSON of runs with traces (real, or mock run with --trace)")
+    s = sub.add_parser("sitting", help="the whole accuracy measurement: real cal/held alternating, fit, mock, compare")
+    s.add_argument("--dir", required=True, help="where every result, trace, the profile and the tables go")
+    s.add_argument("--repeat", type=int, default=2, help="real cal+held pairs, and mock runs with the profile")
+    s.add_argument("--seed", type=int, default=1, help="the bench's seed (prompts and Poisson arrivals)")
+    s.add_argument("--timeout", type=float, default=300.0, help="seconds per bench run")
+    s.add_argument("--max-busy", type=float, default=0.3, help="wait before each workload until fewer cores are busy")
+    s.add_argument("--max-wait", type=float, default=60.0, help="... but at most this many seconds")
     sub.add_parser("list", help="the workloads")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str]) -> int:
-    """Entry point: run, compare or list."""
+    """Entry point: run, sitting, compare, breakdown or list."""
     options = parse_args(argv)
     if options.command == "run":
         return run(options)
@@ -453,6 +508,8 @@ def main(argv: Sequence[str]) -> int:
         return compare(options)
     if options.command == "breakdown":
         return breakdown(options)
+    if options.command == "sitting":
+        return sitting(options)
     for w in WORKLOADS:
         print(f"{w.group:5} {w.name:24} {' '.join(w.bench_args())}")
     return 0
