@@ -205,7 +205,7 @@ def fit_candidate(candidate: Candidate, steps: Sequence[Step]) -> StepProfile:
     give a step whose relative residual is beyond HUBER_K robust standard
     deviations the weight of one at that distance (Huber's). The model is
     the typical step; the tail goes into the spread, not into the
-    coefficients (a prefill slowed by a burst of arrivals on the frontend
+    coefficients (a few prefills that took several times their usual time
     would otherwise price every prompt token higher)."""
     model = candidate.make(steps)
     rows = [model.features(s) for s in steps]

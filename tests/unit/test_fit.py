@@ -280,9 +280,9 @@ def test_prefill_bins_offer_equal_counts_and_doubling_once_each():
 
 
 def test_the_robust_fit_keeps_the_typical_step_when_some_steps_stall(monkeypatch):
-    """One prefill step in five slowed threefold (a burst on the frontend's
-    core): least squares prices every prompt higher; the robust fit keeps
-    the typical step's price and leaves the stalls to the spread."""
+    """One prefill step in five slowed threefold: least squares prices
+    every prompt higher; the robust fit keeps the typical step's price and
+    leaves the stalls to the spread."""
     records, _ = simulate(TRUE, workload(300, seed=4))
     steps = steps_from_trace(records)
     stalled = [dataclasses.replace(s, end=s.start + 3 * (s.end - s.start)) if s.prefill_tokens and i % 5 == 0 else s
