@@ -463,6 +463,14 @@ def breakdown(options: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the bench runs, which `run` and `sitting` share."""
+    parser.add_argument("--seed", type=int, default=1, help="the bench's seed (prompts and Poisson arrivals)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per bench run")
+    parser.add_argument("--max-busy", type=float, default=0.3, help="wait before each workload until fewer cores are busy")
+    parser.add_argument("--max-wait", type=float, default=60.0, help="... but at most this many seconds")
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -478,10 +486,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     r.add_argument("--engine-core-nice", type=int, default=ENGINE_CORE_NICE,
                    help="real: nice value of the engine core's busy-loop thread (default %(default)s; 0: as vLLM leaves it)")
     r.add_argument("--model-dir", help="where to write/reuse the real model dir (default: a temporary dir)")
-    r.add_argument("--seed", type=int, default=1, help="the bench's seed (prompts and Poisson arrivals)")
-    r.add_argument("--timeout", type=float, default=300.0, help="seconds per bench run")
-    r.add_argument("--max-busy", type=float, default=0.3, help="wait before each workload until fewer cores are busy")
-    r.add_argument("--max-wait", type=float, default=60.0, help="... but at most this many seconds")
+    _bench_options(r)
     r.add_argument("--keep-logs", action="store_true", help="keep the stack's logs and bench outputs")
     c = sub.add_parser("compare", help="markdown table: real runs vs a mock run")
     c.add_argument("real")
@@ -491,10 +496,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     s = sub.add_parser("sitting", help="the whole accuracy measurement: real cal/held alternating, fit, mock, compare")
     s.add_argument("--dir", required=True, help="where every result, trace, the profile and the tables go")
     s.add_argument("--repeat", type=int, default=2, help="real cal+held pairs, and mock runs with the profile")
-    s.add_argument("--seed", type=int, default=1, help="the bench's seed (prompts and Poisson arrivals)")
-    s.add_argument("--timeout", type=float, default=300.0, help="seconds per bench run")
-    s.add_argument("--max-busy", type=float, default=0.3, help="wait before each workload until fewer cores are busy")
-    s.add_argument("--max-wait", type=float, default=60.0, help="... but at most this many seconds")
+    _bench_options(s)
     sub.add_parser("list", help="the workloads")
     return parser.parse_args(argv)
 
