@@ -322,35 +322,34 @@ SPREAD_KINDS = (
 )
 
 
-def _binned(profile: StepProfile, steps: Sequence[Step], kind: SpreadKind, edges: Tuple[int, ...]) -> List[List[float]]:
-    """Measured / predicted of `steps` (of the kind), sorted, per bin of `edges`."""
+def _measured(profile: StepProfile, steps: Sequence[Step], kind: SpreadKind) -> List[Tuple[int, float, float]]:
+    """(bin key, measured ms, predicted ms) of the steps of `kind` that `profile` predicts a time for."""
+    return [(kind.key(s), s.duration_ms, p) for s in steps if kind.selects(s) and (p := predict(profile, s)) > 0]
+
+
+def _ratio_bins(measured: Sequence[Tuple[int, float, float]], edges: Tuple[int, ...]) -> List[List[float]]:
+    """Measured / predicted of `measured` (as `_measured` gives), sorted, per bin of `edges`."""
     bins: List[List[float]] = [[] for _ in range(len(edges) + 1)]
-    for s in steps:
-        p = predict(profile, s)
-        if p > 0:
-            bins[bisect_left(edges, kind.key(s))].append(s.duration_ms / p)
+    for key, ms, p in measured:
+        bins[bisect_left(edges, key)].append(ms / p)
     return [sorted(b) for b in bins]
 
 
-def bin_scores(profile: StepProfile, steps: Sequence[Step], kind: SpreadKind, choices: Sequence[Tuple[int, ...]], folds: int) -> List[float]:
+def bin_scores(measured: Sequence[Tuple[int, float, float]], choices: Sequence[Tuple[int, ...]], folds: int) -> List[float]:
     """Per choice of bins: the mean pinball loss (ms) at SCORED_QUANTILES of
-    the times of held-out `steps` (of the kind) predicted by `profile` times
+    the held-out steps of `measured` (as `_measured` gives), predicted times
     the spread of the other folds in those bins. The folds interleave (every
     `folds`-th step): a spread is a distribution over the whole recording,
     and a contiguous block would hold out a whole workload's batches."""
-    known = [(kind.key(s), s.duration_ms, p) for s in steps if kind.selects(s) and (p := predict(profile, s)) > 0]
     totals = [0.0] * len(choices)
     count = 0
     for k in range(folds):
-        test = known[k::folds]
-        train = [x for i, x in enumerate(known) if i % folds != k]
+        test = measured[k::folds]
+        train = [x for i, x in enumerate(measured) if i % folds != k]
         if not test or not train:
             continue
         for i, edges in enumerate(choices):
-            ratios: List[List[float]] = [[] for _ in range(len(edges) + 1)]
-            for key, ms, p in train:
-                ratios[bisect_left(edges, key)].append(ms / p)
-            bins = [[quantile(sorted(r), q) for q in SCORED_QUANTILES] if r else [1.0] * len(SCORED_QUANTILES) for r in ratios]
+            bins = [[quantile(r, q) for q in SCORED_QUANTILES] if r else [1.0] * len(SCORED_QUANTILES) for r in _ratio_bins(train, edges)]
             for key, ms, p in test:
                 factors = bins[bisect_left(edges, key)]
                 totals[i] += sum(_pinball(ms, p * f, q) for q, f in zip(SCORED_QUANTILES, factors))
@@ -364,14 +363,15 @@ def fit_spread(profile: StepProfile, steps: Sequence[Step], folds: int, kind: Sp
     chosen = [s for s in steps if kind.selects(s)]
     if len(chosen) < 2:
         return dataclasses.replace(profile, **{f"spread_{kind.name}": (), f"spread_{kind.name}_bins": ()})
+    measured = _measured(profile, chosen, kind)
     choices = kind.choices(sorted(kind.key(s) for s in chosen))
     edges: Tuple[int, ...] = ()
     if len(choices) > 1:
-        scores = bin_scores(profile, chosen, kind, choices, folds)
+        scores = bin_scores(measured, choices, folds)
         edges = choices[min(range(len(choices)), key=lambda i: (scores[i], len(choices[i])))]
         scored = ", ".join(f"{_bins_text(c, kind.unit)} {score:.3f}" for c, score in zip(choices, scores))
         report.append(f"{kind.name} spread bins by held-out pinball loss (ms): {scored}; chosen: {_bins_text(edges, kind.unit)}")
-    sets = tuple(_quantiles(b) if len(b) >= 2 else (1.0, 1.0) for b in _binned(profile, chosen, kind, edges))
+    sets = tuple(_quantiles(b) if len(b) >= 2 else (1.0, 1.0) for b in _ratio_bins(measured, edges))
     return dataclasses.replace(profile, **{f"spread_{kind.name}": sets, f"spread_{kind.name}_bins": edges})
 
 
