@@ -136,7 +136,7 @@ def _linear(c: Sequence[float], attention: float = 0.0, context: float = 0.0, pe
 def _terms(s: Step) -> List[float]:
     """The features beside the batch's: prefill tokens, their attention,
     the requests prefilling, the context held."""
-    return [float(s.prefill_tokens), s.prefill_attention / 1000.0, float(s.batch - s.decode), s.context_tokens / 1000.0]
+    return [float(s.prefill_tokens), s.prefill_attention / 1000.0, float(s.prefill_reqs), s.context_tokens / 1000.0]
 
 
 def _table(steps: Sequence[Step]) -> Model:
@@ -223,7 +223,7 @@ def fit_candidate(candidate: Candidate, steps: Sequence[Step]) -> StepProfile:
 
 def predict(profile: StepProfile, step: Step) -> float:
     """The profile's step time for a recorded step, ms (before its spread)."""
-    return profile.predict_ms(step.batch, step.prefill_tokens, step.prefill_attention, step.context_tokens, step.batch - step.decode)
+    return profile.predict_ms(step.batch, step.prefill_tokens, step.prefill_attention, step.context_tokens, step.prefill_reqs)
 
 
 def relative_errors(profile: StepProfile, steps: Sequence[Step]) -> List[float]:

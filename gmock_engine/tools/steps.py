@@ -58,6 +58,12 @@ class Step:
         """The step's time, ms."""
         return (self.end - self.start) * 1000.0
 
+    @property
+    def prefill_reqs(self) -> int:
+        """The requests that computed a prompt chunk in the step (the batch's
+        others decoded): the scheduler's SchedulerOutput.num_prefill_reqs."""
+        return self.batch - self.decode
+
 
 class _Pending:
     """A request between its ADD and its first token."""

@@ -110,7 +110,7 @@ def test_steps_read_back_are_the_steps_the_engine_timed():
         expected = timed.get(round(step.start, 9))
         if expected is None:
             continue
-        assert (step.batch, step.prefill_tokens, step.context_tokens, step.batch - step.decode) == (expected[0], expected[1], expected[3], expected[4]), step
+        assert (step.batch, step.prefill_tokens, step.context_tokens, step.prefill_reqs) == (expected[0], expected[1], expected[3], expected[4]), step
         assert step.prefill_attention == pytest.approx(expected[2])
         assert step.duration_ms == pytest.approx(TRUE.predict_ms(*expected), rel=1e-6)
         checked += 1
