@@ -11,7 +11,7 @@ request's), so the per-token path of every request stays what it is.
 
 Each step, first match wins: the matcher's forced tokens; with a
 probability that rises with the answer's length, the end where the grammar
-may end, or a closer it allows (`}`, `]`, `)`, `"`, `,`; no opener), so
+may end, or a closer it allows (`}`, `]`, `)`, `"`, `,`, `>`; no opener), so
 that an ordinary schema's answer ends by itself; the request's token source's next id when the matcher
 allows it (a `text` source makes strings read like text); else a random
 allowed id, found from a random byte of the bitmask by a bytes regex (never
@@ -61,7 +61,10 @@ LISTED_BYTES = 64
 #: First characters of the tokens that open a nesting.
 OPENERS = "([{"
 #: Texts of the closers, in the order they are tried (after the grammar's end, where it may end).
-CLOSERS = ("}", "]", ")", '"', ",")
+#: `>` ends a tag (`</tool_call>`): without it, where a tokenizer also has
+#: `><`, a tag's last character is a coin toss between ending the answer's
+#: last tag and opening another, whatever the closing probability.
+CLOSERS = ("}", "]", ")", '"', ",", ">")
 
 _NONZERO = re.compile(rb"[^\x00]")
 #: the set bits of each byte value

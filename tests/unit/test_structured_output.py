@@ -260,6 +260,24 @@ def test_tool_call_structural_tags_give_calls_whose_arguments_validate(generator
                 assert set(value["arguments"]) <= set(CITY["properties"]), call
 
 
+def test_a_chain_of_tool_calls_ends_well_within_the_limit(generator, tokenizer):
+    """tool_choice required with two tools: the answer may chain calls, but
+    each tag's end is a closer (`>`), so the chain ends as the closing
+    probability grows; where `>` and `><` were a coin toss, one answer in
+    thirty ran into a 400-token limit mid-call (finish_reason length)."""
+    time_zone = {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}
+    tags = []
+    for name, parameters in (("get_weather", CITY), ("get_time", time_zone)):
+        content = {"type": "json_schema", "json_schema": parameters, "style": "json"}
+        begin = '<tool_call>{"name": "%s", "arguments": ' % name
+        tags += [{"type": "tag", "begin": begin.replace("{", "\n{", 1), "content": content, "end": "}\n</tool_call>"},
+                 {"type": "tag", "begin": begin, "content": content, "end": "}</tool_call>"}]  # fmt: skip
+    spec = json.dumps({"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True, "stop_after_first": False}})
+    for seed in range(300):
+        answer = generator.generate(StructuredOutputsParams("structural_tag", spec), seed, 400, EOS)
+        assert answer.ended, (seed, tokenizer.decode(answer.token_ids[:200]))
+
+
 def test_the_older_structural_tag_of_triggers_and_structures_is_read(generator, tokenizer):
     tag = {"triggers": ["<f="], "structures": [{"begin": "<f=get>", "schema": CITY, "end": "</f>"}]}
     texts = [tokenizer.decode(a.token_ids[:-1]) for a in (generator.generate(StructuredOutputsParams("structural_tag", json.dumps(tag)), s, 300, EOS) for s in range(10)) if a.ended]
