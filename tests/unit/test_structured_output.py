@@ -221,17 +221,20 @@ def test_lark_grammar_answers_parse(generator, tokenizer):
             lark_parse(text)
 
 
-def tool_tag(parameters, stop_after_first, both=True):
+def tool_tag(parameters, stop_after_first, both=True, tools=None):
     """The structural tag both frontends send for tool_choice required
-    (stop_after_first false) or named; `both` false: its second tag only
-    (the forced text then starts with `<tool_call>`, an added token)."""
-    content = {"type": "json_schema", "json_schema": parameters, "style": "json", "any_order": False, "max_whitespace_cnt": None, "excludes": []}
-    begin = '<tool_call>{"name": "get_weather", "arguments": '
-    tags = [
-        {"type": "tag", "begin": begin.replace("{", "\n{", 1), "content": content, "end": "}\n</tool_call>"},
-        {"type": "tag", "begin": begin, "content": content, "end": "}</tool_call>"},
-    ]
-    tags = tags if both else tags[1:]
+    (stop_after_first false) or named, for get_weather with `parameters`
+    or for `tools` (name, parameters); `both` false: each tool's second tag
+    only (the forced text then starts with `<tool_call>`, an added token)."""
+    tags = []
+    for name, schema in tools or (("get_weather", parameters),):
+        content = {"type": "json_schema", "json_schema": schema, "style": "json", "any_order": False, "max_whitespace_cnt": None, "excludes": []}
+        begin = '<tool_call>{"name": "%s", "arguments": ' % name
+        pair = [
+            {"type": "tag", "begin": begin.replace("{", "\n{", 1), "content": content, "end": "}\n</tool_call>"},
+            {"type": "tag", "begin": begin, "content": content, "end": "}</tool_call>"},
+        ]
+        tags += pair if both else pair[1:]
     return {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True, "stop_after_first": stop_after_first}}
 
 
@@ -266,13 +269,7 @@ def test_a_chain_of_tool_calls_ends_well_within_the_limit(generator, tokenizer):
     probability grows; where `>` and `><` were a coin toss, one answer in
     thirty ran into a 400-token limit mid-call (finish_reason length)."""
     time_zone = {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}
-    tags = []
-    for name, parameters in (("get_weather", CITY), ("get_time", time_zone)):
-        content = {"type": "json_schema", "json_schema": parameters, "style": "json"}
-        begin = '<tool_call>{"name": "%s", "arguments": ' % name
-        tags += [{"type": "tag", "begin": begin.replace("{", "\n{", 1), "content": content, "end": "}\n</tool_call>"},
-                 {"type": "tag", "begin": begin, "content": content, "end": "}</tool_call>"}]  # fmt: skip
-    spec = json.dumps({"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True, "stop_after_first": False}})
+    spec = json.dumps(tool_tag(None, stop_after_first=False, tools=(("get_weather", CITY), ("get_time", time_zone))))
     for seed in range(300):
         answer = generator.generate(StructuredOutputsParams("structural_tag", spec), seed, 400, EOS)
         assert answer.ended, (seed, tokenizer.decode(answer.token_ids[:200]))
