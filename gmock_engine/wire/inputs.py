@@ -144,6 +144,29 @@ def unpack(payload: bytes) -> Any:
         raise ProtocolError(f"undecodable msgpack ({type(exc).__name__}: {exc or 'invalid data'})") from None
 
 
+#: The SamplingParams keys held so far (_hold_keys), and how many may be.
+_HELD_KEYS: set = set()
+HELD_KEYS_MAX = 512
+
+
+def _hold_keys(mapping: Dict[str, Any]) -> None:
+    """Keep the keys of a map that every ADD carries alive.
+
+    msgpack interns each map key it decodes. A key that nothing else holds
+    (SamplingParams fields the engine never reads: `watermarking`,
+    `skip_clone`, ...) leaves the interpreter's table of interned strings
+    when its frame is freed and is added again by the next frame; every
+    addition takes a slot of that table, which is rebuilt when its slots run
+    out, at a size set by how many strings are interned at that moment. So
+    steady traffic would keep rebuilding a table of about a megabyte, and
+    the engine's RSS would step up or down by that much on a rebuild: noise
+    that a soak's leak check reads as growth. Held keys stay in the table
+    once. Bounded, so random keys in hostile frames only churn, as before.
+    """
+    if len(_HELD_KEYS) < HELD_KEYS_MAX and not _HELD_KEYS.issuperset(mapping):
+        _HELD_KEYS.update(key for key in mapping if type(key) is str)
+
+
 def _field(array: Sequence[Any], index: int, default: Any = None) -> Any:
     return array[index] if index < len(array) else default
 
@@ -230,6 +253,7 @@ def _decode_add_fields(payload: List[Any], ix: Dict[str, int], request_id: str, 
     if sampling is not None:
         if type(sampling) is not dict:
             raise BadValue(f"sampling_params is {type(sampling).__name__}, not a map or nil")
+        _hold_keys(sampling)
         position = ix["eos_token_id"]
         stops = _decode_stops(sampling, payload[position] if position < size else None)
         max_tokens = sampling.get("max_tokens", DEFAULT_MAX_TOKENS)

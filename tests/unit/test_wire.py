@@ -318,3 +318,31 @@ def test_stop_id_lists_of_non_ints_are_refused_on_the_short_reading(key, value):
     result = decode_add(payload, LAYOUT)
     assert isinstance(result, InvalidRequest)
     assert key in result.reason
+
+
+def test_steady_adds_do_not_keep_rebuilding_the_table_of_interned_strings(monkeypatch):
+    """msgpack interns every map key it decodes; a SamplingParams key that
+    nothing holds leaves the interpreter's table of interned strings with its
+    frame and takes a new slot of it with the next one, and the table (about
+    a megabyte) is rebuilt whenever its slots run out: a rebuild allocates the
+    new table while the old one is still there, so traced memory peaks a
+    megabyte above where it started. The decoder holds the keys it has seen,
+    so a steady stream of ADDs rebuilds nothing."""
+    import tracemalloc
+
+    from gmock_engine.wire import inputs
+
+    monkeypatch.setattr(inputs, "_HELD_KEYS", set())  # whatever earlier tests' frames filled it with
+    # keys built at run time: a literal here would be held by this module's code
+    unheld = {"".join(("unheld_key_", str(i))): i for i in range(8)}
+    frames = _add({"max_tokens": 4, **unheld})
+    assert isinstance(decode_input(frames, LAYOUT), EngineCoreRequest)
+    tracemalloc.start()
+    try:
+        start, _ = tracemalloc.get_traced_memory()
+        for _ in range(20_000):
+            decode_input(frames, LAYOUT)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak - start < 256 * 1024, f"traced memory peaked {(peak - start) / 2**20:.2f} MiB above its start"
