@@ -182,7 +182,7 @@ class LaneBooks:
         if scheduler.latency.paced:
             plan = self._steady_plan
             plan.num_running_reqs = len(scheduler.running)
-            scheduler.step_delay = scheduler.latency.step_time(plan, scheduler.rng, self.kv.tokens)
+            scheduler.step_delay = scheduler.latency.step_time(plan, scheduler.rng, self.kv.tokens, scheduler.step_sizes)
         return client, outputs
 
     def _emit_lanes(self, outbox: Outbox, on_output: Optional[Callable[[Request, List[int]], None]]) -> int:

@@ -26,14 +26,16 @@ the first token of a request comes when the step that computed the last of
 its prompt ends, as in a real engine (then `ttft_ms`, if any, is added to that; the per-token
 prefill figure does not apply). A request is admitted no earlier than the
 profile's input delay after its ADD, as a real engine queues it only once
-it has received and prepared it.
+it has received and prepared it. The first step of each size (tokens
+computed) the engine runs draws the profile's new-size spread: the
+scheduler keeps the sizes its engine has run (`sizes`).
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Set
 
 from .latency_profile import StepProfile
 
@@ -73,25 +75,37 @@ class LatencyModel:
         prefill_attention: float = 0.0,
         context_tokens: int = 0,
         prefill_reqs: int = 0,
+        sizes: Optional[Set[int]] = None,
     ) -> float:
         """Duration of a step with `running` requests that prefills
         `prefill_tokens` (with a profile: also their attention, Σ c·(p + c/2)
         over the prompt chunks, the `context_tokens` the batch holds and the
-        `prefill_reqs` requests that compute a prompt chunk)."""
+        `prefill_reqs` requests that compute a prompt chunk; the step's size,
+        its prompt tokens and decoding requests, is added to `sizes`, and
+        the first of a size draws the profile's new-size spread)."""
         profile = self.profile
         if profile is not None:
             if not running:
                 return 0.0  # nothing ran (e.g. the head of the queue is not in yet): a real engine does not step
-            ms = profile.sample_ms(running, prefill_tokens, prefill_attention, context_tokens, rng, prefill_reqs) * self._jitter(rng)
+            new_size = False
+            if sizes is not None and profile.spread_new_size:
+                size = running - prefill_reqs + prefill_tokens
+                new_size = size not in sizes
+                sizes.add(size)
+            ms = profile.sample_ms(running, prefill_tokens, prefill_attention, context_tokens, rng, prefill_reqs, new_size)
+            ms *= self._jitter(rng)
         else:
             ms = (self.itl_ms + self.itl_ms_per_request * running) * self._jitter(rng)
             ms += self.prefill_ms_per_token * prefill_tokens
         return ms * self.time_scale / 1000.0
 
-    def step_time(self, scheduler_output: "SchedulerOutput", rng: random.Random, context_tokens: int = 0) -> float:
+    def step_time(
+        self, scheduler_output: "SchedulerOutput", rng: random.Random, context_tokens: int = 0, sizes: Optional[Set[int]] = None
+    ) -> float:
         """Duration of the step `scheduler_output` planned (sched_output.py):
         its running batch and the prompt tokens it prefills; `context_tokens`:
-        what the running requests hold (kv_cache_manager's `tokens`). The
+        what the running requests hold (kv_cache_manager's `tokens`); `sizes`:
+        the step sizes the engine has run (step_seconds). The
         draft tokens of speculative decoding are charged as prompt tokens
         (the linear term; their attention is not modelled)."""
         return self.step_seconds(
@@ -102,6 +116,7 @@ class LatencyModel:
             scheduler_output.prefill_attention,
             context_tokens,
             scheduler_output.num_prefill_reqs,
+            sizes,
         )
 
     def first_token_seconds(self, prompt_len: int, rng: random.Random, ttft_ms: Optional[float] = None) -> float:

@@ -30,7 +30,13 @@ steps that prefill one set per bin of the prompt tokens they compute
 (`spread_prefill_bins`; both the bins' upper edges). A real step's
 variation is about the same in ms whatever is in it, so a long step varies
 less in proportion than a short one: one set fitted mostly on short steps
-would give long ones too wide a tail. A request's first
+would give long ones too wide a tail. The first step of a size the engine
+has not run before (its tokens: prompt tokens computed plus decoding
+requests) draws its factor from `spread_new_size` instead: a real engine
+may pay for a new size once (vLLM's CPU backend builds its matmul kernels
+per token count, and the first step of a size took up to ten times its
+prediction on this project's reference; a warmed-up GPU has no such cost,
+and its fit finds this set like the others). A request's first
 token also waits for the engine's input delay (from its arrival to its
 queueing in the engine), drawn from its measured quantiles.
 
@@ -73,6 +79,8 @@ class StepProfile:
     #: the same for steps that prefill, per bin of their prefill tokens
     spread_prefill: Tuple[Tuple[float, ...], ...] = ()
     spread_prefill_bins: Tuple[int, ...] = ()
+    #: the same for the first step of each size (tokens computed) the engine runs
+    spread_new_size: Tuple[float, ...] = ()
     #: quantiles of the engine's input delay, ms: from a request's arrival
     #: to its queueing in the engine, which its first token waits for
     input_delay_ms: Tuple[float, ...] = ()
@@ -87,6 +95,8 @@ class StepProfile:
                 raise ProfileError(f"{name}: must be >= 0")
         if any(not v >= 0.0 for v in self.step_ms):
             raise ProfileError("step_ms: values must be >= 0")
+        if self.spread_new_size and not _quantile_list(self.spread_new_size):
+            raise ProfileError("spread_new_size: at least two non-decreasing factors >= 0 (or none)")
         if self.input_delay_ms and not _quantile_list(self.input_delay_ms):
             raise ProfileError("input_delay_ms: at least two non-decreasing values >= 0 (or none)")
         for kind, unit in (("decode", "batch sizes"), ("prefill", "prompt token counts")):
@@ -146,10 +156,20 @@ class StepProfile:
         return _draw(self.input_delay_ms, rng, 0.0)
 
     def sample_ms(
-        self, batch: int, prefill_tokens: int, prefill_attention: float, context_tokens: int, rng: random.Random, prefill_reqs: int = 0
+        self,
+        batch: int,
+        prefill_tokens: int,
+        prefill_attention: float,
+        context_tokens: int,
+        rng: random.Random,
+        prefill_reqs: int = 0,
+        new_size: bool = False,
     ) -> float:
-        """One step's time, ms: the prediction times a drawn spread."""
+        """One step's time, ms: the prediction times a drawn spread (the
+        new-size one for the first step of its size, when there is one)."""
         predicted = self.predict_ms(batch, prefill_tokens, prefill_attention, context_tokens, prefill_reqs)
+        if new_size and self.spread_new_size:
+            return predicted * _draw(self.spread_new_size, rng, 1.0)
         return predicted * self.spread(prefill_tokens, rng, batch)
 
 
@@ -192,6 +212,7 @@ _KEYS = (
     "spread_decode_bins",
     "spread_prefill",
     "spread_prefill_bins",
+    "spread_new_size",
     "input_delay_ms",
 )
 
@@ -238,7 +259,7 @@ def parse_profile(text: str, source: str = "<profile>") -> StepProfile:
                 values[key] = _whole(key, numbers)
             except ProfileError as exc:
                 raise ProfileError(f"{source}: {exc}") from None
-        elif key in ("step_ms", "input_delay_ms"):
+        elif key in ("step_ms", "input_delay_ms", "spread_new_size"):
             values[key] = numbers
         else:
             if len(numbers) != 1:
@@ -313,6 +334,8 @@ def format_profile(profile: StepProfile, comment: Optional[Sequence[str]] = None
         f"spread_decode = {' | '.join(_join(q) for q in profile.spread_decode)}",
         f"spread_prefill_bins = {' '.join(str(e) for e in profile.spread_prefill_bins)}",
         f"spread_prefill = {' | '.join(_join(q) for q in profile.spread_prefill)}",
+        "# the same for the first step of each size (prompt tokens computed + decoding requests) the engine runs",
+        f"spread_new_size = {_join(profile.spread_new_size)}",
         "# ms from a request's arrival to the engine queueing it, quantiles at evenly spaced probabilities",
         f"input_delay_ms = {_join(profile.input_delay_ms)}",
     ]

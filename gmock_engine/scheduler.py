@@ -119,6 +119,8 @@ class Scheduler:
         self.pause_state = PauseState.UNPAUSED
         #: Engine time the last step asked its successor to wait (latency model).
         self.step_delay = 0.0
+        #: the step sizes (tokens computed) run so far: a profile's first step of a size costs more (latency.py)
+        self.step_sizes: set = set()
         #: steps, tokens, preemptions (the ledger counts requests)
         self.counters: Counter = Counter()
         #: --log-requests hooks of the engine
@@ -153,7 +155,9 @@ class Scheduler:
         processor's `reconfigure`)."""
         if latency != self.latency:
             self.latency = latency
-            self.step_delay = latency.step_seconds(len(self.running), 0, self.rng, 0.0, self.kv.tokens) if latency.paced else 0.0
+            self.step_delay = (
+                latency.step_seconds(len(self.running), 0, self.rng, 0.0, self.kv.tokens, sizes=self.step_sizes) if latency.paced else 0.0
+            )
         changed = sampler is not self.sampler
         self.sampler = sampler
         if self.output_processor is not None:
@@ -313,7 +317,7 @@ class Scheduler:
         if self.latency.paced:
             if finished:
                 scheduler_output.num_running_reqs = len(running)
-            self.step_delay = self.latency.step_time(scheduler_output, self.rng, self.kv.tokens)
+            self.step_delay = self.latency.step_time(scheduler_output, self.rng, self.kv.tokens, self.step_sizes)
 
     def remote_kvs_arrived(self, request: Request) -> None:
         """A running P/D request's prefill wait is over (its KV is here):

@@ -65,6 +65,8 @@ SPREAD_TOP = 0.999
 SCORED_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
 #: The fewest steps a bin of a spread is made of.
 MIN_BIN_STEPS = 30
+#: First steps of a size needed for a spread of their own (spread_new_size).
+MIN_NEW_SIZE_STEPS = 8
 #: The robust fit (fit_candidate): reweightings, and the relative residual
 #: (in robust standard deviations, 1.4826 x the median |residual|) beyond
 #: which a step's weight falls as 1/distance. 1.5 is the usual choice.
@@ -375,6 +377,57 @@ def fit_spread(profile: StepProfile, steps: Sequence[Step], folds: int, kind: Sp
     return dataclasses.replace(profile, **{f"spread_{kind.name}": sets, f"spread_{kind.name}_bins": edges})
 
 
+def group_score(measured: Sequence[Tuple[str, float, float]], folds: int) -> float:
+    """The mean pinball loss (ms) at SCORED_QUANTILES of the held-out steps
+    of `measured` (group, measured ms, predicted ms), each predicted times
+    the spread of its group in the other folds (interleaved, as bin_scores)."""
+    total, count = 0.0, 0
+    for k in range(folds):
+        test = measured[k::folds]
+        ratios: dict = {}
+        for i, (group, ms, p) in enumerate(measured):
+            if i % folds != k:
+                ratios.setdefault(group, []).append(ms / p)
+        factors = {g: [quantile(sorted(r), q) for q in SCORED_QUANTILES] for g, r in ratios.items()}
+        for group, ms, p in test:
+            total += sum(_pinball(ms, p * f, q) for q, f in zip(SCORED_QUANTILES, factors.get(group, [1.0] * len(SCORED_QUANTILES))))
+        count += len(test) * len(SCORED_QUANTILES)
+    return total / count if count else math.nan
+
+
+def new_sizes_apart(together: StepProfile, apart: StepProfile, steps: Sequence[Step], folds: int, report: List[str]) -> bool:
+    """Whether the first step of each size is better priced apart: `apart`
+    (fitted without those steps) with a spread of their own, against
+    `together` (fitted with them) with them in the decode and prefill
+    spreads, by held-out pinball loss. A real engine may pay for a new size
+    once (vLLM's CPU backend builds its matmul kernels per token count):
+    priced with the others, such steps would raise the price of the batch
+    sizes and prompts they are many of, and give every step their tail."""
+    def kind(s: Step) -> str:
+        return "prefill" if s.prefill_tokens else "decode"
+
+    score_together = group_score([(kind(s), s.duration_ms, p) for s in steps if (p := predict(together, s)) > 0], folds)
+    score_apart = group_score(
+        [("new size" if s.new_size else kind(s), s.duration_ms, p) for s in steps if (p := predict(apart, s)) > 0], folds
+    )
+    chosen = score_apart < score_together
+    report.append(
+        f"first step of each size ({sum(1 for s in steps if s.new_size)} steps) by held-out pinball loss (ms): priced with "
+        f"the others {score_together:.3f}, apart {score_apart:.3f}; chosen: {'apart' if chosen else 'with the others'}"
+    )
+    return chosen
+
+
+def fit_new_size_spread(profile: StepProfile, first_steps: Sequence[Step], report: List[str]) -> StepProfile:
+    """`profile` with the spread of `first_steps`, the first step of each size."""
+    ratios = sorted(s.duration_ms / p for s in first_steps if (p := predict(profile, s)) > 0)
+    report.append(
+        f"first step of each size ({len(ratios)} steps): measured / predicted p50 {quantile(ratios, 0.5):.2f}, "
+        f"p90 {quantile(ratios, 0.9):.2f}, p99 {quantile(ratios, 0.99):.2f}, max {ratios[-1]:.2f}"
+    )
+    return dataclasses.replace(profile, spread_new_size=_quantiles(ratios))
+
+
 def _quantiles(sorted_values: Sequence[float], points: int = SPREAD_POINTS) -> Tuple[float, ...]:
     last = points - 1
     return tuple(quantile(sorted_values, i / last if i < last else SPREAD_TOP) for i in range(points))
@@ -430,8 +483,19 @@ def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None, inpu
     profile = fit_candidate(chosen, usable)
     decode = [s for s in usable if not s.prefill_tokens]
     prefill = [s for s in usable if s.prefill_tokens]
+    steady = [s for s in usable if not s.new_size]
+    first = [s for s in usable if s.new_size]
+    apart = None
+    if len(first) >= MIN_NEW_SIZE_STEPS and len(steady) >= max(10, folds * 2):
+        apart = fit_candidate(chosen, steady)
+        if not new_sizes_apart(profile, apart, usable, folds, report):
+            apart = None
+    if apart is not None:
+        profile = apart
     for kind in SPREAD_KINDS:
-        profile = fit_spread(profile, usable, folds, kind, report)
+        profile = fit_spread(profile, steady if apart else usable, folds, kind, report)
+    if apart is not None:
+        profile = fit_new_size_spread(profile, first, report)
     profile = dataclasses.replace(profile, input_delay_ms=_quantiles(sorted(input_delays)) if len(input_delays) >= 2 else ())
     if profile.input_delay_ms:
         d = sorted(input_delays)

@@ -36,25 +36,32 @@ class Recorder:
     def __init__(self, model):
         self._model = model
         self.timed = []
+        self.new_size = []
         #: the engine clock of each step timed
         self.starts = []
 
     def __getattr__(self, name):
         return getattr(self._model, name)
 
-    def step_time(self, plan, rng, context_tokens=0):
+    def step_time(self, plan, rng, context_tokens=0, sizes=None):
         self.timed.append((plan.num_running_reqs, plan.num_prefill_tokens, plan.prefill_attention, context_tokens, plan.num_prefill_reqs))
-        return self._model.step_time(plan, rng, context_tokens)
+        before = len(sizes) if sizes is not None else 0
+        seconds = self._model.step_time(plan, rng, context_tokens, sizes)
+        #: whether the engine ran a step of a new size (its sizes grew)
+        self.new_size.append(sizes is not None and len(sizes) > before)
+        return seconds
 
 
-def workload(n, seed, max_prompt=1024, rates=(3.0, 12.0, 30.0)):
+def workload(n, seed, max_prompt=1024, rates=(3.0, 12.0, 30.0), prompts=()):
     """`n` requests in phases of Poisson arrivals at each of `rates` (per s):
-    batches from 1 to about 16."""
+    batches from 1 to about 16; prompts of 8..`max_prompt` tokens, or of the
+    lengths `prompts` (steps of a size then recur, as in a benchmark's)."""
     rng = random.Random(seed)
     t, out = 0.0, []
     for i in range(n):
         t += rng.expovariate(rates[i * len(rates) // n])
-        out.append((t, f"r{i}", rng.randint(8, max_prompt), rng.randint(4, 64)))
+        prompt = rng.choice(prompts) if prompts else rng.randint(8, max_prompt)
+        out.append((t, f"r{i}", prompt, rng.randint(4, 64)))
     return out
 
 
@@ -98,12 +105,14 @@ def simulate(profile, arrivals, seed=0, **settings):
 
 
 def test_steps_read_back_are_the_steps_the_engine_timed():
-    records, recorder = simulate(TRUE, workload(120, seed=1))
+    # a new-size spread of 1: the engine tracks its step sizes, the times are TRUE's
+    records, recorder = simulate(dataclasses.replace(TRUE, spread_new_size=(1.0, 1.0)), workload(120, seed=1))
     steps = steps_from_trace(records)
     # a step read back spans the engine's gap from one step of its own to the
     # next, which sent that step's tokens: the engine timed the gap from the plan
     # it made when the gap began
     timed = {round(t, 9): c for t, c in zip(recorder.starts, recorder.timed)}
+    new_size = {round(t, 9): n for t, n in zip(recorder.starts, recorder.new_size)}
     assert len(steps) > 300
     checked = 0
     for step in steps:
@@ -111,6 +120,7 @@ def test_steps_read_back_are_the_steps_the_engine_timed():
         if expected is None:
             continue
         assert (step.batch, step.prefill_tokens, step.context_tokens, step.prefill_reqs) == (expected[0], expected[1], expected[3], expected[4]), step
+        assert step.new_size == new_size[round(step.start, 9)], step
         assert step.prefill_attention == pytest.approx(expected[2])
         assert step.duration_ms == pytest.approx(TRUE.predict_ms(*expected), rel=1e-6)
         checked += 1
@@ -131,6 +141,33 @@ def test_fit_recovers_the_profile_and_prefers_the_table():
     # no noise in the engine: the spread is a point at 1
     for q in p.spread_decode:
         assert q[0] == pytest.approx(1.0, abs=0.01) and q[-1] == pytest.approx(1.0, abs=0.01)
+
+
+def test_fit_prices_the_first_step_of_each_size_apart():
+    # an engine whose first step of a size takes three times its time, as
+    # vLLM's CPU backend when it builds the kernels of a new token count
+    slow_first = dataclasses.replace(TRUE, spread_new_size=(3.0, 3.0))
+    records, recorder = simulate(slow_first, workload(300, seed=2, prompts=(100, 300, 700)))
+    assert 30 < sum(recorder.new_size) < 0.2 * len(recorder.new_size)
+    steps = steps_from_trace(records)
+    result = fitting.fit(steps)
+    p = result.profile
+    assert fitting.quantile(p.spread_new_size, 0.5) == pytest.approx(3.0, rel=0.05)
+    # the other steps are priced as if there were no such cost: the slow
+    # first steps are neither in the coefficients nor in the spreads
+    errors = sorted(abs(e) for e in fitting.relative_errors(p, [s for s in steps if not s.new_size]))
+    assert fitting.quantile(errors, 0.9) < 0.02, fitting.summary(errors)
+    for q in p.spread_decode + p.spread_prefill:
+        assert q[-1] == pytest.approx(1.0, abs=0.02)
+    assert any("chosen: apart" in line for line in result.report), result.report
+
+
+def test_an_engine_without_a_new_size_cost_keeps_its_first_steps_in_the_spreads():
+    noisy = dataclasses.replace(TRUE, spread_decode=(tuple(0.8 + 0.04 * i for i in range(11)),))
+    records, _ = simulate(noisy, workload(300, seed=2, prompts=(100, 300, 700)))
+    result = fitting.fit(steps_from_trace(records))
+    assert result.profile.spread_new_size == ()
+    assert any("chosen: with the others" in line for line in result.report), result.report
 
 
 def test_fit_recovers_the_spread():

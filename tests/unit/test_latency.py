@@ -2,11 +2,13 @@
 jitter and time scale, and when it is paced (tests/unit/test_scheduler.py
 covers the same figures as the engine applies them)."""
 
+import dataclasses
 import random
 
 import pytest
 
 from gmock_engine.latency import LatencyModel
+from gmock_engine.latency_profile import StepProfile
 from gmock_engine.sched_output import SchedulerOutput
 
 
@@ -134,3 +136,19 @@ def test_jitter_draws_one_number_per_duration():
     model.first_token_seconds(1, generator)
     reference.random()
     assert generator.getstate() == reference.getstate()
+
+
+def test_the_first_step_of_each_size_draws_the_new_size_spread():
+    profile = StepProfile(batch=(1,), step_ms=(4.0,), prefill_ms_per_token=0.01, spread_new_size=(3.0, 3.0))
+    model = LatencyModel(profile=profile)
+    sizes = set()
+    # a size is the step's prompt tokens plus its decoding requests
+    assert model.step_seconds(2, 100, rng(), prefill_reqs=1, sizes=sizes) == pytest.approx(3 * 0.005)
+    assert sizes == {101}
+    assert model.step_seconds(2, 100, rng(), prefill_reqs=1, sizes=sizes) == pytest.approx(0.005)
+    assert model.step_seconds(1, 0, rng(), sizes=sizes) == pytest.approx(3 * 0.004)  # size 1: new
+    assert model.step_seconds(1, 0, rng(), sizes=sizes) == pytest.approx(0.004)
+    # without the engine's sizes (or without the spread) no step is new
+    assert model.step_seconds(3, 0, rng()) == pytest.approx(0.004)
+    plain = LatencyModel(profile=dataclasses.replace(profile, spread_new_size=()))
+    assert plain.step_seconds(5, 0, rng(), sizes=sizes) == pytest.approx(0.004) and 5 not in sizes
