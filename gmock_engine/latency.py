@@ -27,17 +27,18 @@ its prompt ends, as in a real engine (then `ttft_ms`, if any, is added to that; 
 prefill figure does not apply). A request is admitted no earlier than the
 profile's input delay after its ADD, as a real engine queues it only once
 it has received and prepared it. The first step of each size (tokens
-computed) the engine runs draws the profile's new-size spread: the
-scheduler keeps the sizes its engine has run (`sizes`).
+computed) the engine runs draws the profile's new-size spread, and a step
+larger than any before its new-largest one: the scheduler keeps the sizes
+its engine has run (`sizes`, latency_profile.StepSizes).
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Set
+from typing import TYPE_CHECKING, Optional
 
-from .latency_profile import StepProfile
+from .latency_profile import StepProfile, StepSizes
 
 if TYPE_CHECKING:
     from .sched_output import SchedulerOutput
@@ -75,24 +76,22 @@ class LatencyModel:
         prefill_attention: float = 0.0,
         context_tokens: int = 0,
         prefill_reqs: int = 0,
-        sizes: Optional[Set[int]] = None,
+        sizes: Optional[StepSizes] = None,
     ) -> float:
         """Duration of a step with `running` requests that prefills
         `prefill_tokens` (with a profile: also their attention, Σ c·(p + c/2)
         over the prompt chunks, the `context_tokens` the batch holds and the
         `prefill_reqs` requests that compute a prompt chunk; the step's size,
         its prompt tokens and decoding requests, is added to `sizes`, and
-        the first of a size draws the profile's new-size spread)."""
+        a new size or a new largest one draws the profile's spread of those)."""
         profile = self.profile
         if profile is not None:
             if not running:
                 return 0.0  # nothing ran (e.g. the head of the queue is not in yet): a real engine does not step
-            new_size = False
-            if sizes is not None and profile.spread_new_size:
-                size = running - prefill_reqs + prefill_tokens
-                new_size = size not in sizes
-                sizes.add(size)
-            ms = profile.sample_ms(running, prefill_tokens, prefill_attention, context_tokens, rng, prefill_reqs, new_size)
+            novelty = 0
+            if sizes is not None and profile.prices_new_sizes:
+                novelty = sizes.add(running - prefill_reqs + prefill_tokens)
+            ms = profile.sample_ms(running, prefill_tokens, prefill_attention, context_tokens, rng, prefill_reqs, novelty)
             ms *= self._jitter(rng)
         else:
             ms = (self.itl_ms + self.itl_ms_per_request * running) * self._jitter(rng)
@@ -100,7 +99,7 @@ class LatencyModel:
         return ms * self.time_scale / 1000.0
 
     def step_time(
-        self, scheduler_output: "SchedulerOutput", rng: random.Random, context_tokens: int = 0, sizes: Optional[Set[int]] = None
+        self, scheduler_output: "SchedulerOutput", rng: random.Random, context_tokens: int = 0, sizes: Optional[StepSizes] = None
     ) -> float:
         """Duration of the step `scheduler_output` planned (sched_output.py):
         its running batch and the prompt tokens it prefills; `context_tokens`:

@@ -30,13 +30,15 @@ steps that prefill one set per bin of the prompt tokens they compute
 (`spread_prefill_bins`; both the bins' upper edges). A real step's
 variation is about the same in ms whatever is in it, so a long step varies
 less in proportion than a short one: one set fitted mostly on short steps
-would give long ones too wide a tail. The first step of a size the engine
-has not run before (its tokens: prompt tokens computed plus decoding
-requests) draws its factor from `spread_new_size` instead: a real engine
-may pay for a new size once (vLLM's CPU backend builds its matmul kernels
-per token count, and the first step of a size took up to ten times its
-prediction on this project's reference; a warmed-up GPU has no such cost,
-and its fit finds this set like the others). A request's first
+would give long ones too wide a tail. A step of a size the engine has
+not run before (its tokens: prompt tokens computed plus decoding requests;
+`StepSizes`) draws its factor from `spread_new_size` instead, and one larger
+than any before from `spread_new_max`: a real engine may pay for a new size
+once, and most for a new largest one (vLLM's CPU backend builds its matmul
+kernels per token count and grows its buffers; on this project's reference
+such steps took 1.5 and 3 times their prediction at the median, up to 15;
+a GPU warmed up at start has no such cost, and its fit then keeps them with
+the others). A request's first
 token also waits for the engine's input delay (from its arrival to its
 queueing in the engine), drawn from its measured quantiles.
 
@@ -79,8 +81,10 @@ class StepProfile:
     #: the same for steps that prefill, per bin of their prefill tokens
     spread_prefill: Tuple[Tuple[float, ...], ...] = ()
     spread_prefill_bins: Tuple[int, ...] = ()
-    #: the same for the first step of each size (tokens computed) the engine runs
+    #: the same for the first step of each size (tokens computed) the engine
+    #: runs, and for a step larger than any before it (StepSizes)
     spread_new_size: Tuple[float, ...] = ()
+    spread_new_max: Tuple[float, ...] = ()
     #: quantiles of the engine's input delay, ms: from a request's arrival
     #: to its queueing in the engine, which its first token waits for
     input_delay_ms: Tuple[float, ...] = ()
@@ -95,8 +99,9 @@ class StepProfile:
                 raise ProfileError(f"{name}: must be >= 0")
         if any(not v >= 0.0 for v in self.step_ms):
             raise ProfileError("step_ms: values must be >= 0")
-        if self.spread_new_size and not _quantile_list(self.spread_new_size):
-            raise ProfileError("spread_new_size: at least two non-decreasing factors >= 0 (or none)")
+        for name in ("spread_new_size", "spread_new_max"):
+            if getattr(self, name) and not _quantile_list(getattr(self, name)):
+                raise ProfileError(f"{name}: at least two non-decreasing factors >= 0 (or none)")
         if self.input_delay_ms and not _quantile_list(self.input_delay_ms):
             raise ProfileError("input_delay_ms: at least two non-decreasing values >= 0 (or none)")
         for kind, unit in (("decode", "batch sizes"), ("prefill", "prompt token counts")):
@@ -163,14 +168,50 @@ class StepProfile:
         context_tokens: int,
         rng: random.Random,
         prefill_reqs: int = 0,
-        new_size: bool = False,
+        novelty: int = 0,
     ) -> float:
-        """One step's time, ms: the prediction times a drawn spread (the
-        new-size one for the first step of its size, when there is one)."""
+        """One step's time, ms: the prediction times a drawn spread; with a
+        `novelty` (StepSizes.add) the spread of new sizes or of new largest
+        ones, when the profile has it."""
         predicted = self.predict_ms(batch, prefill_tokens, prefill_attention, context_tokens, prefill_reqs)
-        if new_size and self.spread_new_size:
+        if novelty == NEW_MAX and self.spread_new_max:
+            return predicted * _draw(self.spread_new_max, rng, 1.0)
+        if novelty and self.spread_new_size:
             return predicted * _draw(self.spread_new_size, rng, 1.0)
         return predicted * self.spread(prefill_tokens, rng, batch)
+
+    @property
+    def prices_new_sizes(self) -> bool:
+        """Whether a step's novelty changes its time (StepSizes)."""
+        return bool(self.spread_new_size or self.spread_new_max)
+
+
+#: StepSizes.add: a size run before; the first step of a size; a step larger than any before.
+STEADY, NEW_SIZE, NEW_MAX = 0, 1, 2
+
+
+class StepSizes:
+    """The step sizes an engine has run (a size: the prompt tokens a step
+    computes plus its decoding requests, vLLM's tokens scheduled). A real
+    engine may pay for a size once, and most for one larger than any
+    before; the trace reader and the mock's scheduler tell steps apart
+    with this one class."""
+
+    __slots__ = ("seen", "largest")
+
+    def __init__(self) -> None:
+        self.seen: set = set()
+        self.largest = 0
+
+    def add(self, size: int) -> int:
+        """Record a step of `size`; its novelty: NEW_MAX, NEW_SIZE or STEADY."""
+        if size in self.seen:
+            return STEADY
+        self.seen.add(size)
+        if size > self.largest:
+            self.largest = size
+            return NEW_MAX
+        return NEW_SIZE
 
 
 def _quantile_list(values: Tuple[float, ...]) -> bool:
@@ -213,6 +254,7 @@ _KEYS = (
     "spread_prefill",
     "spread_prefill_bins",
     "spread_new_size",
+    "spread_new_max",
     "input_delay_ms",
 )
 
@@ -259,7 +301,7 @@ def parse_profile(text: str, source: str = "<profile>") -> StepProfile:
                 values[key] = _whole(key, numbers)
             except ProfileError as exc:
                 raise ProfileError(f"{source}: {exc}") from None
-        elif key in ("step_ms", "input_delay_ms", "spread_new_size"):
+        elif key in ("step_ms", "input_delay_ms", "spread_new_size", "spread_new_max"):
             values[key] = numbers
         else:
             if len(numbers) != 1:
@@ -334,8 +376,10 @@ def format_profile(profile: StepProfile, comment: Optional[Sequence[str]] = None
         f"spread_decode = {' | '.join(_join(q) for q in profile.spread_decode)}",
         f"spread_prefill_bins = {' '.join(str(e) for e in profile.spread_prefill_bins)}",
         f"spread_prefill = {' | '.join(_join(q) for q in profile.spread_prefill)}",
-        "# the same for the first step of each size (prompt tokens computed + decoding requests) the engine runs",
+        "# the same for the first step of each size (prompt tokens computed + decoding requests) the engine runs,",
+        "# and for a step larger than any before it",
         f"spread_new_size = {_join(profile.spread_new_size)}",
+        f"spread_new_max = {_join(profile.spread_new_max)}",
         "# ms from a request's arrival to the engine queueing it, quantiles at evenly spaced probabilities",
         f"input_delay_ms = {_join(profile.input_delay_ms)}",
     ]

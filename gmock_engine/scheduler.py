@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
 from .latency import LatencyModel
+from .latency_profile import StepSizes
 from .lora import AdapterRegistry, LoRAError
 from .wire.eras import Wire
 from .wire.outputs import engine_core_event, request_error, scheduler_stats
@@ -119,8 +120,8 @@ class Scheduler:
         self.pause_state = PauseState.UNPAUSED
         #: Engine time the last step asked its successor to wait (latency model).
         self.step_delay = 0.0
-        #: the step sizes (tokens computed) run so far: a profile's first step of a size costs more (latency.py)
-        self.step_sizes: set = set()
+        #: the step sizes (tokens computed) run so far: a profile may price a new one apart (latency.py)
+        self.step_sizes = StepSizes()
         #: steps, tokens, preemptions (the ledger counts requests)
         self.counters: Counter = Counter()
         #: --log-requests hooks of the engine

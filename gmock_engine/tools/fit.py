@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ..config import ENV_PREFIX, FIT_SECTION, ConfigError, ini_reader, new_parser, parse_tool_config
-from ..latency_profile import StepProfile, format_profile
+from ..latency_profile import NEW_MAX, NEW_SIZE, StepProfile, format_profile
 from ..option import Group, Option, add_groups
 from ..validators import choice, int_at_least, nonempty
 from ..trace import TraceFormatError, read_trace
@@ -65,8 +65,12 @@ SPREAD_TOP = 0.999
 SCORED_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
 #: The fewest steps a bin of a spread is made of.
 MIN_BIN_STEPS = 30
-#: First steps of a size needed for a spread of their own (spread_new_size).
+#: Steps of new sizes needed for a spread of their own (spread_new_size),
+#: and of new largest sizes for theirs (spread_new_max).
 MIN_NEW_SIZE_STEPS = 8
+#: The rank test's z above which new largest sizes get a spread of their
+#: own (one-sided, p < 0.01).
+MAX_SPLIT_Z = 2.33
 #: The robust fit (fit_candidate): reweightings, and the relative residual
 #: (in robust standard deviations, 1.4826 x the median |residual|) beyond
 #: which a step's weight falls as 1/distance. 1.5 is the usual choice.
@@ -395,37 +399,67 @@ def group_score(measured: Sequence[Tuple[str, float, float]], folds: int) -> flo
     return total / count if count else math.nan
 
 
-def new_sizes_apart(together: StepProfile, apart: StepProfile, steps: Sequence[Step], folds: int, report: List[str]) -> bool:
-    """Whether the first step of each size is better priced apart: `apart`
-    (fitted without those steps) with a spread of their own, against
-    `together` (fitted with them) with them in the decode and prefill
-    spreads, by held-out pinball loss. A real engine may pay for a new size
-    once (vLLM's CPU backend builds its matmul kernels per token count):
-    priced with the others, such steps would raise the price of the batch
-    sizes and prompts they are many of, and give every step their tail."""
-    def kind(s: Step) -> str:
-        return "prefill" if s.prefill_tokens else "decode"
+def _kind(s: Step) -> str:
+    return "prefill" if s.prefill_tokens else "decode"
 
-    score_together = group_score([(kind(s), s.duration_ms, p) for s in steps if (p := predict(together, s)) > 0], folds)
+
+def novelty_apart(together: StepProfile, apart: StepProfile, steps: Sequence[Step], folds: int, report: List[str]) -> bool:
+    """Whether the steps of new sizes (StepSizes) are better priced apart
+    (held-out pinball loss): `apart` (fitted without them) and a spread of
+    their own, against `together` (fitted with them) and them in the decode
+    and prefill spreads. A real engine may pay for a new size once (vLLM's
+    CPU backend builds its matmul kernels per token count and grows its
+    buffers): priced with the others, such steps would raise the price of
+    the batch sizes and prompts they are many of, and give every step their
+    tail."""
+    score_together = group_score([(_kind(s), s.duration_ms, p) for s in steps if (p := predict(together, s)) > 0], folds)
     score_apart = group_score(
-        [("new size" if s.new_size else kind(s), s.duration_ms, p) for s in steps if (p := predict(apart, s)) > 0], folds
+        [("new size" if s.novelty else _kind(s), s.duration_ms, p) for s in steps if (p := predict(apart, s)) > 0], folds
     )
     chosen = score_apart < score_together
     report.append(
-        f"first step of each size ({sum(1 for s in steps if s.new_size)} steps) by held-out pinball loss (ms): priced with "
-        f"the others {score_together:.3f}, apart {score_apart:.3f}; chosen: {'apart' if chosen else 'with the others'}"
+        f"steps of new sizes ({sum(1 for s in steps if s.novelty)}) by held-out pinball loss (ms): priced with the others "
+        f"{score_together:.4f}, apart {score_apart:.4f}; chosen: {'apart' if chosen else 'with the others'}"
     )
     return chosen
 
 
-def fit_new_size_spread(profile: StepProfile, first_steps: Sequence[Step], report: List[str]) -> StepProfile:
-    """`profile` with the spread of `first_steps`, the first step of each size."""
-    ratios = sorted(s.duration_ms / p for s in first_steps if (p := predict(profile, s)) > 0)
+def rank_z(larger: Sequence[float], smaller: Sequence[float]) -> float:
+    """Mann-Whitney's U of `larger` against `smaller` as a z-score (normal
+    approximation, ties counted half): large when `larger` tends to exceed."""
+    n, m = len(larger), len(smaller)
+    if not n or not m:
+        return 0.0
+    ordered = sorted(smaller)
+    u = sum(bisect_left(ordered, x) + 0.5 * (bisect_right(ordered, x) - bisect_left(ordered, x)) for x in larger)
+    return (u - n * m / 2.0) / math.sqrt(n * m * (n + m + 1) / 12.0)
+
+
+def fit_novelty_spreads(profile: StepProfile, steps: Sequence[Step], report: List[str]) -> StepProfile:
+    """`profile` with the spreads of the steps of new sizes: one set, or,
+    when the steps larger than any before took longer than the other new
+    sizes (their measured / predicted ranks above, MAX_SPLIT_Z; at least
+    MIN_NEW_SIZE_STEPS each), a set for each. A rank test, not held-out
+    loss: a calibration holds only a few new largest sizes (each workload's
+    first), too few to score quantiles on held-out folds."""
+    ratios = {novelty: sorted(s.duration_ms / p for s in steps if s.novelty == novelty and (p := predict(profile, s)) > 0)
+              for novelty in (NEW_SIZE, NEW_MAX)}  # fmt: skip
+    z = rank_z(ratios[NEW_MAX], ratios[NEW_SIZE])
+    split = min(len(r) for r in ratios.values()) >= MIN_NEW_SIZE_STEPS and z > MAX_SPLIT_Z
     report.append(
-        f"first step of each size ({len(ratios)} steps): measured / predicted p50 {quantile(ratios, 0.5):.2f}, "
-        f"p90 {quantile(ratios, 0.9):.2f}, p99 {quantile(ratios, 0.99):.2f}, max {ratios[-1]:.2f}"
+        f"new largest sizes against the other new sizes: rank z {z:.2f} ({len(ratios[NEW_MAX])} and {len(ratios[NEW_SIZE])} steps; "
+        f"a spread each when z > {MAX_SPLIT_Z}): {'a spread each' if split else 'one spread'}"
     )
-    return dataclasses.replace(profile, spread_new_size=_quantiles(ratios))
+    groups = {"spread_new_size": ratios[NEW_SIZE], "spread_new_max": ratios[NEW_MAX]} if split else \
+        {"spread_new_size": sorted(ratios[NEW_SIZE] + ratios[NEW_MAX]), "spread_new_max": []}  # fmt: skip
+    for key, r in groups.items():
+        profile = dataclasses.replace(profile, **{key: _quantiles(r) if len(r) >= 2 else ()})
+        if len(r) >= 2:
+            report.append(
+                f"{key} ({len(r)} steps): measured / predicted p50 {quantile(r, 0.5):.2f}, "
+                f"p90 {quantile(r, 0.9):.2f}, p99 {quantile(r, 0.99):.2f}, max {r[-1]:.2f}"
+            )
+    return profile
 
 
 def _quantiles(sorted_values: Sequence[float], points: int = SPREAD_POINTS) -> Tuple[float, ...]:
@@ -483,19 +517,17 @@ def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None, inpu
     profile = fit_candidate(chosen, usable)
     decode = [s for s in usable if not s.prefill_tokens]
     prefill = [s for s in usable if s.prefill_tokens]
-    steady = [s for s in usable if not s.new_size]
-    first = [s for s in usable if s.new_size]
-    apart = None
-    if len(first) >= MIN_NEW_SIZE_STEPS and len(steady) >= max(10, folds * 2):
+    steady = [s for s in usable if not s.novelty]
+    novel = False
+    if len(usable) - len(steady) >= MIN_NEW_SIZE_STEPS and len(steady) >= max(10, folds * 2):
         apart = fit_candidate(chosen, steady)
-        if not new_sizes_apart(profile, apart, usable, folds, report):
-            apart = None
-    if apart is not None:
-        profile = apart
+        novel = novelty_apart(profile, apart, usable, folds, report)
+        if novel:
+            profile = apart
     for kind in SPREAD_KINDS:
-        profile = fit_spread(profile, steady if apart else usable, folds, kind, report)
-    if apart is not None:
-        profile = fit_new_size_spread(profile, first, report)
+        profile = fit_spread(profile, steady if novel else usable, folds, kind, report)
+    if novel:
+        profile = fit_novelty_spreads(profile, usable, report)
     profile = dataclasses.replace(profile, input_delay_ms=_quantiles(sorted(input_delays)) if len(input_delays) >= 2 else ())
     if profile.input_delay_ms:
         d = sorted(input_delays)

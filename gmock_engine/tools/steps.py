@@ -26,9 +26,10 @@ fitted here times the mock's steps the same way:
 * `context_tokens`: the tokens the requests of the step hold when it
   begins: prompt plus tokens generated before it (the mock's
   `KVCacheManager.tokens` when it times the step);
-* `new_size`: whether it is the engine's first step of its size (prompt
-  tokens computed plus decoding requests) since the trace began, as the
-  mock's scheduler keeps its `step_sizes`.
+* `novelty`: whether it is the engine's first step of its size (prompt
+  tokens computed plus decoding requests) since the trace began, or one
+  larger than any before it (latency_profile.StepSizes, which the mock's
+  scheduler keeps too).
 
 Utility replies are not steps. Records of several engines are split by rank.
 """
@@ -39,6 +40,8 @@ import math
 
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional
+
+from ..latency_profile import STEADY, StepSizes
 
 
 @dataclass
@@ -56,8 +59,9 @@ class Step:
     #: the engine was idle before this step (it started on an ADD's arrival)
     woke: bool
     #: the engine's first step of this size (prompt tokens computed plus
-    #: decoding requests) in the trace: a real engine may pay for a size once
-    new_size: bool = False
+    #: decoding requests) in the trace, or one larger than any before it:
+    #: latency_profile.StepSizes.add (a real engine may pay for a size once)
+    novelty: int = STEADY
 
     @property
     def duration_ms(self) -> float:
@@ -127,7 +131,7 @@ def steps_of_rank(records: Iterable[Dict[str, Any]], rank: int, max_num_batched_
     pending: Dict[str, _Pending] = {}  # FCFS: insertion order is arrival order
     running: Dict[str, int] = {}  # id -> prompt + generated tokens
     steps: List[Step] = []
-    sizes: set = set()  # of every step, timed or not
+    sizes = StepSizes()  # of every step, timed or not
     ai = bi = 0
 
     def admit(add: Dict[str, Any]) -> None:
@@ -206,10 +210,9 @@ def steps_of_rank(records: Iterable[Dict[str, Any]], rank: int, max_num_batched_
         for rid, n in tokens.items():
             if rid in running:
                 running[rid] += n
-        size = decode + prefill
+        novelty = sizes.add(decode + prefill)
         if start is not None:
-            steps.append(Step(rank, start, end, batch, decode, prefill, attention, context, woke, size not in sizes))
-        sizes.add(size)
+            steps.append(Step(rank, start, end, batch, decode, prefill, attention, context, woke, novelty))
         for rid in finished:
             running.pop(rid, None)
             pending.pop(rid, None)

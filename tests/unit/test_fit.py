@@ -13,7 +13,7 @@ import msgpack
 import pytest
 
 from gmock_engine.latency import LatencyModel
-from gmock_engine.latency_profile import StepProfile
+from gmock_engine.latency_profile import NEW_MAX, NEW_SIZE, STEADY, StepProfile
 from gmock_engine.tools import fit as fitting
 from gmock_engine.tools.steps import steps_from_trace
 from gmock_engine.trace import output_record
@@ -36,7 +36,7 @@ class Recorder:
     def __init__(self, model):
         self._model = model
         self.timed = []
-        self.new_size = []
+        self.novelty = []
         #: the engine clock of each step timed
         self.starts = []
 
@@ -45,10 +45,11 @@ class Recorder:
 
     def step_time(self, plan, rng, context_tokens=0, sizes=None):
         self.timed.append((plan.num_running_reqs, plan.num_prefill_tokens, plan.prefill_attention, context_tokens, plan.num_prefill_reqs))
-        before = len(sizes) if sizes is not None else 0
+        seen, largest = (len(sizes.seen), sizes.largest) if sizes is not None else (0, 0)
         seconds = self._model.step_time(plan, rng, context_tokens, sizes)
-        #: whether the engine ran a step of a new size (its sizes grew)
-        self.new_size.append(sizes is not None and len(sizes) > before)
+        # the step's novelty as the engine's sizes changed: a new one, a new largest one
+        grew = sizes is not None and len(sizes.seen) > seen
+        self.novelty.append(NEW_MAX if grew and sizes.largest > largest else NEW_SIZE if grew else STEADY)
         return seconds
 
 
@@ -112,7 +113,8 @@ def test_steps_read_back_are_the_steps_the_engine_timed():
     # next, which sent that step's tokens: the engine timed the gap from the plan
     # it made when the gap began
     timed = {round(t, 9): c for t, c in zip(recorder.starts, recorder.timed)}
-    new_size = {round(t, 9): n for t, n in zip(recorder.starts, recorder.new_size)}
+    novelty = {round(t, 9): n for t, n in zip(recorder.starts, recorder.novelty)}
+    assert {NEW_SIZE, NEW_MAX} <= set(recorder.novelty)
     assert len(steps) > 300
     checked = 0
     for step in steps:
@@ -120,7 +122,7 @@ def test_steps_read_back_are_the_steps_the_engine_timed():
         if expected is None:
             continue
         assert (step.batch, step.prefill_tokens, step.context_tokens, step.prefill_reqs) == (expected[0], expected[1], expected[3], expected[4]), step
-        assert step.new_size == new_size[round(step.start, 9)], step
+        assert step.novelty == novelty[round(step.start, 9)], step
         assert step.prefill_attention == pytest.approx(expected[2])
         assert step.duration_ms == pytest.approx(TRUE.predict_ms(*expected), rel=1e-6)
         checked += 1
@@ -143,30 +145,48 @@ def test_fit_recovers_the_profile_and_prefers_the_table():
         assert q[0] == pytest.approx(1.0, abs=0.01) and q[-1] == pytest.approx(1.0, abs=0.01)
 
 
-def test_fit_prices_the_first_step_of_each_size_apart():
-    # an engine whose first step of a size takes three times its time, as
-    # vLLM's CPU backend when it builds the kernels of a new token count
-    slow_first = dataclasses.replace(TRUE, spread_new_size=(3.0, 3.0))
-    records, recorder = simulate(slow_first, workload(300, seed=2, prompts=(100, 300, 700)))
-    assert 30 < sum(recorder.new_size) < 0.2 * len(recorder.new_size)
+def test_fit_prices_the_steps_of_new_sizes_apart():
+    # an engine whose first step of a size takes twice its time, and a step
+    # larger than any before six times, as vLLM's CPU backend, which builds
+    # its kernels per token count and grows its buffers
+    truth = dataclasses.replace(TRUE, spread_new_size=(2.0, 2.0), spread_new_max=(6.0, 6.0))
+    records, recorder = simulate(truth, workload(300, seed=2, prompts=(100, 300, 700)))
+    assert 30 < sum(1 for n in recorder.novelty if n) < 0.2 * len(recorder.novelty)
+    assert recorder.novelty.count(NEW_MAX) >= fitting.MIN_NEW_SIZE_STEPS
     steps = steps_from_trace(records)
     result = fitting.fit(steps)
     p = result.profile
-    assert fitting.quantile(p.spread_new_size, 0.5) == pytest.approx(3.0, rel=0.05)
+    assert fitting.quantile(p.spread_new_size, 0.5) == pytest.approx(2.0, rel=0.05), result.report
+    assert fitting.quantile(p.spread_new_max, 0.5) == pytest.approx(6.0, rel=0.05), result.report
     # the other steps are priced as if there were no such cost: the slow
-    # first steps are neither in the coefficients nor in the spreads
-    errors = sorted(abs(e) for e in fitting.relative_errors(p, [s for s in steps if not s.new_size]))
+    # steps are neither in the coefficients nor in the spreads
+    errors = sorted(abs(e) for e in fitting.relative_errors(p, [s for s in steps if not s.novelty]))
     assert fitting.quantile(errors, 0.9) < 0.02, fitting.summary(errors)
     for q in p.spread_decode + p.spread_prefill:
         assert q[-1] == pytest.approx(1.0, abs=0.02)
     assert any("chosen: apart" in line for line in result.report), result.report
+    assert any("a spread each" in line for line in result.report), result.report
+
+
+def test_new_largest_sizes_share_the_spread_when_they_cost_the_same():
+    truth = dataclasses.replace(TRUE, spread_new_size=(1.5, 2.5))
+    records, _ = simulate(truth, workload(300, seed=2, prompts=(100, 300, 700)))
+    result = fitting.fit(steps_from_trace(records))
+    assert result.profile.spread_new_max == () and fitting.quantile(result.profile.spread_new_size, 0.5) == pytest.approx(2.0, rel=0.1)
+    assert any("one spread" in line for line in result.report), result.report
+
+
+def test_rank_z_says_which_sample_is_larger():
+    low, high = [1.0, 1.1, 1.2, 1.3] * 5, [2.0, 3.0, 4.0] * 3
+    assert fitting.rank_z(high, low) > 4 and fitting.rank_z(low, high) < -4
+    assert fitting.rank_z(low, low) == pytest.approx(0.0) and fitting.rank_z([], low) == 0.0
 
 
 def test_an_engine_without_a_new_size_cost_keeps_its_first_steps_in_the_spreads():
     noisy = dataclasses.replace(TRUE, spread_decode=(tuple(0.8 + 0.04 * i for i in range(11)),))
     records, _ = simulate(noisy, workload(300, seed=2, prompts=(100, 300, 700)))
     result = fitting.fit(steps_from_trace(records))
-    assert result.profile.spread_new_size == ()
+    assert result.profile.spread_new_size == () and result.profile.spread_new_max == ()
     assert any("chosen: with the others" in line for line in result.report), result.report
 
 

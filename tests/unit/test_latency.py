@@ -8,7 +8,7 @@ import random
 import pytest
 
 from gmock_engine.latency import LatencyModel
-from gmock_engine.latency_profile import StepProfile
+from gmock_engine.latency_profile import NEW_MAX, NEW_SIZE, STEADY, StepProfile, StepSizes
 from gmock_engine.sched_output import SchedulerOutput
 
 
@@ -138,17 +138,24 @@ def test_jitter_draws_one_number_per_duration():
     assert generator.getstate() == reference.getstate()
 
 
-def test_the_first_step_of_each_size_draws_the_new_size_spread():
-    profile = StepProfile(batch=(1,), step_ms=(4.0,), prefill_ms_per_token=0.01, spread_new_size=(3.0, 3.0))
+def test_steps_of_new_sizes_draw_their_spreads():
+    profile = StepProfile(batch=(1,), step_ms=(4.0,), prefill_ms_per_token=0.01, spread_new_size=(3.0, 3.0), spread_new_max=(5.0, 5.0))
     model = LatencyModel(profile=profile)
-    sizes = set()
+    sizes = StepSizes()
     # a size is the step's prompt tokens plus its decoding requests
-    assert model.step_seconds(2, 100, rng(), prefill_reqs=1, sizes=sizes) == pytest.approx(3 * 0.005)
-    assert sizes == {101}
+    assert model.step_seconds(2, 100, rng(), prefill_reqs=1, sizes=sizes) == pytest.approx(5 * 0.005)  # larger than any before
+    assert sizes.seen == {101} and sizes.largest == 101
     assert model.step_seconds(2, 100, rng(), prefill_reqs=1, sizes=sizes) == pytest.approx(0.005)
-    assert model.step_seconds(1, 0, rng(), sizes=sizes) == pytest.approx(3 * 0.004)  # size 1: new
+    assert model.step_seconds(1, 0, rng(), sizes=sizes) == pytest.approx(3 * 0.004)  # size 1: new, not the largest
     assert model.step_seconds(1, 0, rng(), sizes=sizes) == pytest.approx(0.004)
-    # without the engine's sizes (or without the spread) no step is new
+    # without the engine's sizes no step is new; without a new-max spread a new largest size is a new size
     assert model.step_seconds(3, 0, rng()) == pytest.approx(0.004)
-    plain = LatencyModel(profile=dataclasses.replace(profile, spread_new_size=()))
-    assert plain.step_seconds(5, 0, rng(), sizes=sizes) == pytest.approx(0.004) and 5 not in sizes
+    one_set = LatencyModel(profile=dataclasses.replace(profile, spread_new_max=()))
+    assert one_set.step_seconds(1, 200, rng(), prefill_reqs=1, sizes=sizes) == pytest.approx(3 * 0.006)
+    plain = LatencyModel(profile=dataclasses.replace(profile, spread_new_size=(), spread_new_max=()))
+    assert plain.step_seconds(5, 0, rng(), sizes=sizes) == pytest.approx(0.004) and 5 not in sizes.seen
+
+
+def test_step_sizes_tell_new_and_new_largest_sizes_apart():
+    sizes = StepSizes()
+    assert [sizes.add(n) for n in (4, 4, 2, 9, 2, 5, 9, 10)] == [NEW_MAX, STEADY, NEW_SIZE, NEW_MAX, STEADY, NEW_SIZE, STEADY, NEW_MAX]

@@ -39,7 +39,8 @@ def test_the_file_round_trips_and_is_read_as_written():
     assert parse_profile(format_profile(binned)) == binned
     by_batch = StepProfile(PROFILE.batch, PROFILE.step_ms, spread_decode=((0.5, 2.0), (0.9, 1.1)), spread_decode_bins=(1,))
     assert parse_profile(format_profile(by_batch)) == by_batch
-    first_steps = StepProfile(PROFILE.batch, PROFILE.step_ms, spread_decode=((0.9, 1.1),), spread_new_size=(1.0, 1.5, 9.0))
+    first_steps = StepProfile(PROFILE.batch, PROFILE.step_ms, spread_decode=((0.9, 1.1),), spread_new_size=(1.0, 1.5, 9.0),
+                              spread_new_max=(2.0, 6.0))
     assert parse_profile(format_profile(first_steps)) == first_steps
     # a profile of one set, as written before there were bins, reads as one bin
     assert parse_profile("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_prefill = 0.9 1.2\n").spread_prefill == ((0.9, 1.2),)
@@ -59,6 +60,7 @@ def test_the_file_round_trips_and_is_read_as_written():
         ("[latency-profile]\nbatch = 1\nstep_ms = x\n", "step_ms: not a list of numbers"),
         ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_new_size = 2 1\n", "spread_new_size: at least two non-decreasing"),
         ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_new_size = 1 2 | 1 2\n", "spread_new_size: one list of numbers"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_new_max = 3\n", "spread_new_max: at least two non-decreasing"),
         ("[latency-profile]\nbatch = 1\nstep_ms = 1\nitl = 3\n", "unknown key\\(s\\) itl"),
         ("[latency-profile]\nbatch = 1\nstep_ms = 1\nprefill_ms_per_token = -1\n", "prefill_ms_per_token: must be >= 0"),
         ("[latency-profile]\nbatch = 1\nstep_ms = 1\nprefill_ms_per_request = nan\n", "prefill_ms_per_request: must be >= 0"),
