@@ -8,6 +8,7 @@ real Python frontend, under the same `vllm bench serve` workloads.
     .venv/bin/python benchmarks/fidelity.py compare real-held.json mock-held.json
     .venv/bin/python benchmarks/fidelity.py breakdown real-held.json mock-held.json
     .venv/bin/python benchmarks/fidelity.py sitting --dir DIR [--repeat 2]
+    .venv/bin/python benchmarks/fidelity.py score --profile p.ini [--profile q.ini] held1.jsonl held2.jsonl
     .venv/bin/python benchmarks/fidelity.py list
 
 A target is a stack started once per repetition and reused across its
@@ -36,6 +37,11 @@ one command: the real engine's calibration and held-out sets alternating
 `./run.sh fit` on the calibration traces, the mock with that profile
 (behind the tap) and with the hand-set linear flags (LINEAR_FLAGS) on the
 held-out set, and `compare` of each; every file in --dir.
+
+`score` compares profiles on the real engine's own steps in held-out
+traces: per group of steps (decode, prefill, new sizes, new largest sizes)
+the mean pinball loss of the predicted time times the step's spread, as
+the mock draws it: without the noise the frontend and the client add.
 
 `breakdown` splits each workload's TTFT from the runs' traces: the
 frontend's part (arrival to ADD), the engine's (ADD to first token) and the
@@ -463,6 +469,24 @@ def breakdown(options: argparse.Namespace) -> int:
     return 0
 
 
+def score(options: argparse.Namespace) -> int:
+    """`score`: profiles against the steps of held-out traces (tools/fit.py score_steps)."""
+    from gmock_engine.latency_profile import read_profile
+    from gmock_engine.tools import fit
+    from gmock_engine.tools.steps import steps_from_trace
+    from gmock_engine.trace import read_trace
+
+    steps = [s for path in options.trace for s in steps_from_trace(read_trace(path)[1], MAX_NUM_BATCHED_TOKENS)]
+    print(f"held-out steps of {', '.join(options.trace)}: mean pinball loss (ms) at "
+          f"{', '.join(f'{q:g}' for q in fit.SCORED_QUANTILES)} of predicted x spread, per group (steps)\n")
+    print("| profile | " + " | ".join(name for name, _ in fit.SCORE_GROUPS) + " |")
+    print("| --- |" + " ---: |" * len(fit.SCORE_GROUPS))
+    for path in options.profile:
+        rows = fit.score_steps(read_profile(path), steps)
+        print(f"| {path} | " + " | ".join(f"{loss:.3f} ({n})" for _, n, loss in rows) + " |")
+    return 0
+
+
 def _bench_options(parser: argparse.ArgumentParser) -> None:
     """The options of the bench runs, which `run` and `sitting` share."""
     parser.add_argument("--seed", type=int, default=1, help="the bench's seed (prompts and Poisson arrivals)")
@@ -497,6 +521,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     s.add_argument("--dir", required=True, help="where every result, trace, the profile and the tables go")
     s.add_argument("--repeat", type=int, default=2, help="real cal+held pairs, and mock runs with the profile")
     _bench_options(s)
+    sc = sub.add_parser("score", help="markdown table: profiles' pinball loss on the steps of held-out traces")
+    sc.add_argument("--profile", action="append", required=True, help="a latency profile (repeat to compare several)")
+    sc.add_argument("trace", nargs="+", help="traces of the real engine the profiles were not fitted to")
     sub.add_parser("list", help="the workloads")
     return parser.parse_args(argv)
 
@@ -512,6 +539,8 @@ def main(argv: Sequence[str]) -> int:
         return breakdown(options)
     if options.command == "sitting":
         return sitting(options)
+    if options.command == "score":
+        return score(options)
     for w in WORKLOADS:
         print(f"{w.group:5} {w.name:24} {' '.join(w.bench_args())}")
     return 0

@@ -59,6 +59,10 @@ FORMAT_VERSION = 1
 SECTION = "latency-profile"
 
 
+#: StepSizes.add: a size run before; the first step of a size; a step larger than any before.
+STEADY, NEW_SIZE, NEW_MAX = 0, 1, 2
+
+
 class ProfileError(ValueError):
     """A profile file that cannot be used; the message says which key and why."""
 
@@ -144,17 +148,24 @@ class StepProfile:
             + self.context_ms_per_ktoken * context_tokens / 1000.0
         )
 
-    def spread(self, prefill_tokens: int, rng: random.Random, batch: int = 1) -> float:
-        """A factor drawn from the measured spread of steps that prefill this
-        many tokens, or of decode-only steps of this batch (prefill_tokens
-        0); 1.0: none."""
+    def spread_of(self, prefill_tokens: int, batch: int = 1, novelty: int = 0) -> Tuple[float, ...]:
+        """The spread a step's factor is drawn from (empty: none): with a
+        `novelty` (StepSizes.add) that of new sizes or of new largest ones,
+        when the profile has it; else that of steps that prefill this many
+        tokens, or of decode-only steps of this batch (prefill_tokens 0)."""
+        if novelty == NEW_MAX and self.spread_new_max:
+            return self.spread_new_max
+        if novelty and self.spread_new_size:
+            return self.spread_new_size
         if prefill_tokens:
             sets, edges, key = self.spread_prefill, self.spread_prefill_bins, prefill_tokens
         else:
             sets, edges, key = self.spread_decode, self.spread_decode_bins, batch
-        if not sets:
-            return 1.0
-        return _draw(sets[bisect_left(edges, key)], rng, 1.0)
+        return sets[bisect_left(edges, key)] if sets else ()
+
+    def spread(self, prefill_tokens: int, rng: random.Random, batch: int = 1, novelty: int = 0) -> float:
+        """A factor drawn from the step's spread (`spread_of`); 1.0: none."""
+        return _draw(self.spread_of(prefill_tokens, batch, novelty), rng, 1.0)
 
     def input_delay(self, rng: random.Random) -> float:
         """A request's input delay, ms, drawn from the measured ones (0: none)."""
@@ -170,24 +181,15 @@ class StepProfile:
         prefill_reqs: int = 0,
         novelty: int = 0,
     ) -> float:
-        """One step's time, ms: the prediction times a drawn spread; with a
-        `novelty` (StepSizes.add) the spread of new sizes or of new largest
-        ones, when the profile has it."""
+        """One step's time, ms: the prediction times a factor drawn from its
+        spread (`spread_of`)."""
         predicted = self.predict_ms(batch, prefill_tokens, prefill_attention, context_tokens, prefill_reqs)
-        if novelty == NEW_MAX and self.spread_new_max:
-            return predicted * _draw(self.spread_new_max, rng, 1.0)
-        if novelty and self.spread_new_size:
-            return predicted * _draw(self.spread_new_size, rng, 1.0)
-        return predicted * self.spread(prefill_tokens, rng, batch)
+        return predicted * self.spread(prefill_tokens, rng, batch, novelty)
 
     @property
     def prices_new_sizes(self) -> bool:
         """Whether a step's novelty changes its time (StepSizes)."""
         return bool(self.spread_new_size or self.spread_new_max)
-
-
-#: StepSizes.add: a size run before; the first step of a size; a step larger than any before.
-STEADY, NEW_SIZE, NEW_MAX = 0, 1, 2
 
 
 class StepSizes:

@@ -462,6 +462,35 @@ def fit_novelty_spreads(profile: StepProfile, steps: Sequence[Step], report: Lis
     return profile
 
 
+#: The groups `score_steps` reports, and which steps are in each.
+SCORE_GROUPS = (
+    ("all", lambda s: True),
+    ("decode", lambda s: not s.novelty and not s.prefill_tokens),
+    ("prefill", lambda s: not s.novelty and bool(s.prefill_tokens)),
+    ("new size", lambda s: s.novelty == NEW_SIZE),
+    ("new largest size", lambda s: s.novelty == NEW_MAX),
+)
+
+
+def score_steps(profile: StepProfile, steps: Sequence[Step]) -> List[Tuple[str, int, float]]:
+    """How well `profile` predicts recorded steps it was not fitted to, per
+    SCORE_GROUPS: (group, steps, mean pinball loss in ms at SCORED_QUANTILES
+    of the step's predicted time times its spread, as the mock draws it).
+    Lower is better; it compares profiles on the same steps, without the
+    noise a frontend and a client add to a latency."""
+    rows = []
+    for name, selects in SCORE_GROUPS:
+        total, count = 0.0, 0
+        for s in _usable(steps):
+            if not selects(s) or (p := predict(profile, s)) <= 0:
+                continue
+            spread = profile.spread_of(s.prefill_tokens, s.batch, s.novelty) or (1.0, 1.0)
+            total += sum(_pinball(s.duration_ms, p * quantile(spread, q), q) for q in SCORED_QUANTILES) / len(SCORED_QUANTILES)
+            count += 1
+        rows.append((name, count, total / count if count else math.nan))
+    return rows
+
+
 def _quantiles(sorted_values: Sequence[float], points: int = SPREAD_POINTS) -> Tuple[float, ...]:
     last = points - 1
     return tuple(quantile(sorted_values, i / last if i < last else SPREAD_TOP) for i in range(points))

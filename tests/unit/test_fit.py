@@ -7,16 +7,19 @@ That ties the fit's definitions of a step's composition to the engine's.
 """
 
 import dataclasses
+import json
 import random
+import sys
+from pathlib import Path
 
 import msgpack
 import pytest
 
 from gmock_engine.latency import LatencyModel
-from gmock_engine.latency_profile import NEW_MAX, NEW_SIZE, STEADY, StepProfile
+from gmock_engine.latency_profile import NEW_MAX, NEW_SIZE, STEADY, StepProfile, format_profile
 from gmock_engine.tools import fit as fitting
 from gmock_engine.tools.steps import steps_from_trace
-from gmock_engine.trace import output_record
+from gmock_engine.trace import header, output_record
 from gmock_engine.wire.inputs import EngineCoreRequest
 from engine_steps import Clock, engine_with
 
@@ -355,3 +358,29 @@ def test_the_robust_fit_keeps_the_typical_step_when_some_steps_stall(monkeypatch
     monkeypatch.setattr(fitting, "ROBUST_ITERATIONS", 0)
     plain = fitting.fit_candidate(table, stalled)
     assert prefill_ms(plain) > 1.05 * prefill_ms(TRUE)  # what the reweighting is for
+
+
+def test_score_steps_prefers_the_profile_that_draws_as_the_engine_did(tmp_path, capsys):
+    truth = dataclasses.replace(TRUE, spread_new_size=(2.0, 2.0), spread_new_max=(6.0, 6.0))
+    records, _ = simulate(truth, workload(200, seed=4, prompts=(100, 300, 700)))
+    steps = steps_from_trace(records)
+    right = {g: (n, loss) for g, n, loss in fitting.score_steps(truth, steps)}
+    blind = {g: (n, loss) for g, n, loss in fitting.score_steps(TRUE, steps)}
+    assert right["all"][0] == sum(right[g][0] for g in ("decode", "prefill", "new size", "new largest size"))
+    assert right["new size"][0] > 10 and right["new largest size"][0] > 5
+    assert right["all"][1] == pytest.approx(0.0, abs=1e-6)  # every step as the engine timed it
+    assert blind["decode"][1] == pytest.approx(0.0, abs=1e-6) and blind["new largest size"][1] > 1.0
+    # the same through benchmarks/fidelity.py score, from a trace file
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # a script of the checkout
+    import fidelity
+
+    trace = tmp_path / "held.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in [header(), *records]))
+    profiles = []
+    for name, profile in (("truth", truth), ("blind", TRUE)):
+        profiles += ["--profile", str(tmp_path / f"{name}.ini")]
+        (tmp_path / f"{name}.ini").write_text(format_profile(profile))
+    assert fidelity.main(["score", *profiles, str(trace)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    rows = [line for line in printed if line.startswith(f"| {tmp_path}")]
+    assert len(rows) == 2 and rows[0].split(" | ")[1].startswith("0.000") and not rows[1].split(" | ")[1].startswith("0.000"), printed
