@@ -12,7 +12,10 @@ first `--cached` tokens, so prefix caching hits as in a `vllm bench serve`
 random run of that shape. Printed: ADD -> first token (ms, p50/p90/p99) of
 the mock's engine over `--seeds` runs, beside the real engine's from the
 same trace (ADD relayed -> first output at the tap), and how long the mock's
-requests waited for their first step and took in it.
+requests waited for their first step and took in it. The mock's engine
+starts knowing the step sizes the real engine had run before the workload
+(its steps in the trace), so that its new sizes are the real one's
+(latency_profile.StepSizes).
 
 A run through the real frontend (fidelity.py) is the test that counts; this
 shows what the profile and the scheduler give on their own, so that a
@@ -31,8 +34,9 @@ import msgpack
 
 from gmock_engine.engine import EngineCore, EngineSettings
 from gmock_engine.latency import LatencyModel
-from gmock_engine.latency_profile import read_profile
-from gmock_engine.trace import output_record
+from gmock_engine.latency_profile import StepSizes, read_profile
+from gmock_engine.tools.steps import steps_from_trace
+from gmock_engine.trace import output_record, read_trace
 from gmock_engine.wire.inputs import EngineCoreRequest
 
 #: The engine limits of the real engine in fidelity.py (MOCK_ARGS).
@@ -73,6 +77,14 @@ def real_figures(path: str, prompt_len: int) -> Tuple[List[float], List[float]]:
     return ttft, gaps
 
 
+def sizes_before(path: str, prompt_len: int) -> List[int]:
+    """The sizes of the real engine's steps (StepSizes), in order, before
+    the first ADD of `prompt_len` tokens in the trace at `path`."""
+    records = read_trace(path)[1]
+    start = min(r["t"] for r in records if r.get("kind") == "add" and r.get("prompt_len") == prompt_len)
+    return [s.decode + s.prefill_tokens for s in steps_from_trace(records, LIMITS["max_num_batched_tokens"]) if s.start < start]
+
+
 class _Clock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -81,14 +93,19 @@ class _Clock:
         return self.now
 
 
-def run(profile_path: str, gaps: Sequence[float], args: argparse.Namespace, seed: int) -> Dict[str, List[float]]:
-    """One closed-loop run; per request (ms): ADD -> first token, ADD ->
+def run(profile_path: str, gaps: Sequence[float], history: Sequence[int], args: argparse.Namespace, seed: int) -> Dict[str, List[float]]:
+    """One closed-loop run, the engine having run steps of the sizes
+    `history` before; per request (ms): ADD -> first token, ADD ->
     scheduled, scheduled -> first token."""
     rng = random.Random(seed)
     clock = _Clock()
     settings = EngineSettings(rank=0, num_clients=1, seed=seed, prefix_caching=args.cached > 0,
                               latency=LatencyModel(profile=read_profile(profile_path)), **LIMITS)  # fmt: skip
     engine = EngineCore(settings, clock=clock)
+    sizes = StepSizes()
+    for size in history:
+        sizes.add(size)
+    engine.scheduler.step_sizes = sizes
     prefix = [rng.randrange(1000) for _ in range(args.cached)]
     pending = [(0.0005 * i, f"r{i}") for i in range(args.clients)]
     issued = args.clients
@@ -146,13 +163,15 @@ def main(argv: Sequence[str]) -> int:
     def row(name: str, values: Sequence[float], extra: str = "") -> str:
         return f"{name:40s} {quantile(values, 0.5):7.1f} {quantile(values, 0.9):7.1f} {quantile(values, 0.99):7.1f}{extra}"
 
-    print(f"frontend delay (finish -> next ADD) from {args.real}: p50 {1000 * quantile(gaps, 0.5):.1f} ms, {len(gaps)} samples")
+    history = sizes_before(args.real, args.prompt_len)
+    print(f"frontend delay (finish -> next ADD) from {args.real}: p50 {1000 * quantile(gaps, 0.5):.1f} ms, {len(gaps)} samples; "
+          f"the engine had run {len(set(history))} step sizes up to {max(history, default=0)} before")
     print(f"{'ADD -> first token, ms':40s} {'p50':>7s} {'p90':>7s} {'p99':>7s}")
     print(row("real engine (the trace)", real_ttft))
     for path in args.profile:
         found: Dict[str, List[float]] = {"ttft": [], "wait": [], "step": []}
         for seed in range(args.seeds):
-            for key, values in run(path, gaps, args, seed).items():
+            for key, values in run(path, gaps, history, args, seed).items():
                 found[key].extend(values)
         extra = (f"   (to its first step p50/p90 {quantile(found['wait'], 0.5):.1f}/{quantile(found['wait'], 0.9):.1f},"
                  f" in it {quantile(found['step'], 0.5):.1f}/{quantile(found['step'], 0.9):.1f})")  # fmt: skip
