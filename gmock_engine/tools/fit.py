@@ -70,7 +70,7 @@ MIN_BIN_STEPS = 30
 MIN_NEW_SIZE_STEPS = 8
 #: The rank test's z above which new largest sizes get a spread of their
 #: own (one-sided, p < 0.01).
-MAX_SPLIT_Z = 2.33
+NEW_MAX_SPLIT_Z = 2.33
 #: The robust fit (fit_candidate): reweightings, and the relative residual
 #: (in robust standard deviations, 1.4826 x the median |residual|) beyond
 #: which a step's weight falls as 1/distance. 1.5 is the usual choice.
@@ -438,17 +438,17 @@ def rank_z(larger: Sequence[float], smaller: Sequence[float]) -> float:
 def fit_novelty_spreads(profile: StepProfile, steps: Sequence[Step], report: List[str]) -> StepProfile:
     """`profile` with the spreads of the steps of new sizes: one set, or,
     when the steps larger than any before took longer than the other new
-    sizes (their measured / predicted ranks above, MAX_SPLIT_Z; at least
+    sizes (their measured / predicted ranks above, NEW_MAX_SPLIT_Z; at least
     MIN_NEW_SIZE_STEPS each), a set for each. A rank test, not held-out
     loss: a calibration holds only a few new largest sizes (each workload's
     first), too few to score quantiles on held-out folds."""
     ratios = {novelty: sorted(s.duration_ms / p for s in steps if s.novelty == novelty and (p := predict(profile, s)) > 0)
               for novelty in (NEW_SIZE, NEW_MAX)}  # fmt: skip
     z = rank_z(ratios[NEW_MAX], ratios[NEW_SIZE])
-    split = min(len(r) for r in ratios.values()) >= MIN_NEW_SIZE_STEPS and z > MAX_SPLIT_Z
+    split = min(len(r) for r in ratios.values()) >= MIN_NEW_SIZE_STEPS and z > NEW_MAX_SPLIT_Z
     report.append(
         f"new largest sizes against the other new sizes: rank z {z:.2f} ({len(ratios[NEW_MAX])} and {len(ratios[NEW_SIZE])} steps; "
-        f"a spread each when z > {MAX_SPLIT_Z}): {'a spread each' if split else 'one spread'}"
+        f"a spread each when z > {NEW_MAX_SPLIT_Z}): {'a spread each' if split else 'one spread'}"
     )
     groups = {"spread_new_size": ratios[NEW_SIZE], "spread_new_max": ratios[NEW_MAX]} if split else \
         {"spread_new_size": sorted(ratios[NEW_SIZE] + ratios[NEW_MAX]), "spread_new_max": []}  # fmt: skip
