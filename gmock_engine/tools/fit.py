@@ -30,6 +30,12 @@ double or grow fourfold). Each kind's
 bins are chosen by the mean pinball loss at SCORED_QUANTILES of its
 held-out steps (interleaved folds: the model's prediction times the
 spread of the other steps).
+
+The steps of sizes the engine had not run before (steps.py `novelty`) are
+priced with the others or apart (the chosen form refitted without them,
+and a spread of their own), by the same held-out pinball loss
+(novelty_apart); apart, the steps larger than any before get a spread of
+their own too when a rank test says they took longer (fit_novelty_spreads).
 """
 
 from __future__ import annotations
