@@ -33,7 +33,9 @@ less in proportion than a short one: one set fitted mostly on short steps
 would give long ones too wide a tail. A step of a size the engine has
 not run before (its tokens: prompt tokens computed plus decoding requests;
 `StepSizes`) draws its factor from `spread_new_size` instead, and one larger
-than any before from `spread_new_max`: a real engine may pay for a new size
+than any before from `spread_new_max`, or, where the fit found a cost of
+about the same ms whatever the step's size, the ms it adds from
+`spread_new_size_ms` / `spread_new_max_ms`: a real engine may pay for a new size
 once, and most for a new largest one (vLLM's CPU backend builds its matmul
 kernels per token count and grows its buffers; on this project's reference
 such steps took 1.5 and 3 times their prediction at the median, up to 15;
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import configparser
 import hashlib
+import math
 import random
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
@@ -89,6 +92,11 @@ class StepProfile:
     #: runs, and for a step larger than any before it (StepSizes)
     spread_new_size: Tuple[float, ...] = ()
     spread_new_max: Tuple[float, ...] = ()
+    #: or, for either, quantiles of the ms such a step takes beyond its
+    #: prediction (measured - predicted, may be < 0): a cost of about the
+    #: same ms whatever the step's size (one of a key and its _ms twin)
+    spread_new_size_ms: Tuple[float, ...] = ()
+    spread_new_max_ms: Tuple[float, ...] = ()
     #: quantiles of the engine's input delay, ms: from a request's arrival
     #: to its queueing in the engine, which its first token waits for
     input_delay_ms: Tuple[float, ...] = ()
@@ -106,6 +114,11 @@ class StepProfile:
         for name in ("spread_new_size", "spread_new_max"):
             if getattr(self, name) and not _quantile_list(getattr(self, name)):
                 raise ProfileError(f"{name}: at least two non-decreasing factors >= 0 (or none)")
+            added = getattr(self, name + "_ms")
+            if added and not _quantile_list(added, low=-math.inf):
+                raise ProfileError(f"{name}_ms: at least two non-decreasing numbers, ms (or none)")
+            if added and getattr(self, name):
+                raise ProfileError(f"{name} and {name}_ms: one or the other (factors of the prediction, or ms added to it)")
         if self.input_delay_ms and not _quantile_list(self.input_delay_ms):
             raise ProfileError("input_delay_ms: at least two non-decreasing values >= 0 (or none)")
         for kind, unit in (("decode", "batch sizes"), ("prefill", "prompt token counts")):
@@ -148,24 +161,26 @@ class StepProfile:
             + self.context_ms_per_ktoken * context_tokens / 1000.0
         )
 
-    def spread_of(self, prefill_tokens: int, batch: int = 1, novelty: int = 0) -> Tuple[float, ...]:
-        """The spread a step's factor is drawn from (empty: none): with a
-        `novelty` (StepSizes.add) that of new sizes or of new largest ones,
-        when the profile has it; else that of steps that prefill this many
-        tokens, or of decode-only steps of this batch (prefill_tokens 0)."""
-        if novelty == NEW_MAX and self.spread_new_max:
-            return self.spread_new_max
-        if novelty and self.spread_new_size:
-            return self.spread_new_size
+    def spread_of(self, prefill_tokens: int, batch: int = 1, novelty: int = 0) -> Tuple[Tuple[float, ...], bool]:
+        """The spread a step's time is drawn from (empty: none), and whether
+        its values are ms added to the prediction (else factors of it): with
+        a `novelty` (StepSizes.add) that of new largest sizes or of new
+        sizes, when the profile has it; else that of steps that prefill this
+        many tokens, or of decode-only steps of this batch (prefill_tokens 0)."""
+        if novelty == NEW_MAX and (self.spread_new_max or self.spread_new_max_ms):
+            return (self.spread_new_max, False) if self.spread_new_max else (self.spread_new_max_ms, True)
+        if novelty and (self.spread_new_size or self.spread_new_size_ms):
+            return (self.spread_new_size, False) if self.spread_new_size else (self.spread_new_size_ms, True)
         if prefill_tokens:
             sets, edges, key = self.spread_prefill, self.spread_prefill_bins, prefill_tokens
         else:
             sets, edges, key = self.spread_decode, self.spread_decode_bins, batch
-        return sets[bisect_left(edges, key)] if sets else ()
+        return (sets[bisect_left(edges, key)] if sets else ()), False
 
-    def spread(self, prefill_tokens: int, rng: random.Random, batch: int = 1, novelty: int = 0) -> float:
-        """A factor drawn from the step's spread (`spread_of`); 1.0: none."""
-        return _draw(self.spread_of(prefill_tokens, batch, novelty), rng, 1.0)
+    def spread(self, prefill_tokens: int, rng: random.Random, batch: int = 1) -> float:
+        """A factor drawn from the spread of a step of a size run before
+        (`spread_of`); 1.0: none."""
+        return _draw(self.spread_of(prefill_tokens, batch)[0], rng, 1.0)
 
     def input_delay(self, rng: random.Random) -> float:
         """A request's input delay, ms, drawn from the measured ones (0: none)."""
@@ -182,14 +197,17 @@ class StepProfile:
         novelty: int = 0,
     ) -> float:
         """One step's time, ms: the prediction times a factor drawn from its
-        spread (`spread_of`)."""
+        spread, or plus the ms drawn from it (`spread_of`)."""
         predicted = self.predict_ms(batch, prefill_tokens, prefill_attention, context_tokens, prefill_reqs)
-        return predicted * self.spread(prefill_tokens, rng, batch, novelty)
+        values, added = self.spread_of(prefill_tokens, batch, novelty)
+        if added:
+            return max(0.0, predicted + _draw(values, rng, 0.0))
+        return predicted * _draw(values, rng, 1.0)
 
     @property
     def prices_new_sizes(self) -> bool:
         """Whether a step's novelty changes its time (StepSizes)."""
-        return bool(self.spread_new_size or self.spread_new_max)
+        return bool(self.spread_new_size or self.spread_new_max or self.spread_new_size_ms or self.spread_new_max_ms)
 
 
 class StepSizes:
@@ -216,9 +234,14 @@ class StepSizes:
         return NEW_SIZE
 
 
-def _quantile_list(values: Tuple[float, ...]) -> bool:
-    """Whether `values` can be quantiles: two or more, non-decreasing, >= 0."""
-    return len(values) >= 2 and all(v >= 0.0 for v in values) and all(a <= b for a, b in zip(values, values[1:]))
+def _quantile_list(values: Tuple[float, ...], low: float = 0.0) -> bool:
+    """Whether `values` can be quantiles: two or more, non-decreasing,
+    finite, >= `low`."""
+    return (
+        len(values) >= 2
+        and all(low <= v < math.inf for v in values)
+        and all(a <= b for a, b in zip(values, values[1:]))
+    )
 
 
 def _draw(q: Tuple[float, ...], rng: random.Random, none: float) -> float:
@@ -257,6 +280,8 @@ _KEYS = (
     "spread_prefill_bins",
     "spread_new_size",
     "spread_new_max",
+    "spread_new_size_ms",
+    "spread_new_max_ms",
     "input_delay_ms",
 )
 
@@ -303,7 +328,7 @@ def parse_profile(text: str, source: str = "<profile>") -> StepProfile:
                 values[key] = _whole(key, numbers)
             except ProfileError as exc:
                 raise ProfileError(f"{source}: {exc}") from None
-        elif key in ("step_ms", "input_delay_ms", "spread_new_size", "spread_new_max"):
+        elif key in ("step_ms", "input_delay_ms", "spread_new_size", "spread_new_max", "spread_new_size_ms", "spread_new_max_ms"):
             values[key] = numbers
         else:
             if len(numbers) != 1:
@@ -382,6 +407,9 @@ def format_profile(profile: StepProfile, comment: Optional[Sequence[str]] = None
         "# and for a step larger than any before it",
         f"spread_new_size = {_join(profile.spread_new_size)}",
         f"spread_new_max = {_join(profile.spread_new_max)}",
+        "# or, for either, the ms such a step takes beyond its prediction (measured - predicted), quantiles",
+        f"spread_new_size_ms = {_join(profile.spread_new_size_ms)}",
+        f"spread_new_max_ms = {_join(profile.spread_new_max_ms)}",
         "# ms from a request's arrival to the engine queueing it, quantiles at evenly spaced probabilities",
         f"input_delay_ms = {_join(profile.input_delay_ms)}",
     ]

@@ -35,7 +35,9 @@ The steps of sizes the engine had not run before (steps.py `novelty`) are
 priced with the others or apart (the chosen form refitted without them,
 and a spread of their own), by the same held-out pinball loss
 (novelty_apart); apart, the steps larger than any before get a spread of
-their own too when a rank test says they took longer (fit_novelty_spreads).
+their own too when a rank test says they took longer; each of those
+spreads holds factors of the prediction or ms added to it, whichever the
+held-out pinball loss of its steps prefers (fit_novelty_spreads).
 """
 
 from __future__ import annotations
@@ -441,26 +443,72 @@ def rank_z(larger: Sequence[float], smaller: Sequence[float]) -> float:
     return (u - n * m / 2.0) / math.sqrt(n * m * (n + m + 1) / 12.0)
 
 
-def fit_novelty_spreads(profile: StepProfile, steps: Sequence[Step], report: List[str]) -> StepProfile:
+def added_scores(pairs: Sequence[Tuple[float, float]], folds: int) -> Tuple[float, float]:
+    """The mean pinball loss (ms) at SCORED_QUANTILES of the held-out steps
+    of `pairs` (measured ms, predicted ms; interleaved folds) drawn as
+    factors of their prediction, and drawn as ms added to it."""
+    scores = []
+    for added in (False, True):
+        total, count = 0.0, 0
+        for k in range(folds):
+            train = sorted(m - p if added else m / p for i, (m, p) in enumerate(pairs) if i % folds != k)
+            if not train:
+                continue
+            values = [quantile(train, q) for q in SCORED_QUANTILES]
+            for m, p in pairs[k::folds]:
+                total += sum(_pinball(m, max(0.0, p + v) if added else p * v, q) for q, v in zip(SCORED_QUANTILES, values))
+                count += len(SCORED_QUANTILES)
+        scores.append(total / count if count else math.inf)
+    return scores[0], scores[1]
+
+
+def fit_novelty_spreads(profile: StepProfile, steps: Sequence[Step], report: List[str], folds: int = 5) -> StepProfile:
     """`profile` with the spreads of the steps of new sizes: one set, or,
     when the steps larger than any before took longer than the other new
     sizes (their measured / predicted ranks above, NEW_MAX_SPLIT_Z; at least
     MIN_NEW_SIZE_STEPS each), a set for each. A rank test, not held-out
     loss: a calibration holds only a few new largest sizes (each workload's
-    first), too few to score quantiles on held-out folds."""
-    ratios = {novelty: sorted(s.duration_ms / p for s in steps if s.novelty == novelty and (p := predict(profile, s)) > 0)
-              for novelty in (NEW_SIZE, NEW_MAX)}  # fmt: skip
+    first), too few to score quantiles on held-out folds. A set is of
+    factors of the prediction or, when that scores better on its held-out
+    steps (added_scores; only for a set of MIN_BIN_STEPS steps or more, so
+    never for the few new largest sizes), of ms added to it: a cost of
+    about the same ms whatever the step's size, such as building a kernel
+    for a new token count, is a large factor of a short step and a small
+    one of a long step."""
+    pairs = {novelty: [(s.duration_ms, p) for s in steps if s.novelty == novelty and (p := predict(profile, s)) > 0]
+             for novelty in (NEW_SIZE, NEW_MAX)}  # fmt: skip
+    ratios = {novelty: sorted(m / p for m, p in group) for novelty, group in pairs.items()}
     z = rank_z(ratios[NEW_MAX], ratios[NEW_SIZE])
     split = min(len(r) for r in ratios.values()) >= MIN_NEW_SIZE_STEPS and z > NEW_MAX_SPLIT_Z
     report.append(
         f"new largest sizes against the other new sizes: rank z {z:.2f} ({len(ratios[NEW_MAX])} and {len(ratios[NEW_SIZE])} steps; "
         f"a spread each when z > {NEW_MAX_SPLIT_Z}): {'a spread each' if split else 'one spread'}"
     )
-    groups = {"spread_new_size": ratios[NEW_SIZE], "spread_new_max": ratios[NEW_MAX]} if split else \
-        {"spread_new_size": sorted(ratios[NEW_SIZE] + ratios[NEW_MAX]), "spread_new_max": []}  # fmt: skip
-    for key, r in groups.items():
-        profile = dataclasses.replace(profile, **{key: _quantiles(r) if len(r) >= 2 else ()})
-        if len(r) >= 2:
+    merged = [(s.duration_ms, p) for s in steps if s.novelty and (p := predict(profile, s)) > 0]
+    groups = {"spread_new_size": pairs[NEW_SIZE], "spread_new_max": pairs[NEW_MAX]} if split else \
+        {"spread_new_size": merged, "spread_new_max": []}  # fmt: skip
+    for key, group in groups.items():
+        profile = dataclasses.replace(profile, **{key: (), key + "_ms": ()})
+        if len(group) < 2:
+            continue
+        r = sorted(m / p for m, p in group)
+        added = False
+        if len(group) >= MIN_BIN_STEPS:
+            as_factors, as_ms = added_scores(group, folds)
+            added = as_ms < as_factors
+            report.append(
+                f"{key}: held-out pinball loss (ms) as factors of the prediction {as_factors:.3f}, as ms added to it {as_ms:.3f}; "
+                f"chosen: {'ms added' if added else 'factors'}"
+            )
+        if added:
+            extra = sorted(m - p for m, p in group)
+            profile = dataclasses.replace(profile, **{key + "_ms": _quantiles(extra)})
+            report.append(
+                f"{key}_ms ({len(extra)} steps): measured - predicted p50 {quantile(extra, 0.5):.2f} ms, "
+                f"p90 {quantile(extra, 0.9):.2f}, p99 {quantile(extra, 0.99):.2f}, max {extra[-1]:.2f}"
+            )
+        else:
+            profile = dataclasses.replace(profile, **{key: _quantiles(r)})
             report.append(
                 f"{key} ({len(r)} steps): measured / predicted p50 {quantile(r, 0.5):.2f}, "
                 f"p90 {quantile(r, 0.9):.2f}, p99 {quantile(r, 0.99):.2f}, max {r[-1]:.2f}"
@@ -490,8 +538,11 @@ def score_steps(profile: StepProfile, steps: Sequence[Step]) -> List[Tuple[str, 
         for s in _usable(steps):
             if not selects(s) or (p := predict(profile, s)) <= 0:
                 continue
-            spread = profile.spread_of(s.prefill_tokens, s.batch, s.novelty) or (1.0, 1.0)
-            total += sum(_pinball(s.duration_ms, p * quantile(spread, q), q) for q in SCORED_QUANTILES) / len(SCORED_QUANTILES)
+            spread, added = profile.spread_of(s.prefill_tokens, s.batch, s.novelty)
+            if not spread:
+                spread, added = (1.0, 1.0), False
+            predicted = [max(0.0, p + quantile(spread, q)) if added else p * quantile(spread, q) for q in SCORED_QUANTILES]
+            total += sum(_pinball(s.duration_ms, y, q) for q, y in zip(SCORED_QUANTILES, predicted)) / len(SCORED_QUANTILES)
             count += 1
         rows.append((name, count, total / count if count else math.nan))
     return rows
@@ -562,7 +613,7 @@ def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None, inpu
     for kind in SPREAD_KINDS:
         profile = fit_spread(profile, steady if novel else usable, folds, kind, report)
     if novel:
-        profile = fit_novelty_spreads(profile, usable, report)
+        profile = fit_novelty_spreads(profile, usable, report, folds)
     profile = dataclasses.replace(profile, input_delay_ms=_quantiles(sorted(input_delays)) if len(input_delays) >= 2 else ())
     if profile.input_delay_ms:
         d = sorted(input_delays)

@@ -169,6 +169,7 @@ def test_fit_prices_the_steps_of_new_sizes_apart():
         assert q[-1] == pytest.approx(1.0, abs=0.02)
     assert any("chosen: apart" in line for line in result.report), result.report
     assert any("a spread each" in line for line in result.report), result.report
+    assert sum("chosen: factors" in line for line in result.report) == 2, result.report
 
 
 def test_new_largest_sizes_share_the_spread_when_they_cost_the_same():
@@ -177,6 +178,20 @@ def test_new_largest_sizes_share_the_spread_when_they_cost_the_same():
     result = fitting.fit(steps_from_trace(records))
     assert result.profile.spread_new_max == () and fitting.quantile(result.profile.spread_new_size, 0.5) == pytest.approx(2.0, rel=0.1)
     assert any("one spread" in line for line in result.report), result.report
+
+
+def test_a_new_size_cost_of_fixed_ms_is_fitted_as_ms_added():
+    # an engine whose first step of a size takes 8 ms more whatever its size
+    # (building a kernel for a new token count): twice a short decode step's
+    # time, a small part of a long prefill's, so no factor fits it
+    truth = dataclasses.replace(TRUE, spread_new_size_ms=(8.0, 8.0))
+    records, recorder = simulate(truth, workload(300, seed=2, prompts=(100, 300, 700)))
+    assert sum(1 for n in recorder.novelty if n) >= 2 * fitting.MIN_NEW_SIZE_STEPS
+    result = fitting.fit(steps_from_trace(records))
+    p = result.profile
+    assert p.spread_new_size == () and p.spread_new_max == () and p.spread_new_max_ms == (), result.report
+    assert fitting.quantile(p.spread_new_size_ms, 0.5) == pytest.approx(8.0, abs=0.4), result.report
+    assert any("spread_new_size: held-out" in line and "chosen: ms added" in line for line in result.report), result.report
 
 
 def test_rank_z_says_which_sample_is_larger():

@@ -156,6 +156,19 @@ def test_steps_of_new_sizes_draw_their_spreads():
     assert plain.step_seconds(5, 0, rng(), sizes=sizes) == pytest.approx(0.004) and 5 not in sizes.seen
 
 
+def test_steps_of_new_sizes_add_the_ms_of_their_spread():
+    profile = StepProfile(batch=(1,), step_ms=(4.0,), prefill_ms_per_token=0.01, spread_decode=((2.0, 2.0),),
+                          spread_new_size_ms=(6.0, 6.0), spread_new_max=(5.0, 5.0))  # fmt: skip
+    model = LatencyModel(profile=profile)
+    sizes = StepSizes()
+    assert model.step_seconds(2, 100, rng(), prefill_reqs=1, sizes=sizes) == pytest.approx(5 * 0.005)  # new largest: its factor
+    assert model.step_seconds(1, 0, rng(), sizes=sizes) == pytest.approx(0.004 + 0.006)  # new: 6 ms added, no factor
+    assert model.step_seconds(1, 0, rng(), sizes=sizes) == pytest.approx(2 * 0.004)  # run before: the decode spread
+    # no new-max spread: a new largest size adds the new sizes' ms; a step never takes less than nothing
+    one_set = LatencyModel(profile=dataclasses.replace(profile, spread_new_max=(), spread_new_size_ms=(-50.0, -50.0)))
+    assert one_set.step_seconds(1, 200, rng(), prefill_reqs=1, sizes=sizes) == 0.0
+
+
 def test_step_sizes_tell_new_and_new_largest_sizes_apart():
     sizes = StepSizes()
     assert [sizes.add(n) for n in (4, 4, 2, 9, 2, 5, 9, 10)] == [NEW_MAX, STEADY, NEW_SIZE, NEW_MAX, STEADY, NEW_SIZE, STEADY, NEW_MAX]

@@ -42,6 +42,8 @@ def test_the_file_round_trips_and_is_read_as_written():
     first_steps = StepProfile(PROFILE.batch, PROFILE.step_ms, spread_decode=((0.9, 1.1),), spread_new_size=(1.0, 1.5, 9.0),
                               spread_new_max=(2.0, 6.0))
     assert parse_profile(format_profile(first_steps)) == first_steps
+    added = StepProfile(PROFILE.batch, PROFILE.step_ms, spread_new_size_ms=(-0.5, 3.25, 40.0), spread_new_max_ms=(9.0, 120.0))
+    assert parse_profile(format_profile(added)) == added
     # a profile of one set, as written before there were bins, reads as one bin
     assert parse_profile("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_prefill = 0.9 1.2\n").spread_prefill == ((0.9, 1.2),)
     assert parse_profile("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_decode = 0.9 1.2\n").spread_decode == ((0.9, 1.2),)
@@ -61,6 +63,9 @@ def test_the_file_round_trips_and_is_read_as_written():
         ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_new_size = 2 1\n", "spread_new_size: at least two non-decreasing"),
         ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_new_size = 1 2 | 1 2\n", "spread_new_size: one list of numbers"),
         ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_new_max = 3\n", "spread_new_max: at least two non-decreasing"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_new_size_ms = 5 -1\n", "spread_new_size_ms: at least two non-decreasing"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_new_max_ms = 1 inf\n", "spread_new_max_ms: at least two non-decreasing"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_new_size = 1 2\nspread_new_size_ms = 1 2\n", "one or the other"),
         ("[latency-profile]\nbatch = 1\nstep_ms = 1\nitl = 3\n", "unknown key\\(s\\) itl"),
         ("[latency-profile]\nbatch = 1\nstep_ms = 1\nprefill_ms_per_token = -1\n", "prefill_ms_per_token: must be >= 0"),
         ("[latency-profile]\nbatch = 1\nstep_ms = 1\nprefill_ms_per_request = nan\n", "prefill_ms_per_request: must be >= 0"),
