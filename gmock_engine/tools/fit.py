@@ -389,20 +389,23 @@ def fit_spread(profile: StepProfile, steps: Sequence[Step], folds: int, kind: Sp
     return dataclasses.replace(profile, **{f"spread_{kind.name}": sets, f"spread_{kind.name}_bins": edges})
 
 
-def group_score(measured: Sequence[Tuple[str, float, float]], folds: int) -> float:
+def group_score(measured: Sequence[Tuple[str, float, float]], folds: int, added: bool = False) -> float:
     """The mean pinball loss (ms) at SCORED_QUANTILES of the held-out steps
     of `measured` (group, measured ms, predicted ms), each predicted times
-    the spread of its group in the other folds (interleaved, as bin_scores)."""
+    the spread of its group in the other folds (interleaved, as bin_scores),
+    or, `added`, plus the spread of its group's ms beyond their prediction."""
     total, count = 0.0, 0
+    none = [0.0 if added else 1.0] * len(SCORED_QUANTILES)
     for k in range(folds):
         test = measured[k::folds]
-        ratios: dict = {}
+        spreads: dict = {}
         for i, (group, ms, p) in enumerate(measured):
             if i % folds != k:
-                ratios.setdefault(group, []).append(ms / p)
-        factors = {g: [quantile(sorted(r), q) for q in SCORED_QUANTILES] for g, r in ratios.items()}
+                spreads.setdefault(group, []).append(ms - p if added else ms / p)
+        values = {g: [quantile(sorted(r), q) for q in SCORED_QUANTILES] for g, r in spreads.items()}
         for group, ms, p in test:
-            total += sum(_pinball(ms, p * f, q) for q, f in zip(SCORED_QUANTILES, factors.get(group, [1.0] * len(SCORED_QUANTILES))))
+            drawn = values.get(group, none)
+            total += sum(_pinball(ms, max(0.0, p + v) if added else p * v, q) for q, v in zip(SCORED_QUANTILES, drawn))
         count += len(test) * len(SCORED_QUANTILES)
     return total / count if count else math.nan
 
@@ -444,22 +447,11 @@ def rank_z(larger: Sequence[float], smaller: Sequence[float]) -> float:
 
 
 def added_scores(pairs: Sequence[Tuple[float, float]], folds: int) -> Tuple[float, float]:
-    """The mean pinball loss (ms) at SCORED_QUANTILES of the held-out steps
-    of `pairs` (measured ms, predicted ms; interleaved folds) drawn as
-    factors of their prediction, and drawn as ms added to it."""
-    scores = []
-    for added in (False, True):
-        total, count = 0.0, 0
-        for k in range(folds):
-            train = sorted(m - p if added else m / p for i, (m, p) in enumerate(pairs) if i % folds != k)
-            if not train:
-                continue
-            values = [quantile(train, q) for q in SCORED_QUANTILES]
-            for m, p in pairs[k::folds]:
-                total += sum(_pinball(m, max(0.0, p + v) if added else p * v, q) for q, v in zip(SCORED_QUANTILES, values))
-                count += len(SCORED_QUANTILES)
-        scores.append(total / count if count else math.inf)
-    return scores[0], scores[1]
+    """The held-out pinball loss (group_score) of the steps `pairs`
+    (measured ms, predicted ms) drawn as factors of their prediction, and
+    drawn as ms added to it."""
+    measured = [("", m, p) for m, p in pairs]
+    return group_score(measured, folds), group_score(measured, folds, added=True)
 
 
 def fit_novelty_spreads(profile: StepProfile, steps: Sequence[Step], report: List[str], folds: int = 5) -> StepProfile:
