@@ -161,7 +161,8 @@ def _hold_keys(mapping: Dict[str, Any]) -> None:
     steady traffic would keep rebuilding a table of about a megabyte, and
     the engine's RSS would step up or down by that much on a rebuild: noise
     that a soak's leak check reads as growth. Held keys stay in the table
-    once. Bounded, so random keys in hostile frames only churn, as before.
+    once. The set stops at HELD_KEYS_MAX keys, so random keys in hostile
+    frames cannot grow it without bound (they only churn the table).
     """
     if len(_HELD_KEYS) < HELD_KEYS_MAX and not _HELD_KEYS.issuperset(mapping):
         _HELD_KEYS.update(key for key in mapping if type(key) is str)
