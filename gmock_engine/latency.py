@@ -61,9 +61,13 @@ class LatencyModel:
     #: False when every step and prefill is instant (the Rust mock's mode).
     #: Derived once: the scheduler reads it every step.
     paced: bool = field(init=False, repr=False, compare=False)
+    #: Whether the profile times a step of a new size apart, so that the
+    #: scheduler keeps the sizes its engine has run (StepSizes). Derived once.
+    prices_new_sizes: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "paced", bool(self.itl_ms or self.itl_ms_per_request or self.ttft_ms or self.prefill_ms_per_token or self.profile))
+        object.__setattr__(self, "prices_new_sizes", self.profile is not None and self.profile.prices_new_sizes)
 
     def _jitter(self, rng: random.Random) -> float:
         return 1.0 + self.jitter * (2.0 * rng.random() - 1.0) if self.jitter else 1.0
@@ -89,7 +93,7 @@ class LatencyModel:
             if not running:
                 return 0.0  # nothing ran (e.g. the head of the queue is not in yet): a real engine does not step
             novelty = 0
-            if sizes is not None and profile.prices_new_sizes:
+            if sizes is not None and self.prices_new_sizes:
                 novelty = sizes.add(running - prefill_reqs + prefill_tokens)
             ms = profile.sample_ms(running, prefill_tokens, prefill_attention, context_tokens, rng, prefill_reqs, novelty)
             ms *= self._jitter(rng)

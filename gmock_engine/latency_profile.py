@@ -200,9 +200,7 @@ class StepProfile:
         spread, or plus the ms drawn from it (`spread_of`)."""
         predicted = self.predict_ms(batch, prefill_tokens, prefill_attention, context_tokens, prefill_reqs)
         values, added = self.spread_of(prefill_tokens, batch, novelty)
-        if added:
-            return max(0.0, predicted + _draw(values, rng, 0.0))
-        return predicted * _draw(values, rng, 1.0)
+        return spread_time(predicted, _draw(values, rng, 0.0 if added else 1.0), added)
 
     @property
     def prices_new_sizes(self) -> bool:
@@ -232,6 +230,13 @@ class StepSizes:
             self.largest = size
             return NEW_MAX
         return NEW_SIZE
+
+
+def spread_time(predicted: float, value: float, added: bool) -> float:
+    """A step's time, ms, from its prediction and a value of its spread
+    (`StepProfile.spread_of`): plus the value, never below 0, when its values
+    are ms added; else times it."""
+    return max(0.0, predicted + value) if added else predicted * value
 
 
 def _quantile_list(values: Tuple[float, ...], low: float = 0.0) -> bool:

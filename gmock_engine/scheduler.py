@@ -64,11 +64,6 @@ _ABORTED = RequestStatus.FINISHED_ABORTED
 _NONE: Tuple[Any, ...] = ()
 
 
-def _prices_new_sizes(latency: LatencyModel) -> bool:
-    """Whether `latency`'s profile times a step of a new size apart (StepSizes)."""
-    return latency.profile is not None and latency.profile.prices_new_sizes
-
-
 class Scheduler:
     """The running batch, the waiting queue, and the decision of each step."""
 
@@ -127,7 +122,7 @@ class Scheduler:
         self.step_delay = 0.0
         #: the step sizes (tokens computed) run so far, kept when the profile
         #: prices a new one apart (latency.py); None: it does not
-        self.step_sizes: Optional[StepSizes] = StepSizes() if _prices_new_sizes(latency) else None
+        self.step_sizes: Optional[StepSizes] = StepSizes() if latency.prices_new_sizes else None
         #: steps, tokens, preemptions (the ledger counts requests)
         self.counters: Counter = Counter()
         #: --log-requests hooks of the engine
@@ -162,7 +157,7 @@ class Scheduler:
         processor's `reconfigure`)."""
         if latency != self.latency:
             self.latency = latency
-            if self.step_sizes is None and _prices_new_sizes(latency):
+            if self.step_sizes is None and latency.prices_new_sizes:
                 self.step_sizes = StepSizes()
             self.step_delay = (
                 latency.step_seconds(len(self.running), 0, self.rng, 0.0, self.kv.tokens, sizes=self.step_sizes) if latency.paced else 0.0

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ..config import ENV_PREFIX, FIT_SECTION, ConfigError, ini_reader, new_parser, parse_tool_config
-from ..latency_profile import NEW_MAX, NEW_SIZE, StepProfile, format_profile
+from ..latency_profile import NEW_MAX, NEW_SIZE, StepProfile, format_profile, spread_time
 from ..option import Group, Option, add_groups
 from ..validators import choice, int_at_least, nonempty
 from ..trace import TraceFormatError, read_trace
@@ -405,7 +405,7 @@ def group_score(measured: Sequence[Tuple[str, float, float]], folds: int, added:
         values = {g: [quantile(sorted(r), q) for q in SCORED_QUANTILES] for g, r in spreads.items()}
         for group, ms, p in test:
             drawn = values.get(group, none)
-            total += sum(_pinball(ms, max(0.0, p + v) if added else p * v, q) for q, v in zip(SCORED_QUANTILES, drawn))
+            total += sum(_pinball(ms, spread_time(p, v, added), q) for q, v in zip(SCORED_QUANTILES, drawn))
         count += len(test) * len(SCORED_QUANTILES)
     return total / count if count else math.nan
 
@@ -467,8 +467,8 @@ def fit_novelty_spreads(profile: StepProfile, steps: Sequence[Step], report: Lis
     about the same ms whatever the step's size, such as building a kernel
     for a new token count, is a large factor of a short step and a small
     one of a long step."""
-    pairs = {novelty: [(s.duration_ms, p) for s in steps if s.novelty == novelty and (p := predict(profile, s)) > 0]
-             for novelty in (NEW_SIZE, NEW_MAX)}  # fmt: skip
+    novel = [(s.novelty, s.duration_ms, p) for s in steps if s.novelty and (p := predict(profile, s)) > 0]
+    pairs = {novelty: [(m, p) for n, m, p in novel if n == novelty] for novelty in (NEW_SIZE, NEW_MAX)}
     ratios = {novelty: sorted(m / p for m, p in group) for novelty, group in pairs.items()}
     z = rank_z(ratios[NEW_MAX], ratios[NEW_SIZE])
     split = min(len(r) for r in ratios.values()) >= MIN_NEW_SIZE_STEPS and z > NEW_MAX_SPLIT_Z
@@ -476,9 +476,8 @@ def fit_novelty_spreads(profile: StepProfile, steps: Sequence[Step], report: Lis
         f"new largest sizes against the other new sizes: rank z {z:.2f} ({len(ratios[NEW_MAX])} and {len(ratios[NEW_SIZE])} steps; "
         f"a spread each when z > {NEW_MAX_SPLIT_Z}): {'a spread each' if split else 'one spread'}"
     )
-    merged = [(s.duration_ms, p) for s in steps if s.novelty and (p := predict(profile, s)) > 0]
     groups = {"spread_new_size": pairs[NEW_SIZE], "spread_new_max": pairs[NEW_MAX]} if split else \
-        {"spread_new_size": merged, "spread_new_max": []}  # fmt: skip
+        {"spread_new_size": [(m, p) for _, m, p in novel], "spread_new_max": []}  # fmt: skip
     for key, group in groups.items():
         profile = dataclasses.replace(profile, **{key: (), key + "_ms": ()})
         if len(group) < 2:
@@ -533,8 +532,7 @@ def score_steps(profile: StepProfile, steps: Sequence[Step]) -> List[Tuple[str, 
             spread, added = profile.spread_of(s.prefill_tokens, s.batch, s.novelty)
             if not spread:
                 spread, added = (1.0, 1.0), False
-            predicted = [max(0.0, p + quantile(spread, q)) if added else p * quantile(spread, q) for q in SCORED_QUANTILES]
-            total += sum(_pinball(s.duration_ms, y, q) for q, y in zip(SCORED_QUANTILES, predicted)) / len(SCORED_QUANTILES)
+            total += sum(_pinball(s.duration_ms, spread_time(p, quantile(spread, q), added), q) for q in SCORED_QUANTILES) / len(SCORED_QUANTILES)
             count += 1
         rows.append((name, count, total / count if count else math.nan))
     return rows
