@@ -95,9 +95,13 @@ class _Pending:
 
 def _scheduled_by(scheduled: Dict[str, float], add: Dict[str, Any], offset: Optional[float], end: float) -> bool:
     """The engine could have scheduled this ADD's request in a step ending at
-    `end`: its SCHEDULED event, when sent, is not later."""
+    `end`: its SCHEDULED event, when sent, is earlier. A real engine stamps
+    it between the previous step's outputs and this one's; the mock stamps
+    the instant it sends the previous step's outputs (engine.step schedules
+    the next step and flushes the last one at one clock reading), so a stamp
+    equal to `end` belongs to the step after."""
     stamp = scheduled.get(add["request_id"])
-    return stamp is None or offset is None or stamp + offset <= end
+    return stamp is None or offset is None or stamp + offset < end
 
 
 def _step_groups(outputs: List[Dict[str, Any]]) -> List[List[Dict[str, Any]]]:
@@ -159,7 +163,7 @@ def steps_of_rank(records: Iterable[Dict[str, Any]], rank: int, max_num_batched_
                 stamp = scheduled.get(adds[ai]["request_id"])
                 if stamp is None or offset is None:
                     start, woke = adds[ai]["t"], True
-                elif stamp + offset <= end:
+                elif stamp + offset < end:  # as _scheduled_by
                     start, woke = stamp + offset, True  # the engine's own time it scheduled the request
         limit = start if start is not None else end
         while ai < len(adds) and adds[ai]["t"] <= limit and _scheduled_by(scheduled, adds[ai], offset, end):
