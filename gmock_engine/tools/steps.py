@@ -93,15 +93,19 @@ class _Pending:
         return self.prompt_len - self.cached - self.done
 
 
-def _scheduled_by(scheduled: Dict[str, float], add: Dict[str, Any], offset: Optional[float], end: float) -> bool:
-    """The engine could have scheduled this ADD's request in a step ending at
-    `end`: its SCHEDULED event, when sent, is earlier. A real engine stamps
-    it between the previous step's outputs and this one's; the mock stamps
-    the instant it sends the previous step's outputs (engine.step schedules
-    the next step and flushes the last one at one clock reading), so a stamp
-    equal to `end` belongs to the step after."""
+def _scheduled_by(scheduled: Dict[str, float], add: Dict[str, Any], offset: Optional[float], start: Optional[float], end: float) -> bool:
+    """The engine could have scheduled this ADD's request in the step from
+    `start` to `end` (or before): its SCHEDULED event, when sent, is nearer
+    the step's start than its end. Each engine schedules at a step boundary
+    and stamps its outputs at the next one, but they order the two
+    differently: a real engine stamps the previous step's outputs, then
+    schedules (its SCHEDULED event just after the step's start); the mock
+    schedules, then stamps the previous step's outputs (engine.step: the
+    event just before the start). Either is nearer the start than the end."""
     stamp = scheduled.get(add["request_id"])
-    return stamp is None or offset is None or stamp + offset < end
+    if stamp is None or offset is None:
+        return True
+    return stamp + offset < (end if start is None else (start + end) / 2.0)
 
 
 def _step_groups(outputs: List[Dict[str, Any]]) -> List[List[Dict[str, Any]]]:
@@ -159,14 +163,20 @@ def steps_of_rank(records: Iterable[Dict[str, Any]], rank: int, max_num_batched_
             # the engine scheduled it only after this step (a step of nothing,
             # e.g. the one that reports the last finish)
             start = None
-            if ai < len(adds) and adds[ai]["t"] <= end and (prev_end is None or adds[ai]["t"] >= prev_end):
+            if ai < len(adds) and adds[ai]["t"] <= end:
                 stamp = scheduled.get(adds[ai]["request_id"])
                 if stamp is None or offset is None:
-                    start, woke = adds[ai]["t"], True
-                elif stamp + offset < end:  # as _scheduled_by
-                    start, woke = stamp + offset, True  # the engine's own time it scheduled the request
+                    if prev_end is None or adds[ai]["t"] >= prev_end:
+                        start, woke = adds[ai]["t"], True
+                elif stamp + offset < end:
+                    # the engine's own time it scheduled the request; an ADD the
+                    # tap saw before the previous step ended may have reached the
+                    # engine only after it (the step then began when it was scheduled)
+                    start, woke = stamp + offset, True
+                    if prev_end is not None and start < prev_end:
+                        start, woke = prev_end, False
         limit = start if start is not None else end
-        while ai < len(adds) and adds[ai]["t"] <= limit and _scheduled_by(scheduled, adds[ai], offset, end):
+        while ai < len(adds) and adds[ai]["t"] <= limit and _scheduled_by(scheduled, adds[ai], offset, start, end):
             admit(adds[ai])
             ai += 1
         while bi < len(aborts) and aborts[bi]["t"] <= limit:

@@ -285,6 +285,58 @@ def test_engine_clock_times_steps_and_the_input_delay():
     assert input_delays_ms(records) == [pytest.approx(2.1)]
 
 
+def _add(t, rid, prompt_len, max_tokens=1):
+    return {"kind": "add", "t": t, "rank": 0, "client": 0, "request_id": rid, "prompt_len": prompt_len, "max_tokens": max_tokens}
+
+
+def _output(engine_t, items, finished=None):
+    """Engine clock = tap clock - 5 s; relayed 0.1 ms late."""
+    return {"kind": "output", "t": engine_t + 5.0001, "rank": 0, "client": 0, "engine_timestamp": engine_t,
+            "finished_requests": finished, "requests": items}  # fmt: skip
+
+
+def _first(rid, queued, scheduled, finish=None):
+    return {"id": rid, "tokens": 1, "finish_reason": finish, "events": [[1, queued], [2, scheduled]]}
+
+
+def test_an_add_seen_before_the_last_step_ended_starts_the_next_one_when_scheduled():
+    """A real engine: `b`'s ADD passes the tap while the step that ends `a`
+    runs and is scheduled after it; the engine is idle in between, and the
+    step that prefills `b` is timed from its SCHEDULED event."""
+    records = [
+        _add(10.000, "a", 64),
+        _output(5.010, [_first("a", 5.0005, 5.001, finish=1)], finished=["a"]),
+        _add(10.0095, "b", 64),  # before a's step ended (10.0101 at the tap)
+        _output(5.030, [_first("b", 5.0102, 5.0103, finish=1)], finished=["b"]),
+    ]
+    first, second = steps_from_trace(records, max_num_batched_tokens=2048)
+    assert (second.batch, second.prefill_tokens, second.woke) == (1, 64, True)
+    assert second.duration_ms == pytest.approx(19.7)
+
+
+def test_the_mocks_order_places_each_prompt_in_the_step_that_computed_it():
+    """The mock schedules at a step boundary before it stamps the outputs of
+    the step that ended there (a real engine after): a SCHEDULED event just
+    before a step's end belongs to the step after it. `b` is scheduled while
+    `a` decodes, `c` at the boundary where `a` ends; each prompt is computed
+    whole in the step that ends with its first token."""
+    records = [
+        _add(10.000, "a", 64, max_tokens=2),
+        _output(5.010, [_first("a", 5.0005, 5.001)]),
+        _add(10.0099, "b", 256),  # reached the engine after its step at 5.0099 had scheduled
+        _output(5.020, [{"id": "a", "tokens": 1, "finish_reason": 1}], finished=["a"]),  # scheduled b at 5.0199 first
+        _output(5.030, [_first("b", 5.0100, 5.0199, finish=1)], finished=["b"]),
+        _add(10.0395, "c", 128),
+        _output(5.050, [_first("c", 5.0396, 5.0399, finish=1)], finished=["c"]),
+    ]
+    steps = steps_from_trace(records, max_num_batched_tokens=2048)
+    by_end = {round(s.end - 10.0001, 4): (s.batch, s.decode, s.prefill_tokens) for s in steps}  # on the tap clock
+    assert by_end[0.02] == (1, 1, 0)  # a's second token; b not yet
+    assert by_end[0.03] == (1, 0, 256)
+    assert by_end[0.05] == (1, 0, 128)
+    assert [s.duration_ms for s in steps if s.prefill_tokens == 256] == [pytest.approx(10.0)]
+
+
 def test_the_input_delay_counts_only_requests_that_found_the_engine_idle():
     """An ADD that comes while another request runs waits for the step in
     progress before the engine queues it: that wait is the scheduler's (the
