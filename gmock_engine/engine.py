@@ -139,6 +139,7 @@ class EngineCore:
             settings.max_num_seqs,
             settings.max_num_batched_tokens,
             settings.scheduling_policy,
+            async_scheduling=settings.async_scheduling,
             on_preempt=self._log_preempted,
             on_reject=lambda request: self._log_end(request.request_id, 0, FinishReason.ERROR),
             lora=self.lora,

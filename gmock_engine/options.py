@@ -302,6 +302,13 @@ SCHEDULER = Group(
     "scheduler",
     (
         Option(
+            "--async-scheduling",
+            "schedule a step ahead, as vLLM's async scheduling (its default on GPUs): a request that arrives "
+            "while the engine is busy joins the step after the next, so its first token comes a step later",
+            default=False,
+            boolean=True,
+        ),
+        Option(
             "--prefix-caching",
             "cache prompt blocks (block hashes, LRU over --num-gpu-blocks): a repeated prefix is not prefilled "
             "again; hits show in the frontends' prefix-cache metrics",

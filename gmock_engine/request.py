@@ -117,6 +117,8 @@ class Request:
         "replay",
         # the latency profile's input delay (latency_profile.py)
         "admit_at",
+        # async scheduling: the scheduler's call from which it may be admitted
+        "first_call",
         # a pooling request's output tensor (pooling.py)
         "pooling",
     )
@@ -138,6 +140,9 @@ class Request:
         #: Engine clock before which it is not admitted: its arrival in a real
         #: engine, after the input delay of a latency profile.
         self.admit_at = queued_at
+        #: The Scheduler.schedule call (its count) from which it may be
+        #: admitted: with async scheduling, one later when the engine is busy.
+        self.first_call = 0
         #: How it ends after `max_tokens` tokens (see `plan`).
         self.finish = _LENGTH
         self.stop_reason: Optional[int] = None

@@ -78,6 +78,7 @@ class Scheduler:
         max_num_seqs: Optional[int],
         max_num_batched_tokens: Optional[int],
         policy: str,
+        async_scheduling: bool = False,
         on_preempt: Callable[[Request], None] = lambda request: None,
         on_reject: Callable[[Request], None] = lambda request: None,
         lora: Optional[AdapterRegistry] = None,
@@ -123,6 +124,17 @@ class Scheduler:
         #: the step sizes (tokens computed) run so far, kept when the profile
         #: prices a new one apart (latency.py); None: it does not
         self.step_sizes: Optional[StepSizes] = StepSizes() if latency.prices_new_sizes else None
+        #: vLLM's async scheduling: it schedules step k+1 while step k runs,
+        #: so what arrives during step k is scheduled after it, into step
+        #: k+2, stamped SCHEDULED then. Here a request that comes while the
+        #: batch runs may join at the second `schedule` call after it (its
+        #: `first_call`), with the first one's time as its SCHEDULED event.
+        self.async_scheduling = async_scheduling
+        #: `schedule` calls so far, and the time of the last one
+        self._calls = 0
+        self._last_call_at = 0.0
+        #: the SCHEDULED time of what this call admits
+        self._scheduled_stamp = 0.0
         #: steps, tokens, preemptions (the ledger counts requests)
         self.counters: Counter = Counter()
         #: --log-requests hooks of the engine
@@ -226,6 +238,8 @@ class Scheduler:
         before its input delay has passed)."""
         if self.latency.profile is not None:
             request.admit_at = request.queued_at + self.latency.input_delay_seconds(self.rng)
+        if self.async_scheduling and self.running:
+            request.first_call = self._calls + 2  # the next call plans the step already under way
         self.waiting.add_request(request)
 
     def remove(self, request_id: str, status: RequestStatus = _ABORTED) -> Optional[Request]:
@@ -277,6 +291,11 @@ class Scheduler:
         min(chunk, remaining) tokens; the output processor makes them."""
         budget = self.max_num_batched_tokens
         running = self.running
+        self._calls += 1
+        # async: what joins now was decided at the last call, while the step
+        # that ends now ran; an idle engine schedules what woke it at once
+        self._scheduled_stamp = self._last_call_at if self.async_scheduling and running else now
+        self._last_call_at = now
         prefill_tokens = 0
         self._prefill_attention = 0.0
         self._prefill_reqs = 0
@@ -381,6 +400,8 @@ class Scheduler:
             request = waiting.peek_request()
             if request.admit_at > now:
                 break  # not yet in the engine (the profile's input delay), and first in line
+            if request.first_call > self._calls:
+                break  # async scheduling: came while this step was planned, and first in line
             adapter = request.lora_request
             if adapter is not None and lora is not None:
                 if adapter.lora_int_id not in running_loras and len(running_loras) >= lora.max_loras:
@@ -409,7 +430,7 @@ class Scheduler:
             waiting.pop_request()
             request.scheduled_at = now
             events = request.pending_events or []
-            events.append(engine_core_event(_SCHEDULED, now))
+            events.append(engine_core_event(_SCHEDULED, self._scheduled_stamp))
             request.pending_events = events
             self.running[request.request_id] = request
             request.status = _RUNNING

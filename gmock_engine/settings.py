@@ -47,6 +47,8 @@ class EngineSettings:
     max_num_seqs: Optional[int] = None
     #: "fcfs", or "priority": lower `priority` first, then arrival (as vLLM).
     scheduling_policy: str = "fcfs"
+    #: Admissions decided a step ahead, as vLLM's async scheduling (scheduler.py).
+    async_scheduling: bool = False
     latency: LatencyModel = field(default_factory=LatencyModel)
     #: Tokens until EOS (lengths.py); None: requests end by max_tokens only.
     output_lengths: Optional[OutputLengths] = None
@@ -141,6 +143,8 @@ class SchedulerSettings:
     scheduling_policy: str
     max_num_seqs: Optional[int]
     max_num_batched_tokens: Optional[int]
+    #: --async-scheduling: admissions decided a step ahead (scheduler.py)
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)
@@ -246,6 +250,7 @@ def from_config(c: Any) -> Settings:
             scheduling_policy=c.scheduling_policy,
             max_num_seqs=effective(c, "max_num_seqs"),
             max_num_batched_tokens=effective(c, "max_num_batched_tokens"),
+            async_scheduling=c.async_scheduling,
         ),
         kv=KVSettings(
             num_gpu_blocks=c.num_gpu_blocks,
@@ -310,6 +315,7 @@ def engine_settings(
         kv_blocks=kv.kv_blocks,
         max_num_batched_tokens=sched.max_num_batched_tokens,
         scheduling_policy=sched.scheduling_policy,
+        async_scheduling=sched.async_scheduling,
         prefix_caching=kv.prefix_caching,
         kv_events=kv.kv_events,
         reuse_outputs=True,  # the runtime encodes each message as it is made
