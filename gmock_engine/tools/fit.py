@@ -55,7 +55,7 @@ from ..latency_profile import NEW_MAX, NEW_SIZE, StepProfile, format_profile, sp
 from ..option import Group, Option, add_groups
 from ..validators import choice, int_at_least, nonempty
 from ..trace import TraceFormatError, read_trace
-from .steps import Step, input_delays_ms, steps_from_trace
+from .steps import Step, input_delays_ms, schedules_ahead, scheduling_lags, steps_from_trace
 
 #: Steps shorter than this (ms) are not steps of a model's forward pass
 #: (e.g. a stats-only message right after another): left out of the fit.
@@ -640,6 +640,13 @@ GROUPS = (
                 "none: no chunking assumed",
                 type=int_at_least(1),
             ),
+            Option(
+                "--async-scheduling",
+                "whether the recorded engine scheduled a step ahead (vLLM's async scheduling, its default on GPUs; "
+                "its log says it), to place each prompt in its step: auto (what its first tokens show), on or off",
+                default="auto",
+                type=choice(("auto", "on", "off")),
+            ),
             Option("--folds", "cross-validation folds", default=5, type=int_at_least(2, 100)),
             Option("--model", "fit only this candidate (default: every one, the best kept)",
                    type=choice([c.name for c in CANDIDATES])),  # fmt: skip
@@ -673,14 +680,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     steps: List[Step] = []
     delays: List[float] = []
+    ahead_seen = False
     for path in args.traces:
         try:
             _, records = read_trace(path)
         except (OSError, TraceFormatError) as exc:
             print(f"gmock-engine fit: {path}: {exc}", file=sys.stderr)
             return 2
-        found = steps_from_trace(records, args.max_num_batched_tokens)
-        print(f"{path}: {len(found)} steps")
+        lags = scheduling_lags(records)
+        ahead = schedules_ahead(lags) is True if args.async_scheduling == "auto" else args.async_scheduling == "on"
+        ahead_seen = ahead_seen or ahead
+        found = steps_from_trace(records, args.max_num_batched_tokens, ahead)
+        shown = ", ".join(f"{lag} {count}" for lag, count in sorted(lags.items())) or "no SCHEDULED events"
+        print(f"{path}: {len(found)} steps; first tokens by steps after scheduling (requests): {shown}; "
+              f"read as {'async' if ahead else 'sync'} scheduling")  # fmt: skip
         steps.extend(found)
         delays.extend(input_delays_ms(records))
     try:
@@ -693,6 +706,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "gmock_engine latency profile: ./run.sh --latency-profile THIS_FILE (docs/latency-profile.md)",
         f"fitted by ./run.sh fit from {', '.join(args.traces)}; model {result.chosen}",
     ]
+    if ahead_seen:
+        comment.append("the recorded engine scheduled a step ahead (async scheduling): serve with --async-scheduling")
     with open(args.output, "w", encoding="utf-8") as f:
         f.write(format_profile(result.profile, comment))
     print(f"wrote {args.output}")

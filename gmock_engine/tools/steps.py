@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional
 
@@ -93,19 +94,33 @@ class _Pending:
         return self.prompt_len - self.cached - self.done
 
 
-def _scheduled_by(scheduled: Dict[str, float], add: Dict[str, Any], offset: Optional[float], start: Optional[float], end: float) -> bool:
-    """The engine could have scheduled this ADD's request in the step from
-    `start` to `end` (or before): its SCHEDULED event, when sent, is nearer
-    the step's start than its end. Each engine schedules at a step boundary
-    and stamps its outputs at the next one, but they order the two
-    differently: a real engine stamps the previous step's outputs, then
-    schedules (its SCHEDULED event just after the step's start); the mock
-    schedules, then stamps the previous step's outputs (engine.step: the
-    event just before the start). Either is nearer the start than the end."""
+def _scheduled_by(scheduled: Dict[str, float], add: Dict[str, Any], offset: Optional[float], boundary: float) -> bool:
+    """The engine scheduled this ADD's request in time for the step being
+    read: its SCHEDULED event, when sent, is before `boundary` (steps_of_rank
+    says which)."""
     stamp = scheduled.get(add["request_id"])
-    if stamp is None or offset is None:
-        return True
-    return stamp + offset < (end if start is None else (start + end) / 2.0)
+    return stamp is None or offset is None or stamp + offset < boundary
+
+
+def _boundary(start: Optional[float], end: float, prev_start: Optional[float], ahead: bool) -> float:
+    """Before when a request's SCHEDULED event falls if its prompt is
+    computed in the step from `start` to `end`.
+
+    Each engine schedules at a step boundary and stamps its outputs at the
+    same boundary, in its own order: a real engine stamps the previous
+    step's outputs, then schedules (its SCHEDULED event just after the
+    boundary); the mock schedules, then stamps (engine.step: the event just
+    before it). Either way the event is nearer the boundary than the
+    middle of a step. Without async scheduling a request scheduled at a
+    boundary runs in the step that starts there: its event is before the
+    middle of that step. With it (`ahead`), the engine plans a step ahead
+    and the request runs in the step after: its event is before the middle
+    of the step before."""
+    if start is None:
+        return end
+    if not ahead:
+        return (start + end) / 2.0
+    return start if prev_start is None else (prev_start + start) / 2.0
 
 
 def _step_groups(outputs: List[Dict[str, Any]]) -> List[List[Dict[str, Any]]]:
@@ -123,9 +138,12 @@ def _step_groups(outputs: List[Dict[str, Any]]) -> List[List[Dict[str, Any]]]:
     return groups
 
 
-def steps_of_rank(records: Iterable[Dict[str, Any]], rank: int, max_num_batched_tokens: Optional[int] = None) -> List[Step]:
+def steps_of_rank(
+    records: Iterable[Dict[str, Any]], rank: int, max_num_batched_tokens: Optional[int] = None, ahead: bool = False
+) -> List[Step]:
     """The steps of engine `rank` (see the module docstring); `records` in
-    trace order."""
+    trace order; `ahead`: the engine scheduled a step ahead (vLLM's async
+    scheduling: `_boundary`)."""
     adds, aborts, outputs = _engine_records(records, rank)
     cached: Dict[str, int] = {}
     for record in outputs:
@@ -152,12 +170,14 @@ def steps_of_rank(records: Iterable[Dict[str, Any]], rank: int, max_num_batched_
     # lag behind when it is short of CPU, in bursts.
     offset = _clock_offset(outputs)
     prev_end: Optional[float] = None
+    prev_start: Optional[float] = None
     for group in _step_groups(outputs):
         end = group[0]["engine_timestamp"] + offset if offset is not None else min(r["t"] for r in group)
         while ai < len(adds) and adds[ai]["request_id"] in admitted:
             ai += 1
         start: Optional[float] = prev_end
         woke = False
+        waking: Optional[str] = None  # the request that woke the engine runs in the step it woke
         if not (pending or running):
             # idle after the previous step: the next ADD woke the engine, unless
             # the engine scheduled it only after this step (a step of nothing,
@@ -175,8 +195,13 @@ def steps_of_rank(records: Iterable[Dict[str, Any]], rank: int, max_num_batched_
                     start, woke = stamp + offset, True
                     if prev_end is not None and start < prev_end:
                         start, woke = prev_end, False
+            if start is not None:
+                waking = adds[ai]["request_id"]
         limit = start if start is not None else end
-        while ai < len(adds) and adds[ai]["t"] <= limit and _scheduled_by(scheduled, adds[ai], offset, start, end):
+        boundary = _boundary(start, end, prev_start, ahead)
+        while ai < len(adds) and adds[ai]["t"] <= limit and (
+            adds[ai]["request_id"] == waking or _scheduled_by(scheduled, adds[ai], offset, boundary)
+        ):
             admit(adds[ai])
             ai += 1
         while bi < len(aborts) and aborts[bi]["t"] <= limit:
@@ -230,7 +255,7 @@ def steps_of_rank(records: Iterable[Dict[str, Any]], rank: int, max_num_batched_
         for rid in finished:
             running.pop(rid, None)
             pending.pop(rid, None)
-        prev_end = end
+        prev_end, prev_start = end, start
     return steps
 
 
@@ -285,6 +310,45 @@ def _first_events(outputs: List[Dict[str, Any]], kind: int) -> Dict[str, float]:
     return found
 
 
+def scheduling_lags(records: List[Dict[str, Any]]) -> Dict[int, int]:
+    """How many steps after the boundary it was scheduled at each request
+    had its first token -> how many requests. The boundary is the step end
+    nearest its SCHEDULED event (`_boundary`: an engine schedules at one).
+    An engine that schedules each step as the one before ends gives a
+    request that came while the batch ran its first token 1 step later (a
+    chunked prompt more); one that schedules a step ahead (vLLM's async
+    scheduling) 2. A request that woke an idle engine has it 0 or 1 steps
+    later either way."""
+    lags: Dict[int, int] = {}
+    for rank in _ranks(records):
+        _, _, outputs = _engine_records(records, rank)
+        scheduled = _first_events(outputs, SCHEDULED)
+        ends = [group[0]["engine_timestamp"] for group in _step_groups(outputs)]
+        if not ends or any(not isinstance(t, (int, float)) for t in ends):
+            continue
+        first: Dict[str, int] = {}
+        for index, group in enumerate(_step_groups(outputs)):
+            for record in group:
+                for item in record.get("requests", ()):
+                    if item.get("tokens") and item["id"] not in first:
+                        first[item["id"]] = index
+        for rid, stamp in scheduled.items():
+            if rid not in first:
+                continue
+            i = bisect_left(ends, stamp)
+            nearest = i if i == 0 or (i < len(ends) and ends[i] - stamp < stamp - ends[i - 1]) else i - 1
+            lag = first[rid] - nearest
+            lags[lag] = lags.get(lag, 0) + 1
+    return lags
+
+
+def schedules_ahead(lags: Dict[int, int]) -> Optional[bool]:
+    """Whether the lags (scheduling_lags) say the engine scheduled a step
+    ahead: most requests with a lag of 1 or 2 have 2. None: neither seen."""
+    one, two = lags.get(1, 0), lags.get(2, 0)
+    return None if one + two == 0 else two > one
+
+
 def input_delays_ms(records: List[Dict[str, Any]]) -> List[float]:
     """Per request, ms from the tap relaying its ADD to the engine queueing
     it (its QUEUED event, §4.5): the engine's input path (receiving,
@@ -336,9 +400,10 @@ def _end_times(aborts: List[Dict[str, Any]], outputs: List[Dict[str, Any]], offs
     return ended
 
 
-def steps_from_trace(records: List[Dict[str, Any]], max_num_batched_tokens: Optional[int] = None) -> List[Step]:
-    """The steps of every engine in a trace's records, engine by engine."""
+def steps_from_trace(records: List[Dict[str, Any]], max_num_batched_tokens: Optional[int] = None, ahead: bool = False) -> List[Step]:
+    """The steps of every engine in a trace's records, engine by engine
+    (`ahead`: steps_of_rank)."""
     steps: List[Step] = []
     for rank in _ranks(records):
-        steps.extend(steps_of_rank(records, rank, max_num_batched_tokens))
+        steps.extend(steps_of_rank(records, rank, max_num_batched_tokens, ahead))
     return steps

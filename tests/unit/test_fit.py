@@ -16,7 +16,7 @@ import msgpack
 import pytest
 
 from gmock_engine.latency import LatencyModel
-from gmock_engine.latency_profile import NEW_MAX, NEW_SIZE, STEADY, StepProfile, format_profile
+from gmock_engine.latency_profile import NEW_MAX, NEW_SIZE, STEADY, StepProfile, format_profile, read_profile
 from gmock_engine.tools import fit as fitting
 from gmock_engine.tools.steps import steps_from_trace
 from gmock_engine.trace import header, output_record
@@ -110,17 +110,20 @@ def simulate(profile, arrivals, seed=0, reader_lag=0.0, **settings):
     raise AssertionError("simulation did not end")
 
 
-@pytest.mark.parametrize("budget, reader_lag", [(None, 0.0), (2048, 0.0), (2048, 0.002)])
-def test_steps_read_back_are_the_steps_the_engine_timed(budget, reader_lag):
+@pytest.mark.parametrize(
+    "budget, reader_lag, async_scheduling", [(None, 0.0, False), (2048, 0.0, False), (2048, 0.002, False), (2048, 0.002, True)]
+)
+def test_steps_read_back_are_the_steps_the_engine_timed(budget, reader_lag, async_scheduling):
     """With a token budget a prompt's place matters (the read-back splits it
     into chunks by the budget), and over sockets an ADD that came just
     before a step is scheduled only in the next: its SCHEDULED stamp is then
-    the instant the step sent its outputs, and its prompt is the next step's."""
+    the instant the step sent its outputs, and its prompt is the next step's;
+    an engine that schedules a step ahead runs it in the step after that."""
     # a new-size spread of 1: the engine tracks its step sizes, the times are TRUE's
     settings = {} if budget is None else {"max_num_batched_tokens": budget}
     profile = dataclasses.replace(TRUE, spread_new_size=(1.0, 1.0))
-    records, recorder = simulate(profile, workload(120, seed=1), reader_lag=reader_lag, **settings)
-    steps = steps_from_trace(records, max_num_batched_tokens=budget)
+    records, recorder = simulate(profile, workload(120, seed=1), reader_lag=reader_lag, async_scheduling=async_scheduling, **settings)
+    steps = steps_from_trace(records, max_num_batched_tokens=budget, ahead=async_scheduling)
     # a step read back spans the engine's gap from one step of its own to the
     # next, which sent that step's tokens: the engine timed the gap from the plan
     # it made when the gap began
@@ -139,6 +142,40 @@ def test_steps_read_back_are_the_steps_the_engine_timed(budget, reader_lag):
         assert step.duration_ms == pytest.approx(TRUE.predict_ms(*expected), rel=1e-6)
         checked += 1
     assert checked == len(steps)
+
+
+def test_the_first_tokens_say_whether_the_engine_scheduled_a_step_ahead():
+    """Read as if it scheduled each step as the one before ended, a trace of
+    an engine that scheduled a step ahead puts many prompts a step early;
+    its first tokens come two steps after the boundary they were scheduled
+    at, which the fit reads (auto) and says in the profile."""
+    from gmock_engine.tools.steps import schedules_ahead, scheduling_lags
+
+    profile = dataclasses.replace(TRUE, spread_new_size=(1.0, 1.0))
+    for async_scheduling in (False, True):
+        records, recorder = simulate(profile, workload(120, seed=1), reader_lag=0.002, async_scheduling=async_scheduling,
+                                     max_num_batched_tokens=2048)  # fmt: skip
+        lags = scheduling_lags(records)
+        assert schedules_ahead(lags) is async_scheduling, lags
+        timed = {round(t, 9): c[1] for t, c in zip(recorder.starts, recorder.timed)}
+        wrong = [s for s in steps_from_trace(records, max_num_batched_tokens=2048) if timed[round(s.start, 9)] != s.prefill_tokens]
+        assert bool(wrong) is async_scheduling and len(wrong) < 200
+
+
+def test_fit_reads_an_engine_that_scheduled_ahead_and_says_so(tmp_path, capsys):
+    """`./run.sh fit` on the trace of an engine that scheduled a step ahead
+    recovers its profile and writes the hint to serve with --async-scheduling."""
+    records, _ = simulate(TRUE, workload(300, seed=5), reader_lag=0.002, async_scheduling=True, max_num_batched_tokens=2048)
+    path = tmp_path / "async.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [header(ranks=[0])] + records) + "\n")
+    out = tmp_path / "profile.ini"
+    assert fitting.main([str(path), "--max-num-batched-tokens", "2048", "--model", "table", "-o", str(out)]) == 0
+    assert "read as async scheduling" in capsys.readouterr().out
+    text = out.read_text()
+    assert "serve with --async-scheduling" in text
+    p = read_profile(str(out))
+    assert p.prefill_ms_per_token == pytest.approx(TRUE.prefill_ms_per_token, rel=0.15)
+    assert p.batch_ms(4) == pytest.approx(TRUE.batch_ms(4), rel=0.05)
 
 
 def test_fit_recovers_the_profile_and_prefers_the_table():
