@@ -642,8 +642,8 @@ GROUPS = (
             ),
             Option(
                 "--async-scheduling",
-                "whether the recorded engine scheduled a step ahead (vLLM's async scheduling, its default on GPUs; "
-                "its log says it), to place each prompt in its step: auto (what its first tokens show), on or off",
+                "whether the recorded engine scheduled a step ahead (vLLM's async scheduling, its default on GPUs), "
+                "to place each prompt in its step: auto (what its first tokens show), on or off",
                 default="auto",
                 type=choice(("auto", "on", "off")),
             ),
