@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import re
+import time
 
 import pytest
 
@@ -107,3 +108,43 @@ def test_streams_through_the_tap_are_exact_and_traced(tapped):
     if tapped.topology.frontend == "python":
         # its API server's startup utility calls (§5) went through the tap as well
         assert {"reset_mm_cache", "get_supported_tasks"} <= {r["method"] for r in records if r["kind"] == "utility"}
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def tapped_scheduling(request, frontends, model_dir, tmp_path_factory):
+    """The mock scheduling each step as the one before ends, or a step ahead
+    (--async-scheduling), behind the real Python frontend and the tap."""
+    engine_args = ["--itl-ms", "5", "--prefill-ms-per-token", "0.05"] + (["--async-scheduling"] if request.param else [])
+    topology = h.Topology("python", dp=1)
+    s = TapStack(topology, frontends, model_dir, tmp_path_factory.mktemp(f"record-sched-{request.param}"), engine_args=engine_args)
+    s.start()
+    try:
+        yield s, request.param
+    finally:
+        problems = s.stop()
+    assert not problems, problems
+
+
+def test_the_fit_reads_from_a_trace_whether_the_engine_scheduled_a_step_ahead(tapped_scheduling, tmp_path):
+    """Requests that come while the batch runs get their first token one
+    step after the boundary they were scheduled at, or two when the engine
+    schedules a step ahead: what `./run.sh fit` reads (docs/latency-profile.md)."""
+    from gmock_engine.tools import fit
+    from gmock_engine.tools.steps import schedules_ahead, scheduling_lags
+
+    stack, ahead = tapped_scheduling
+
+    def staggered(i):
+        time.sleep(0.03 * i)  # each comes while the ones before decode
+        return stream(stack, 40)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(staggered, range(8))) == [(40, ["length"])] * 8
+    stack.stop()
+    _, records = read_trace(str(stack.trace_path))
+    lags = scheduling_lags(records)
+    assert schedules_ahead(lags) is ahead, lags
+    assert lags.get(2 if ahead else 1, 0) >= 5, lags
+    profile = tmp_path / "profile.ini"
+    assert fit.main([str(stack.trace_path), "--model", "linear", "-o", str(profile)]) == 0
+    assert ("serve with --async-scheduling" in profile.read_text()) is ahead
