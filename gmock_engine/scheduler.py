@@ -133,7 +133,7 @@ class Scheduler:
         #: `schedule` calls so far, and the time of the last one
         self._calls = 0
         self._last_call_at = 0.0
-        #: the SCHEDULED time of what this call admits
+        #: the time of this call's decisions: its SCHEDULED and PREEMPTED events
         self._scheduled_stamp = 0.0
         #: steps, tokens, preemptions (the ledger counts requests)
         self.counters: Counter = Counter()
@@ -239,7 +239,7 @@ class Scheduler:
         if self.latency.profile is not None:
             request.admit_at = request.queued_at + self.latency.input_delay_seconds(self.rng)
         if self.async_scheduling and self.running:
-            request.first_call = self._calls + 2  # the next call plans the step already under way
+            request.first_call = self._calls + 2  # vLLM planned the next step while this one ran: it joins the one after
         self.waiting.add_request(request)
 
     def remove(self, request_id: str, status: RequestStatus = _ABORTED) -> Optional[Request]:
@@ -292,14 +292,15 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         running = self.running
         self._calls += 1
-        # async: what joins now was decided at the last call, while the step
-        # that ends now ran; an idle engine schedules what woke it at once
+        # async: what this call decides (admissions, preemptions) vLLM decided
+        # at the last call, while the step that ends now ran; an idle engine
+        # schedules what woke it at once
         self._scheduled_stamp = self._last_call_at if self.async_scheduling and running else now
         self._last_call_at = now
         prefill_tokens = 0
         self._prefill_attention = 0.0
         self._prefill_reqs = 0
-        preempted = self._reserve_decode_blocks(now) if self.kv.enforced and running else _NONE
+        preempted = self._reserve_decode_blocks(self._scheduled_stamp) if self.kv.enforced and running else _NONE
         prefilling = self.prefilling
         # a request whose prefill ended in the last step has its first token
         # now: it decodes in this step, as in vLLM, and takes its budget
@@ -532,14 +533,15 @@ class Scheduler:
                     del self.prefilling[request.request_id]
         return prefilled, budget
 
-    def _reserve_decode_blocks(self, now: float) -> Any:
+    def _reserve_decode_blocks(self, decided_at: float) -> Any:
         """KV for the running requests' tokens of this step, before anything
         is admitted (vLLM schedules running requests first): a request
         crossing a block boundary needs a new block; when they run out, the
         newest running request is preempted (vLLM's recompute preemption)
         until the rest fit. Returns the preempted requests (a falsy empty
         tuple when none: then admissions may follow; after a preemption
-        nothing is admitted in this step, as in vLLM)."""
+        nothing is admitted in this step, as in vLLM). `decided_at`: the
+        PREEMPTED events' time (with async scheduling the call before)."""
         kv, prefilling = self.kv, self.prefilling
         preempted: Any = _NONE
         while True:
@@ -555,7 +557,7 @@ class Scheduler:
             if kv.fits(total) or not self.running:
                 break
             victim = next(reversed(self.running.values()))
-            self._preempt(victim, now)
+            self._preempt(victim, decided_at)
             preempted = [victim] if preempted is _NONE else preempted + [victim]
         for request, need in needs:
             kv.allocate(request, need)

@@ -34,13 +34,13 @@ def events_of(sent, rid):
 # -- no admission in a preempting step, across requests ----------------------------
 
 
-def preempting_scenario():
+def preempting_scenario(**settings):
     """3 blocks of 16. "a" (16-token prompt: 2 blocks with its first token's
     slot) and "b" (15 tokens: 1 block) fill them at step 1. At step 2 "b"'s
     second token needs a second block: "b" (the newest) is preempted, which
     frees one. "hi" (priority -1, one block) arrives before step 2: it
     fits in that freed block but must wait for step 3."""
-    e = engine(kv_blocks=3, scheduling_policy="priority")
+    e = engine(kv_blocks=3, scheduling_policy="priority", **settings)
     e.apply(EngineCoreRequest("a", 16, 6, True, priority=0))
     e.apply(EngineCoreRequest("b", 15, 6, True, priority=0))
     sent = e.step()
@@ -62,14 +62,22 @@ def test_a_higher_priority_request_is_not_admitted_in_the_step_that_preempted():
     assert {rid: sum(len(o[1]) for o in outputs_of(sent, rid)) for rid in ("a", "b", "hi")} == {"a": 6, "b": 6, "hi": 2}
 
 
-def test_no_request_is_scheduled_at_the_time_another_was_preempted():
-    """The same on the wire: every event of every request, compared across them."""
-    e, sent = preempting_scenario()
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_no_request_is_scheduled_at_the_time_another_was_preempted(async_scheduling):
+    """The same on the wire: every event of every request, compared across
+    them. An engine that schedules a step ahead decides the step after the
+    one that woke it at once, at the time it admitted "a" and "b"; its
+    events carry when it decided, so there the preemption has that time."""
+    e, sent = preempting_scenario(async_scheduling=async_scheduling)
     sent += run(e)
     events = {rid: events_of(sent, rid) for rid in ("a", "b", "hi")}
     preempted = {t for kind, t in events["b"] if kind == PREEMPTED}
     assert preempted, events
     scheduled = {(rid, t) for rid, evs in events.items() for kind, t in evs if kind == SCHEDULED}
+    if async_scheduling:
+        woke = {t for rid, t in scheduled if rid == "a"}
+        assert preempted == woke, events
+        scheduled -= {(rid, t) for rid, t in scheduled if rid in ("a", "b") and t in woke}
     assert not {(rid, t) for rid, t in scheduled if t in preempted}, events
 
 
