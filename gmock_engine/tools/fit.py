@@ -687,7 +687,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except (OSError, TraceFormatError) as exc:
             print(f"gmock-engine fit: {path}: {exc}", file=sys.stderr)
             return 2
-        lags = scheduling_lags(records)
+        lags = scheduling_lags(records, args.max_num_batched_tokens)
         ahead = schedules_ahead(lags) is True if args.async_scheduling == "auto" else args.async_scheduling == "on"
         ahead_seen = ahead_seen or ahead
         found = steps_from_trace(records, args.max_num_batched_tokens, ahead)

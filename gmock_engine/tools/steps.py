@@ -310,7 +310,7 @@ def _first_events(outputs: List[Dict[str, Any]], kind: int) -> Dict[str, float]:
     return found
 
 
-def scheduling_lags(records: List[Dict[str, Any]]) -> Dict[int, int]:
+def scheduling_lags(records: List[Dict[str, Any]], max_num_batched_tokens: Optional[int] = None) -> Dict[int, int]:
     """How many steps after the boundary it was scheduled at each request
     had its first token -> how many requests. The boundary is the step end
     nearest its SCHEDULED event (`_boundary`: an engine schedules at one).
@@ -318,10 +318,12 @@ def scheduling_lags(records: List[Dict[str, Any]]) -> Dict[int, int]:
     request that came while the batch ran its first token 1 step later (a
     chunked prompt more); one that schedules a step ahead (vLLM's async
     scheduling) 2. A request that woke an idle engine has it 0 or 1 steps
-    later either way."""
+    later either way. With a token budget only the requests whose uncached
+    prompt is at most a quarter of it count: the others are likely chunked."""
     lags: Dict[int, int] = {}
     for rank in _ranks(records):
-        _, _, outputs = _engine_records(records, rank)
+        adds, _, outputs = _engine_records(records, rank)
+        prompts = {add["request_id"]: int(add.get("prompt_len") or 0) for add in adds}
         scheduled = _first_events(outputs, SCHEDULED)
         ends = [group[0]["engine_timestamp"] for group in _step_groups(outputs)]
         if not ends or any(not isinstance(t, (int, float)) for t in ends):
@@ -332,8 +334,12 @@ def scheduling_lags(records: List[Dict[str, Any]]) -> Dict[int, int]:
                 for item in record.get("requests", ()):
                     if item.get("tokens") and item["id"] not in first:
                         first[item["id"]] = index
+        cached = {item["id"]: int(item.get("num_cached_tokens") or 0) for record in outputs for item in record.get("requests", ())
+                  if item.get("num_cached_tokens")}  # fmt: skip
         for rid, stamp in scheduled.items():
             if rid not in first:
+                continue
+            if max_num_batched_tokens is not None and prompts.get(rid, 0) - cached.get(rid, 0) > max_num_batched_tokens // 4:
                 continue
             i = bisect_left(ends, stamp)
             nearest = i if i == 0 or (i < len(ends) and ends[i] - stamp < stamp - ends[i - 1]) else i - 1
@@ -400,9 +406,14 @@ def _end_times(aborts: List[Dict[str, Any]], outputs: List[Dict[str, Any]], offs
     return ended
 
 
-def steps_from_trace(records: List[Dict[str, Any]], max_num_batched_tokens: Optional[int] = None, ahead: bool = False) -> List[Step]:
+def steps_from_trace(
+    records: List[Dict[str, Any]], max_num_batched_tokens: Optional[int] = None, ahead: Optional[bool] = None
+) -> List[Step]:
     """The steps of every engine in a trace's records, engine by engine
-    (`ahead`: steps_of_rank)."""
+    (`ahead`: steps_of_rank; None: what the first tokens say,
+    schedules_ahead)."""
+    if ahead is None:
+        ahead = schedules_ahead(scheduling_lags(records, max_num_batched_tokens)) is True
     steps: List[Step] = []
     for rank in _ranks(records):
         steps.extend(steps_of_rank(records, rank, max_num_batched_tokens, ahead))
