@@ -325,11 +325,12 @@ def scheduling_lags(records: List[Dict[str, Any]], max_num_batched_tokens: Optio
         adds, _, outputs = _engine_records(records, rank)
         prompts = {add["request_id"]: int(add.get("prompt_len") or 0) for add in adds}
         scheduled = _first_events(outputs, SCHEDULED)
-        ends = [group[0]["engine_timestamp"] for group in _step_groups(outputs)]
+        groups = _step_groups(outputs)
+        ends = [group[0]["engine_timestamp"] for group in groups]
         if not ends or any(not isinstance(t, (int, float)) for t in ends):
             continue
         first: Dict[str, int] = {}
-        for index, group in enumerate(_step_groups(outputs)):
+        for index, group in enumerate(groups):
             for record in group:
                 for item in record.get("requests", ()):
                     if item.get("tokens") and item["id"] not in first:
