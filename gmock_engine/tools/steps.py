@@ -19,7 +19,10 @@ fitted here times the mock's steps the same way:
   whose prompt the step computed a chunk of without a token yet;
 * `prefill_tokens` and `prefill_attention` (Σ c·(p + c/2) over the chunks):
   a request's uncached prompt (its `num_cached_tokens` excluded) is computed
-  in the steps from its arrival to its first token, first come first
+  in the steps from the one it was scheduled for (its SCHEDULED event,
+  `_boundary`; an engine that schedules a step ahead, vLLM's async
+  scheduling, runs it a step later than one that does not:
+  `scheduling_lags` tells them apart) to its first token, first come first
   served within the token budget (`max_num_batched_tokens`, as vLLM's
   scheduler: decodes first, then prompt chunks); a request with its first
   token in a step finishes its prompt there;
