@@ -105,7 +105,7 @@ def _scheduled_by(scheduled: Dict[str, float], add: Dict[str, Any], offset: Opti
     return stamp is None or offset is None or stamp + offset < boundary
 
 
-def _boundary(start: Optional[float], end: float, prev_start: Optional[float], ahead: bool) -> float:
+def _boundary(start: Optional[float], end: float, prev_start: Optional[float], ahead: bool, woken: bool) -> float:
     """Before when a request's SCHEDULED event falls if its prompt is
     computed in the step from `start` to `end`.
 
@@ -118,10 +118,11 @@ def _boundary(start: Optional[float], end: float, prev_start: Optional[float], a
     boundary runs in the step that starts there: its event is before the
     middle of that step. With it (`ahead`), the engine plans a step ahead
     and the request runs in the step after: its event is before the middle
-    of the step before."""
+    of the step before; except in a step that an idle engine began
+    (`woken`), which runs what it scheduled when it woke."""
     if start is None:
         return end
-    if not ahead:
+    if not ahead or woken:
         return (start + end) / 2.0
     return start if prev_start is None else (prev_start + start) / 2.0
 
@@ -148,11 +149,7 @@ def steps_of_rank(
     trace order; `ahead`: the engine scheduled a step ahead (vLLM's async
     scheduling: `_boundary`)."""
     adds, aborts, outputs = _engine_records(records, rank)
-    cached: Dict[str, int] = {}
-    for record in outputs:
-        for item in record.get("requests", ()):
-            if item.get("num_cached_tokens") and item["id"] not in cached:
-                cached[item["id"]] = int(item["num_cached_tokens"])
+    cached = _cached_tokens(outputs)
     scheduled = _first_events(outputs, SCHEDULED)
 
     by_id = {add["request_id"]: add for add in adds}
@@ -180,7 +177,6 @@ def steps_of_rank(
             ai += 1
         start: Optional[float] = prev_end
         woke = False
-        waking: Optional[str] = None  # the request that woke the engine runs in the step it woke
         if not (pending or running):
             # idle after the previous step: the next ADD woke the engine, unless
             # the engine scheduled it only after this step (a step of nothing,
@@ -198,13 +194,9 @@ def steps_of_rank(
                     start, woke = stamp + offset, True
                     if prev_end is not None and start < prev_end:
                         start, woke = prev_end, False
-            if start is not None:
-                waking = adds[ai]["request_id"]
         limit = start if start is not None else end
-        boundary = _boundary(start, end, prev_start, ahead)
-        while ai < len(adds) and adds[ai]["t"] <= limit and (
-            adds[ai]["request_id"] == waking or _scheduled_by(scheduled, adds[ai], offset, boundary)
-        ):
+        boundary = _boundary(start, end, prev_start, ahead, not (pending or running))
+        while ai < len(adds) and adds[ai]["t"] <= limit and _scheduled_by(scheduled, adds[ai], offset, boundary):
             admit(adds[ai])
             ai += 1
         while bi < len(aborts) and aborts[bi]["t"] <= limit:
@@ -302,6 +294,17 @@ def _clock_offset(outputs: List[Dict[str, Any]]) -> Optional[float]:
     return min(stamped) if stamped and len(stamped) == len(outputs) else None
 
 
+def _cached_tokens(outputs: List[Dict[str, Any]]) -> Dict[str, int]:
+    """Request id -> its prompt tokens found in the prefix cache (its first
+    `num_cached_tokens`; requests without hits are left out)."""
+    cached: Dict[str, int] = {}
+    for record in outputs:
+        for item in record.get("requests", ()):
+            if item.get("num_cached_tokens") and item["id"] not in cached:
+                cached[item["id"]] = int(item["num_cached_tokens"])
+    return cached
+
+
 def _first_events(outputs: List[Dict[str, Any]], kind: int) -> Dict[str, float]:
     """Request id -> the engine-clock time of its first event of `kind`."""
     found: Dict[str, float] = {}
@@ -338,8 +341,7 @@ def scheduling_lags(records: List[Dict[str, Any]], max_num_batched_tokens: Optio
                 for item in record.get("requests", ()):
                     if item.get("tokens") and item["id"] not in first:
                         first[item["id"]] = index
-        cached = {item["id"]: int(item.get("num_cached_tokens") or 0) for record in outputs for item in record.get("requests", ())
-                  if item.get("num_cached_tokens")}  # fmt: skip
+        cached = _cached_tokens(outputs)
         for rid, stamp in scheduled.items():
             if rid not in first:
                 continue
