@@ -368,7 +368,10 @@ class Engine:
         batches: Dict[int, Any] = {}
         now = time.monotonic()
         kv = self.kv
-        freeing: List[Any] = []  # the blocks of requests that end: released after every block taken in this step
+        # the blocks of requests that end: released before new requests take
+        # theirs (gmock and vLLM free what ended before they schedule), and
+        # of new requests that end at once, after
+        freeing: List[Any] = []
         if kv is not None:
             kv.step(step)
         ending = self.finish_at.pop(step, None)
@@ -385,7 +388,7 @@ class Engine:
                 batch[1].append(rid)
                 self.count -= 1
                 if kv is not None:
-                    freeing.append(self.kv_records.pop(rid))
+                    kv.free(self.kv_records.pop(rid))
         ids, size = self.tokens.ids, self.tokens.size
         for client, requests in self.running.items():
             batch = batches.get(client) or batches.setdefault(client, ([], []))

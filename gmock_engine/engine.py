@@ -517,13 +517,19 @@ class EngineCore:
     # -- the decode step -------------------------------------------------
 
     def step(self) -> List[Outbound]:
-        """One step: the scheduler decides it (admissions, preemptions, the
-        token budget: `Scheduler.schedule`), the output processor makes its
-        tokens and outputs from that plan (`update_from_output`), the
-        scheduler takes out what ended and times the next step
-        (`finish_step`); one EngineCoreOutputs per client. A steady step
-        (lanes.py) takes the lanes' short path."""
-        steady = self.output_processor.steady_step()
+        """One step boundary, in vLLM's order: the output processor makes
+        the tokens and outputs of the step that ends now
+        (`update_from_output`), what ended leaves the batch
+        (`Scheduler.retire`: its slot, token budget and KV are free), then
+        the scheduler decides the next step (admissions, preemptions, the
+        token budget: `Scheduler.schedule`), whose rejections and new
+        requests the output processor takes (`take_plan`), and times it
+        (`Scheduler.time_step`); one EngineCoreOutputs per client. With
+        async scheduling vLLM decided the next step before this one's
+        outputs: it is scheduled first, with what ends now still in the
+        batch. A steady step (lanes.py) takes the lanes' short path."""
+        processor = self.output_processor
+        steady = processor.steady_step()
         if steady is not None:
             # lanes only: nothing ended (nothing to log), requests still
             # running (no drained reply due: utilities.check_drained)
@@ -532,9 +538,28 @@ class EngineCore:
         if not scheduler.has_work:
             return []
         now = self.clock()
-        scheduler_output = scheduler.schedule(now)
-        done = self.output_processor.update_from_output(scheduler_output, now, self.outbox)
-        scheduler.finish_step(scheduler_output, done)
+        if scheduler.async_scheduling:
+            scheduler_output = scheduler.schedule(now)
+            processor.take_plan(scheduler_output, self.outbox)
+            done = processor.update_from_output(now, self.outbox)
+            scheduler.retire(done)
+            scheduler.prefilled_now = ()  # made above, in this step's outputs
+            scheduler.time_step(scheduler_output)
+        else:
+            done = processor.update_from_output(now, self.outbox)
+            scheduler.retire(done)
+            if scheduler.has_work:
+                scheduler_output = scheduler.schedule(now)
+                processor.take_plan(scheduler_output, self.outbox)
+                ready = scheduler.prefilled_now
+                if ready:
+                    # no latency model: the step that computes these prompts
+                    # ends as it begins, their first output is in this one
+                    scheduler.prefilled_now = ()
+                    ended = processor.prefilled_at_once(ready, now, self.outbox)
+                    scheduler.retire(ended)
+                    done = done + ended if done else ended
+                scheduler.time_step(scheduler_output)
         if self.settings.log_requests:
             for entry in done:
                 self._log_end(entry.request_id, entry.num_output_tokens, entry.finish)

@@ -2,16 +2,16 @@
 `Scheduler.update_from_output` with the model runner's sampling, here one
 object beside the scheduler).
 
-`update_from_output` takes the step's plan (sched_output.py, what
-`Scheduler.schedule` decided) and makes what a model and vLLM's
+`take_plan` takes what `Scheduler.schedule` decided (sched_output.py): the
+new requests, and the rejected ones, which get their ERROR. At the end of
+the step, `update_from_output` makes what a model and vLLM's
 `update_from_output` would: every running request whose prefill is done gets
 its next tokens (`make_tokens`, the one place a request's token ids are
 drawn and shaped: sampling controls, stop ids, the planned last token), its
 logprobs, and its output in its client's batch of the outbox; the first
 output carries its events and prefill stats, the last one its finish (and a
-P/D producer's kv_transfer_params); the requests the scheduler ended
-without running them get their ERROR. It returns the requests that ended,
-which `Scheduler.finish_step` takes out of the batch.
+P/D producer's kv_transfer_params). It returns the requests that ended,
+which `Scheduler.retire` takes out of the batch.
 
 The steady state (a request past its first output, nothing pending) takes
 the lanes (lanes.py, `LaneBooks`, this class's base): the full path here
@@ -93,14 +93,10 @@ class OutputProcessor(LaneBooks, BatchObserver):
 
     # -- the step ----------------------------------------------------------------
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, now: float, outbox: Outbox) -> List[Request]:
-        """The step `scheduler_output` planned: the scheduler's rejections,
-        then each ready running request's next tokens into `outbox`; return
-        the requests that ended (their last output made).
-
-        Each request gets min(chunk, remaining) tokens; one that reaches its
-        planned length ends as planned (request.plan) and its id goes into
-        that message's finished_requests."""
+    def take_plan(self, scheduler_output: SchedulerOutput, outbox: Outbox) -> None:
+        """The plan `Scheduler.schedule` made: its rejections get their
+        ERROR in `outbox` now; its new requests take the full path, their
+        first output (with their events) comes when their prefill is done."""
         if scheduler_output.rejected_reqs:
             layout = self.wire.layout
             for request, error in scheduler_output.rejected_reqs:
@@ -111,7 +107,28 @@ class OutputProcessor(LaneBooks, BatchObserver):
                 full[request.request_id] = request  # its next output carries events
                 if request.replay is not None:
                     self._replay_wait(request, request.replay.due())
+
+    def update_from_output(self, now: float, outbox: Outbox) -> List[Request]:
+        """The step that ends at `now`: each ready running request's next
+        tokens into `outbox`; return the requests that ended (their last
+        output made), which `Scheduler.retire` takes out of the batch.
+
+        Each request gets min(chunk, remaining) tokens; one that reaches its
+        planned length ends as planned (request.plan) and its id goes into
+        that message's finished_requests."""
         return self._emit(now, outbox)
+
+    def prefilled_at_once(self, requests: List[Request], now: float, outbox: Outbox) -> List[Request]:
+        """Requests the plan just admitted whose prefill takes no time (no
+        latency model): the step that computes their prompt ends as it
+        begins, so their first output goes into this boundary's messages;
+        return those that ended with it."""
+        on_output = self.kv.on_output if self.kv.caching else None
+        done: List[Request] = []
+        emitted = self._emit_full(now, outbox, on_output, done, self._emitted_steps, requests)
+        self.counters["tokens"] += emitted
+        self.kv.tokens += emitted
+        return done
 
     def _emit(self, now: float, outbox: Outbox) -> List[Request]:
         """The per-token path: each ready running request's next tokens.
@@ -130,13 +147,21 @@ class OutputProcessor(LaneBooks, BatchObserver):
         done: List[Request] = []
         emitted = self._emit_lanes(outbox, on_output) if self.lanes else 0
         if self._full:
-            emitted += self._emit_full(now, outbox, on_output, done, step)
+            emitted += self._emit_full(now, outbox, on_output, done, step, self._full.values())
         self.counters["steps"] += 1
         self.counters["tokens"] += emitted
         self.kv.tokens += emitted
         return done
 
-    def _emit_full(self, now: float, outbox: Outbox, on_output: Optional[Callable[[Request, List[int]], None]], done: List[Request], step: int) -> int:
+    def _emit_full(
+        self,
+        now: float,
+        outbox: Outbox,
+        on_output: Optional[Callable[[Request, List[int]], None]],
+        done: List[Request],
+        step: int,
+        requests: Iterable[Request],
+    ) -> int:
         """The full path's outputs (see `_emit`): first and last outputs,
         shaped requests, prefills coming to an end; those that end go to
         `done`, those that may join a lane do so after this step's lane
@@ -150,7 +175,7 @@ class OutputProcessor(LaneBooks, BatchObserver):
         batches = outbox.outputs
         joining: List[Request] = []
         emitted = 0
-        for request in self._full.values():
+        for request in requests:
             if prefilling:
                 ready_at = prefilling.get(request.request_id)
                 if ready_at is not None:

@@ -3,9 +3,9 @@
 
 The scheduler decides (admission, the token budget, chunked prefill,
 preemption, LoRA slots, P/D waits) and hands this plan to the output
-processor, which makes the step's tokens and outputs from it
-(`OutputProcessor.update_from_output`), and to the latency model, which
-times the step from it (`LatencyModel.step_time`). It is built every step:
+processor, which takes its new and rejected requests
+(`OutputProcessor.take_plan`), and to the latency model, which times the
+step from it (`LatencyModel.step_time`). It is built every step:
 slots, and the shared empty tuple where nothing happened.
 """
 

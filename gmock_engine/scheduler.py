@@ -7,8 +7,9 @@ then waiting requests are admitted (the batch limit, the token budget, the
 LoRA slots and the KV blocks allowing, and not at all in a step that had to
 preempt; a P/D consumer waits for its KV). It returns the step's plan
 (sched_output.py); the output processor (output_processor.py) makes the
-step's tokens and outputs from it, and `finish_step` takes the requests that
-ended out of the batch and times the next step from the plan. The waiting
+step's tokens and outputs, `retire` takes the requests that ended out of
+the batch, before the next `schedule` as in vLLM (with async scheduling,
+after it), and `time_step` times a step from its plan. The waiting
 requests are what the frontends show as `num_requests_waiting`.
 
 Each request's `status` (request.RequestStatus) is kept here in step with
@@ -135,6 +136,10 @@ class Scheduler:
         self._last_call_at = 0.0
         #: the time of this call's decisions: its SCHEDULED and PREEMPTED events
         self._scheduled_stamp = 0.0
+        #: requests whose prompt the last `schedule` call finished computing
+        #: in no time (no latency model): their first token is due at once
+        #: (EngineCore.step sends it at the same boundary)
+        self.prefilled_now: Any = _NONE
         #: steps, tokens, preemptions (the ledger counts requests)
         self.counters: Counter = Counter()
         #: --log-requests hooks of the engine
@@ -325,22 +330,25 @@ class Scheduler:
             self._prefill_reqs,
         )  # fmt: skip
 
-    def finish_step(self, scheduler_output: SchedulerOutput, finished: List[Request]) -> None:
-        """After the outputs of the step `scheduler_output` planned: the
-        requests that ended in it leave the batch (their KV is freed), and
-        the next step is timed (latency.py) from the plan's prefill and what
-        runs on: the requests that will have tokens when it ends, with
-        what they hold then (their last output counted; the ones that just
-        ended are not in it, as in a real engine, whose next step no
-        longer holds them)."""
+    def retire(self, finished: List[Request]) -> None:
+        """The requests whose last output the step that ends now made leave
+        the batch: their KV is freed, and their slot and token budget are
+        the next step's (vLLM's `update_from_output` frees them before the
+        next `schedule`)."""
         running = self.running
         for request in finished:
             del running[request.request_id]
             self._release(request)
             request.status = FINISHED_STATUS[request.finish]
+
+    def time_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Time the step `scheduler_output` planned (latency.py), from its
+        prefill and what runs in it: the requests that will have tokens
+        when it ends, with what they hold then (their last output counted;
+        the ones that just ended are not in it, as in a real engine, whose
+        next step no longer holds them)."""
         if self.latency.paced:
-            if finished:
-                scheduler_output.num_running_reqs = len(running)
+            scheduler_output.num_running_reqs = len(self.running)
             self.step_delay = self.latency.step_time(scheduler_output, self.rng, self.kv.tokens, self.step_sizes)
 
     def remote_kvs_arrived(self, request: Request) -> None:
@@ -470,6 +478,8 @@ class Scheduler:
                 request.ready_at = math.nextafter(now, math.inf)  # at the end of this step, which computes the prompt
             if request.prefill_left or request.ready_at > now:
                 self.prefilling[request.request_id] = float("inf") if request.prefill_left else request.ready_at
+            else:
+                self._prefilled_now(request)
         for request in reversed(skipped):
             waiting.prepend_request(request)
         return prefill_tokens
@@ -531,7 +541,14 @@ class Scheduler:
                     self.prefilling[request.request_id] = request.ready_at
                 else:
                     del self.prefilling[request.request_id]
+                    self._prefilled_now(request)
         return prefilled, budget
+
+    def _prefilled_now(self, request: Request) -> None:
+        if not self.prefilled_now:
+            self.prefilled_now = [request]
+        else:
+            self.prefilled_now.append(request)
 
     def _reserve_decode_blocks(self, decided_at: float) -> Any:
         """KV for the running requests' tokens of this step, before anything

@@ -269,3 +269,50 @@ def test_async_scheduling_admits_what_came_while_the_batch_ran_a_step_later(asyn
     assert events["new"][1]["timestamp"] == pytest.approx(0.024)  # SCHEDULED
     # prefilled (10 ms + 20 x 0.5 ms) in the step from 0.024, or, async, from 0.034
     assert firsts["new"] == pytest.approx(0.054 if async_scheduling else 0.044)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_that_ends_frees_its_slot_for_the_step_scheduled_at_its_last_output(async_scheduling):
+    """vLLM without async scheduling takes a finished request out of the
+    batch (`update_from_output`) before it schedules the next step: the
+    waiting request gets the slot at the boundary of the last output. With
+    async scheduling that step was scheduled before the output: the slot is
+    the step's after."""
+    clock = Clock(0.0)
+    latency = LatencyModel(itl_ms=10, prefill_ms_per_token=0.5)
+    engine = engine_with(clock, max_num_seqs=1, latency=latency, async_scheduling=async_scheduling)
+    engine.apply(EngineCoreRequest("a", 8, 3, True))
+    engine.apply(EngineCoreRequest("b", 8, 2, True))
+    sent = drive(engine, clock)
+    last_of_a = max(t for t, m in sent for o in m[1] if o[0] == "a")
+    assert last_of_a == pytest.approx(0.034)  # 10 ms + 8 x 0.5 ms, then two steps of 10 ms
+    events = {o[0]: o[7] for _, m in sent for o in m[1] if len(o) > 7 and o[7]}
+    scheduled_b = events["b"][1]["timestamp"]
+    assert scheduled_b == pytest.approx(0.044 if async_scheduling else 0.034)
+    assert first_token_times(sent)["b"] == pytest.approx(scheduled_b + 0.014)
+
+
+def test_the_tokens_of_requests_that_end_are_not_taken_from_the_next_steps_budget():
+    clock = Clock(1000.0)
+    engine = engine_with(clock, max_num_batched_tokens=4)
+    engine.apply(request("ends", max_tokens=2, prompt_len=1))
+    for i in range(2):
+        engine.apply(request(f"d{i}", max_tokens=50, prompt_len=1))
+    engine.step()  # three 1-token prompts admitted, their first tokens
+    engine.apply(request("p", max_tokens=2, prompt_len=8))
+    sent = engine.step()  # the last output of "ends"; then 2 decodes + 2 prompt tokens of "p"
+    assert sent[0][1][5] == ["ends"]
+    assert engine.active["p"].prefill_left == 6
+
+
+def test_a_request_that_ends_frees_its_kv_blocks_for_the_step_scheduled_at_its_last_output():
+    clock = Clock(0.0)
+    # 4 blocks of 16 tokens; prompts of 20 tokens and their first token need 2 blocks each
+    engine = engine_with(clock, kv_blocks=4, block_size=16, latency=LatencyModel(itl_ms=10))
+    for i in range(3):
+        engine.apply(request(f"r{i}", max_tokens=3, prompt_len=20))
+    sent = drive(engine, clock)
+    ends = {o[0]: t for t, m in sent for o in m[1] if len(o) > 5 and o[5] is not None}
+    events = {o[0]: o[7] for _, m in sent for o in m[1] if len(o) > 7 and o[7]}
+    assert events["r2"][1]["timestamp"] == pytest.approx(ends["r0"])
+    assert engine.used_blocks == 0
