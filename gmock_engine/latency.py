@@ -88,10 +88,13 @@ class LatencyModel:
         `prefill_reqs` requests that compute a prompt chunk; the step's size,
         its prompt tokens and decoding requests, is added to `sizes`, and
         a new size or a new largest one draws the profile's spread of those)."""
+        if not running:
+            # nothing ran (the head of the queue is not in yet; with async
+            # scheduling, what ended still held the slots): a real engine's
+            # step of no tokens takes next to no time
+            return 0.0
         profile = self.profile
         if profile is not None:
-            if not running:
-                return 0.0  # nothing ran (e.g. the head of the queue is not in yet): a real engine does not step
             novelty = 0
             if sizes is not None and self.prices_new_sizes:
                 novelty = sizes.add(running - prefill_reqs + prefill_tokens)

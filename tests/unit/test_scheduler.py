@@ -275,21 +275,23 @@ def test_async_scheduling_admits_what_came_while_the_batch_ran_a_step_later(asyn
 def test_a_request_that_ends_frees_its_slot_for_the_step_scheduled_at_its_last_output(async_scheduling):
     """vLLM without async scheduling takes a finished request out of the
     batch (`update_from_output`) before it schedules the next step: the
-    waiting request gets the slot at the boundary of the last output. With
-    async scheduling that step was scheduled before the output: the slot is
-    the step's after."""
+    waiting request gets the slot at the boundary of the last output and is
+    prefilled in the step from there. With async scheduling the step from
+    there was planned before that output: the freed slot is decided on at
+    the same boundary, for the step after it."""
     clock = Clock(0.0)
     latency = LatencyModel(itl_ms=10, prefill_ms_per_token=0.5)
-    engine = engine_with(clock, max_num_seqs=1, latency=latency, async_scheduling=async_scheduling)
+    engine = engine_with(clock, max_num_seqs=2, latency=latency, async_scheduling=async_scheduling)
     engine.apply(EngineCoreRequest("a", 8, 3, True))
+    engine.apply(EngineCoreRequest("long", 8, 20, True))
     engine.apply(EngineCoreRequest("b", 8, 2, True))
     sent = drive(engine, clock)
     last_of_a = max(t for t, m in sent for o in m[1] if o[0] == "a")
-    assert last_of_a == pytest.approx(0.034)  # 10 ms + 8 x 0.5 ms, then two steps of 10 ms
+    assert last_of_a == pytest.approx(0.038)  # 10 ms + 16 prompt tokens x 0.5 ms, then two steps of 10 ms
     events = {o[0]: o[7] for _, m in sent for o in m[1] if len(o) > 7 and o[7]}
-    scheduled_b = events["b"][1]["timestamp"]
-    assert scheduled_b == pytest.approx(0.044 if async_scheduling else 0.034)
-    assert first_token_times(sent)["b"] == pytest.approx(scheduled_b + 0.014)
+    assert events["b"][1]["timestamp"] == pytest.approx(0.038)  # SCHEDULED
+    # its prefill step: 10 ms + 8 x 0.5 ms, from the boundary or, async, a step of 10 ms later
+    assert first_token_times(sent)["b"] == pytest.approx(0.062 if async_scheduling else 0.052)
 
 
 def test_the_tokens_of_requests_that_end_are_not_taken_from_the_next_steps_budget():
