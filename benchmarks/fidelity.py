@@ -9,6 +9,7 @@ real Python frontend, under the same `vllm bench serve` workloads.
     .venv/bin/python benchmarks/fidelity.py breakdown real-held.json mock-held.json
     .venv/bin/python benchmarks/fidelity.py sitting --dir DIR [--repeat 2]
     .venv/bin/python benchmarks/fidelity.py score --profile p.ini [--profile q.ini] held1.jsonl held2.jsonl
+    .venv/bin/python benchmarks/fidelity.py slots real1.jsonl mock1.jsonl
     .venv/bin/python benchmarks/fidelity.py list
 
 A target is a stack started once per repetition and reused across its
@@ -42,6 +43,11 @@ held-out set, and `compare` of each; every file in --dir.
 traces: per group of steps (decode, prefill, new sizes, new largest sizes)
 the mean pinball loss of the predicted time times the step's spread, as
 the mock draws it: without the noise the frontend and the client add.
+
+`slots` reads, for runs above the batch limit (the `c16_64_16` workload
+with `--engine-arg=--max-num-seqs=4`), at which step end each request that
+waited in the queue was scheduled: at the one whose outputs ended a
+request, as vLLM, or a step after it.
 
 `breakdown` splits each workload's TTFT from the runs' traces: the
 frontend's part (arrival to ADD), the engine's (ADD to first token) and the
@@ -490,6 +496,19 @@ def score(options: argparse.Namespace) -> int:
     return 0
 
 
+def slots(options: argparse.Namespace) -> int:
+    """`slots`: per trace, where the requests that waited got their slot (tools/steps.py slot_admissions)."""
+    from gmock_engine.tools.steps import slot_admissions
+    from gmock_engine.trace import read_trace
+
+    print("| trace | " + " | ".join(("with a finish", "a step after one", "other")) + " |")
+    print("| --- | ---: | ---: | ---: |")
+    for path in options.trace:
+        counts = slot_admissions(read_trace(path)[1])
+        print(f"| {path} | " + " | ".join(str(n) for n in counts.values()) + " |")
+    return 0
+
+
 def _bench_options(parser: argparse.ArgumentParser) -> None:
     """The options of the bench runs, which `run` and `sitting` share."""
     parser.add_argument("--seed", type=int, default=1, help="the bench's seed (prompts and Poisson arrivals)")
@@ -527,6 +546,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     sc = sub.add_parser("score", help="markdown table: profiles' pinball loss on the steps of held-out traces")
     sc.add_argument("--profile", action="append", required=True, help="a latency profile (repeat to compare several)")
     sc.add_argument("trace", nargs="+", help="traces of the real engine the profiles were not fitted to")
+    sl = sub.add_parser("slots", help="markdown table: at which step end the requests that waited got a slot, from traces")
+    sl.add_argument("trace", nargs="+", help="traces of runs above the batch limit (e.g. c16_64_16 with --max-num-seqs=4)")
     sub.add_parser("list", help="the workloads")
     return parser.parse_args(argv)
 
@@ -544,6 +565,8 @@ def main(argv: Sequence[str]) -> int:
         return sitting(options)
     if options.command == "score":
         return score(options)
+    if options.command == "slots":
+        return slots(options)
     for w in WORKLOADS:
         print(f"{w.group:6} {w.name:24} {' '.join(w.bench_args())}")
     return 0

@@ -361,6 +361,42 @@ def schedules_ahead(lags: Dict[int, int]) -> Optional[bool]:
     return None if one + two == 0 else two > one
 
 
+def slot_admissions(records: List[Dict[str, Any]]) -> Dict[str, int]:
+    """Where the requests that waited in the queue were scheduled, against
+    the finishes that made room: "with a finish" (at the step end whose
+    outputs ended a request: vLLM frees what ended before it schedules
+    again, so a freed slot is decided on at once; with async scheduling for
+    the step after the next, which the first token shows, not this),
+    "a step after one" (a finish at the step end before only, none at its
+    own: the slot was given a step late), "other" (no finish at either:
+    the token budget, the KV blocks or the input path held it). A request
+    waited when it was queued (QUEUED) before the step end before the one
+    nearest its SCHEDULED event. Engine clock only: the tap's times play no
+    part."""
+    counts = {"with a finish": 0, "a step after one": 0, "other": 0}
+    for rank in _ranks(records):
+        _, _, outputs = _engine_records(records, rank)
+        groups = _step_groups(outputs)
+        ends = [group[0]["engine_timestamp"] for group in groups]
+        if not ends or any(not isinstance(t, (int, float)) for t in ends):
+            continue
+        finished = [any(r.get("finished_requests") or any(i.get("finish_reason") is not None for i in r.get("requests", ())) for r in group)
+                    for group in groups]  # fmt: skip
+        queued = _first_events(outputs, QUEUED)
+        for rid, stamp in _first_events(outputs, SCHEDULED).items():
+            i = bisect_left(ends, stamp)
+            nearest = i if i == 0 or (i < len(ends) and ends[i] - stamp < stamp - ends[i - 1]) else i - 1
+            if nearest == 0 or rid not in queued or queued[rid] >= ends[nearest - 1]:
+                continue  # it did not wait through a step end
+            if finished[nearest]:
+                counts["with a finish"] += 1
+            elif finished[nearest - 1]:
+                counts["a step after one"] += 1
+            else:
+                counts["other"] += 1
+    return counts
+
+
 def input_delays_ms(records: List[Dict[str, Any]]) -> List[float]:
     """Per request, ms from the tap relaying its ADD to the engine queueing
     it (its QUEUED event, §4.5): the engine's input path (receiving,

@@ -111,7 +111,8 @@ def simulate(profile, arrivals, seed=0, reader_lag=0.0, **settings):
 
 
 @pytest.mark.parametrize(
-    "budget, reader_lag, async_scheduling", [(None, 0.0, False), (2048, 0.0, False), (2048, 0.002, False), (2048, 0.002, True)]
+    "budget, reader_lag, async_scheduling",
+    [(None, 0.0, False), (2048, 0.0, False), (2048, 0.002, False), (2048, 0.002, True), (512, 0.002, False)],
 )
 def test_steps_read_back_are_the_steps_the_engine_timed(budget, reader_lag, async_scheduling):
     """With a token budget a prompt's place matters (the read-back splits it
@@ -161,12 +162,25 @@ def test_the_first_tokens_say_whether_the_engine_scheduled_a_step_ahead(arrivals
         assert schedules_ahead(lags) is async_scheduling, lags
         read = steps_from_trace(records, max_num_batched_tokens=budget)  # as the first tokens say
         assert read == steps_from_trace(records, max_num_batched_tokens=budget, ahead=async_scheduling)
-        if budget == 2048:  # rarely binding; where a budget binds the engine counts the requests ending in a step, the read-back not
+        if budget == 2048:  # rarely binding; where a budget binds, an engine that schedules ahead counts the requests ending in a step, the read-back not
             timed = {round(t, 9): c[1] for t, c in zip(recorder.starts, recorder.timed)}
             assert all(timed[round(s.start, 9)] == s.prefill_tokens for s in read)
             read_sync = steps_from_trace(records, max_num_batched_tokens=budget, ahead=False)
             wrong = [s for s in read_sync if timed[round(s.start, 9)] != s.prefill_tokens]
             assert bool(wrong) is async_scheduling and len(wrong) < 200
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_slot_admissions_say_at_which_step_end_a_waiting_request_got_a_freed_slot(async_scheduling):
+    """Two slots, eight requests at once: the six that wait each get a slot
+    a finish freed, decided at that step end (scheduling a step ahead, for
+    the step after the next: the first token says that, not the SCHEDULED
+    event)."""
+    from gmock_engine.tools.steps import slot_admissions
+
+    arrivals = [(0.0, f"r{i}", 64, 3 + i % 3) for i in range(8)]
+    records, _ = simulate(TRUE, arrivals, max_num_seqs=2, async_scheduling=async_scheduling)
+    assert slot_admissions(records) == {"with a finish": 6, "a step after one": 0, "other": 0}
 
 
 def test_fit_reads_an_engine_that_scheduled_ahead_and_says_so(tmp_path, capsys):
