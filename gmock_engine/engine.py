@@ -527,7 +527,9 @@ class EngineCore:
         (`Scheduler.time_step`); one EngineCoreOutputs per client. With
         async scheduling vLLM decided the next step before this one's
         outputs: it is scheduled first, with what ends now still in the
-        batch. A steady step (lanes.py) takes the lanes' short path."""
+        batch. A prompt computed in no time (no latency model) has its
+        first output at the boundary that scheduled it. A steady step
+        (lanes.py) takes the lanes' short path."""
         processor = self.output_processor
         steady = processor.steady_step()
         if steady is not None:
