@@ -561,13 +561,18 @@ class Scheduler:
         PREEMPTED events' time (with async scheduling the call before)."""
         kv, prefilling = self.kv, self.prefilling
         preempted: Any = _NONE
+        # the slots of the step being planned hold the KV it computes: the
+        # token emitted last and all but the last of those it samples
+        # (vLLM's num_computed_tokens + num_new_tokens); scheduled after the
+        # outputs (not async), the one emitted last is in num_tokens already
+        emitted = 0 if self.async_scheduling else 1
         while True:
             needs = []
             total = 0
             for request in self.running.values():
                 if request.request_id in prefilling:
                     continue  # its next token's block came with its admission
-                need = kv.blocks_to_grow(request, self._next_tokens(request))
+                need = kv.blocks_to_grow(request, self._next_tokens(request) - emitted)
                 if need > 0:
                     needs.append((request, need))
                     total += need

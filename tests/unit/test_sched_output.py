@@ -149,13 +149,14 @@ def test_no_budget_prefills_whole_prompts():
 
 
 def test_preemption_plans_no_admission():
-    # 4 blocks of 4 tokens; a and b grow to need 3 blocks each: b (the newest) is
+    # 4 blocks of 4 tokens; a and b grow to need 3 blocks each (10 slots: prompt
+    # and output but the last token): b (the newest) is
     # preempted. c (priority first, held back by max_num_seqs) would fit in what
     # b frees, but nothing is admitted in a step that preempted
     engine = engine_with(Clock(), kv_blocks=4, block_size=4, max_num_seqs=2, scheduling_policy="priority")
     plans = recorded(engine)
-    add(engine, "a", prompt_len=3, max_tokens=6)
-    add(engine, "b", prompt_len=3, max_tokens=6)
+    add(engine, "a", prompt_len=3, max_tokens=8)
+    add(engine, "b", prompt_len=3, max_tokens=8)
     engine.step()
     engine.apply(EngineCoreRequest("c", 1, 1, True, priority=-1))
     for _ in range(100):

@@ -164,22 +164,39 @@ def test_kv_blocks_limit_admission_and_usage():
 def test_running_out_of_blocks_preempts_the_newest_and_it_recomputes():
     clock = Clock(1000.0)
     # 4 blocks of 4 tokens. a and b: prompt 3 + first token = 1 block each at
-    # admission; both grow to 9 tokens (3 blocks each): b must make room
+    # admission; both grow to 10 slots (3 blocks each: prompt and output but
+    # the last token, whose KV is never computed): b must make room
     engine = engine_with(clock, kv_blocks=4, block_size=4)
-    engine.apply(request("a", max_tokens=6, prompt_len=3))
-    engine.apply(request("b", max_tokens=6, prompt_len=3))
+    engine.apply(request("a", max_tokens=8, prompt_len=3))
+    engine.apply(request("b", max_tokens=8, prompt_len=3))
     sent = drive(engine, clock)
     assert engine.counters["preemptions"] >= 1
     outputs = outputs_by_request(sent)
     # every request still gets all of its tokens, exactly once, and ends once
     for rid in ("a", "b"):
-        assert sum(len(o[1]) for o in outputs[rid]) == 6
+        assert sum(len(o[1]) for o in outputs[rid]) == 8
         assert [o[5] for o in outputs[rid] if len(o) > 5 and o[5] is not None] == [FinishReason.LENGTH]
     # the preempted one reports it: PREEMPTED then SCHEDULED on its next output
     events = [e["type"] for o in outputs["b"] if len(o) > 7 and o[7] for e in o[7]]
     assert events[:2] == [1, 2] and 3 in events and events[-1] == 2
     assert events.count(3) == events.count(2) - 1  # each preemption rescheduled once
     assert engine.used_blocks == 0 and engine.num_active == 0
+
+
+def test_a_step_holds_the_kv_of_what_it_computes_not_of_the_token_it_samples():
+    """vLLM's slots for a step are num_computed_tokens + num_new_tokens: the
+    last sampled token's KV is never computed. Prompt 3 and 6 tokens out
+    need 8 slots: two blocks of 4, never a third."""
+    clock = Clock(0.0)
+    engine = engine_with(clock, kv_blocks=2, block_size=4, latency=LatencyModel(itl_ms=10))
+    engine.apply(request("a", max_tokens=6, prompt_len=3))
+    sent, peak = [], 0
+    while engine.has_work:
+        sent += [(clock.now, m) for _, m in engine.step()]
+        peak = max(peak, engine.used_blocks)
+        clock.now = engine.next_step_time(clock.now) or clock.now
+    assert sum(len(o[1]) for o in outputs_by_request(sent)["a"]) == 6
+    assert engine.counters["preemptions"] == 0 and peak == 2
 
 
 def test_a_prompt_larger_than_the_cache_fails_instead_of_waiting_forever():
