@@ -316,6 +316,13 @@ def _first_events(outputs: List[Dict[str, Any]], kind: int) -> Dict[str, float]:
     return found
 
 
+def _nearest(ends: List[float], stamp: float) -> int:
+    """The index of the step end in `ends` (sorted) nearest `stamp`: the
+    boundary an engine made a decision stamped then at."""
+    i = bisect_left(ends, stamp)
+    return i if i == 0 or (i < len(ends) and ends[i] - stamp < stamp - ends[i - 1]) else i - 1
+
+
 def scheduling_lags(records: List[Dict[str, Any]], max_num_batched_tokens: Optional[int] = None) -> Dict[int, int]:
     """How many steps after the boundary it was scheduled at each request
     had its first token -> how many requests. The boundary is the step end
@@ -347,8 +354,7 @@ def scheduling_lags(records: List[Dict[str, Any]], max_num_batched_tokens: Optio
                 continue
             if max_num_batched_tokens is not None and prompts.get(rid, 0) - cached.get(rid, 0) > max_num_batched_tokens // 4:
                 continue
-            i = bisect_left(ends, stamp)
-            nearest = i if i == 0 or (i < len(ends) and ends[i] - stamp < stamp - ends[i - 1]) else i - 1
+            nearest = _nearest(ends, stamp)
             lag = first[rid] - nearest
             lags[lag] = lags.get(lag, 0) + 1
     return lags
@@ -384,8 +390,7 @@ def slot_admissions(records: List[Dict[str, Any]]) -> Dict[str, int]:
                     for group in groups]  # fmt: skip
         queued = _first_events(outputs, QUEUED)
         for rid, stamp in _first_events(outputs, SCHEDULED).items():
-            i = bisect_left(ends, stamp)
-            nearest = i if i == 0 or (i < len(ends) and ends[i] - stamp < stamp - ends[i - 1]) else i - 1
+            nearest = _nearest(ends, stamp)
             if nearest == 0 or rid not in queued or queued[rid] >= ends[nearest - 1]:
                 continue  # it did not wait through a step end
             if finished[nearest]:
