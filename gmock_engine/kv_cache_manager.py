@@ -51,7 +51,10 @@ class KVCacheManager:
         """Blocks a waiting request needs to join the batch: its prompt and
         what it already generated (recomputed after a preemption), plus its
         next tokens' slots, so that it is never preempted by its own first
-        decode step (vLLM allocates the new tokens' slots at admission)."""
+        decode step. vLLM takes those at that step (`allocate_slots`: the
+        slots of what a step computes), and it checks at startup that its
+        KV memory holds max_model_len tokens, so no request can outgrow the
+        cache alone; the mock has no such check."""
         return self.blocks_for(request.num_tokens + next_tokens)
 
     def blocks_to_grow(self, request: Request, next_tokens: int) -> int:
