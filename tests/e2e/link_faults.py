@@ -75,6 +75,8 @@ class Stream:
     sent: float = 0.0
     last: float = 0.0
     gap: tuple = (0.0, 0.0)
+    #: every silence of a second or more, (start, length)
+    silences: List[tuple] = field(default_factory=list)
 
     @property
     def exact(self) -> bool:
@@ -101,6 +103,8 @@ def run_stream(stack: h.Stack, s: Stream, read_timeout: float) -> None:
                 now = time.monotonic()
                 if now - s.last > s.gap[1]:
                     s.gap = (s.last, now - s.last)
+                if now - s.last >= 1.0:
+                    s.silences.append((s.last, now - s.last))
                 s.last = now
                 if data == "[DONE]":
                     s.done = True
@@ -156,6 +160,16 @@ class Outage:
     def stalled(self) -> List[Stream]:
         """Streams with a silence of at least half the outage (those on the cut host's ranks)."""
         return [s for s in self.streams if s.gap[1] >= max(1.0, self.seconds / 2)]
+
+    def paused_while_down(self) -> List[Stream]:
+        """Streams silent for at least half the outage while the link was down: those
+        on the cut host's ranks. A silence that begins once the link is back is the
+        frontend's recovery (vllm-rs may then hold every stream, those of the other
+        host too, while it takes up the cut link again), not an engine that stopped."""
+        def overlap(start: float, length: float) -> float:
+            return min(start + length, self.t_up) - max(start, self.t_down)
+
+        return [s for s in self.streams if any(overlap(*gap) >= max(1.0, self.seconds / 2) for gap in s.silences)]
 
     def problems(self) -> List[str]:
         """What breaks the engine's books or a client's stream (empty: all right)."""
