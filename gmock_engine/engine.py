@@ -545,7 +545,6 @@ class EngineCore:
             processor.take_plan(scheduler_output, self.outbox)
             done = processor.update_from_output(now, self.outbox)
             scheduler.retire(done)
-            scheduler.prefilled_now = ()  # made above, in this step's outputs
             scheduler.time_step(scheduler_output)
         else:
             done = processor.update_from_output(now, self.outbox)

@@ -108,16 +108,6 @@ class OutputProcessor(LaneBooks, BatchObserver):
                 if request.replay is not None:
                     self._replay_wait(request, request.replay.due())
 
-    def update_from_output(self, now: float, outbox: Outbox) -> List[Request]:
-        """The step that ends at `now`: each ready running request's next
-        tokens into `outbox`; return the requests that ended (their last
-        output made), which `Scheduler.retire` takes out of the batch.
-
-        Each request gets min(chunk, remaining) tokens; one that reaches its
-        planned length ends as planned (request.plan) and its id goes into
-        that message's finished_requests."""
-        return self._emit(now, outbox)
-
     def prefilled_at_once(self, requests: List[Request], now: float, outbox: Outbox) -> List[Request]:
         """Requests the plan just admitted whose prefill takes no time (no
         latency model): the step that computes their prompt ends as it
@@ -130,8 +120,13 @@ class OutputProcessor(LaneBooks, BatchObserver):
         self.kv.tokens += emitted
         return done
 
-    def _emit(self, now: float, outbox: Outbox) -> List[Request]:
-        """The per-token path: each ready running request's next tokens.
+    def update_from_output(self, now: float, outbox: Outbox) -> List[Request]:
+        """The step that ends at `now`, the per-token path: each ready
+        running request's next tokens into `outbox`; return the requests
+        that ended (their last output made), which `Scheduler.retire` takes
+        out of the batch. Each request gets min(chunk, remaining) tokens;
+        one that reaches its planned length ends as planned (request.plan)
+        and its id goes into that message's finished_requests.
 
         A request in its steady state sits in a lane (lanes.py) until its
         last output. Everything else (the first output with its events and
@@ -162,7 +157,7 @@ class OutputProcessor(LaneBooks, BatchObserver):
         step: int,
         requests: Iterable[Request],
     ) -> int:
-        """The full path's outputs (see `_emit`): first and last outputs,
+        """The full path's outputs (see `update_from_output`): first and last outputs,
         shaped requests, prefills coming to an end; those that end go to
         `done`, those that may join a lane do so after this step's lane
         outputs. Returns the tokens emitted."""

@@ -138,7 +138,8 @@ class Scheduler:
         self._scheduled_stamp = 0.0
         #: requests whose prompt the last `schedule` call finished computing
         #: in no time (no latency model): their first token is due at once
-        #: (EngineCore.step sends it at the same boundary)
+        #: (EngineCore.step sends it at the same boundary; with async
+        #: scheduling the outputs follow the call, none is kept)
         self.prefilled_now: Any = _NONE
         #: steps, tokens, preemptions (the ledger counts requests)
         self.counters: Counter = Counter()
@@ -545,6 +546,8 @@ class Scheduler:
         return prefilled, budget
 
     def _prefilled_now(self, request: Request) -> None:
+        if self.async_scheduling:
+            return  # the outputs follow this schedule call: they carry its first token
         if not self.prefilled_now:
             self.prefilled_now = [request]
         else:
