@@ -316,6 +316,15 @@ def _first_events(outputs: List[Dict[str, Any]], kind: int) -> Dict[str, float]:
     return found
 
 
+def _step_ends(groups: List[List[Dict[str, Any]]]) -> Optional[List[float]]:
+    """The engine-clock end of each step (`_step_groups`), or None when
+    there are no steps or one is not stamped."""
+    ends = [group[0]["engine_timestamp"] for group in groups]
+    if not ends or any(not isinstance(t, (int, float)) for t in ends):
+        return None
+    return ends
+
+
 def _nearest(ends: List[float], stamp: float) -> int:
     """The index of the step end in `ends` (sorted) nearest `stamp`: the
     boundary an engine made a decision stamped then at."""
@@ -339,8 +348,8 @@ def scheduling_lags(records: List[Dict[str, Any]], max_num_batched_tokens: Optio
         prompts = {add["request_id"]: int(add.get("prompt_len") or 0) for add in adds}
         scheduled = _first_events(outputs, SCHEDULED)
         groups = _step_groups(outputs)
-        ends = [group[0]["engine_timestamp"] for group in groups]
-        if not ends or any(not isinstance(t, (int, float)) for t in ends):
+        ends = _step_ends(groups)
+        if ends is None:
             continue
         first: Dict[str, int] = {}
         for index, group in enumerate(groups):
@@ -383,8 +392,8 @@ def slot_admissions(records: List[Dict[str, Any]]) -> Dict[str, int]:
     for rank in _ranks(records):
         _, _, outputs = _engine_records(records, rank)
         groups = _step_groups(outputs)
-        ends = [group[0]["engine_timestamp"] for group in groups]
-        if not ends or any(not isinstance(t, (int, float)) for t in ends):
+        ends = _step_ends(groups)
+        if ends is None:
             continue
         finished = [any(r.get("finished_requests") or any(i.get("finish_reason") is not None for i in r.get("requests", ())) for r in group)
                     for group in groups]  # fmt: skip
