@@ -23,6 +23,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -51,6 +52,11 @@ FRESH = 8
 CUT_HOST, OTHER_HOST = 3, 2
 #: How long after the link is up every stream must have ended.
 AFTER_UP_S = 240.0
+#: Streams still open this long after the link is up are far past the
+#: outage's pause: the sockets of every host are read then, so that a
+#: failure says where the outputs wait (an engine's send queue, the
+#: frontend's receive queue, or the frontend's HTTP socket to the client).
+STUCK_AFTER_UP_S = 30.0
 
 RE_SUMMARY = re.compile(r"engine (\d+) summary: (.*)")
 RE_FINISHED = re.compile(r"mock request finished engine=(\d+) request_id=(\S+)")
@@ -154,6 +160,9 @@ class Outage:
     engine_lines: List[str] = field(default_factory=list)
     #: the engines' log lines written during the outage and after it
     engine_log: str = ""
+    #: `ss` of every host, and the logs' tails, taken if streams were still
+    #: open STUCK_AFTER_UP_S after the link came back ("" if none were)
+    stuck_report: str = ""
     t_down: float = 0.0
     t_up: float = 0.0
 
@@ -185,6 +194,8 @@ class Outage:
         if twice:
             out.append(f"finished twice in the engine logs: {twice[:5]}")
         out += [f"{name} not running after the outage" for name, alive in self.alive_after.items() if not alive]
+        if out and self.stuck_report:
+            out.append(self.stuck_report)
         return out
 
     def row(self) -> List[str]:
@@ -220,6 +231,21 @@ def _engine_lines(text: str) -> List[str]:
     return lines
 
 
+def stuck_report(stack: multihost.MultiHostStack, open_streams: int) -> str:
+    """Every host's TCP sockets (`ss -tnmi`: send and receive queues, the
+    retransmission state) and the processes' last log lines."""
+    parts = [f"{open_streams} streams still open {STUCK_AFTER_UP_S:g} s after the link came back"]
+    for i in (1, 2, 3):
+        try:
+            run = subprocess.run(stack.hosts.run(i, ["ss", "-tnmi"]), capture_output=True, text=True, timeout=10)
+            lines = [" ".join(line.split()) for line in (run.stdout or run.stderr).splitlines()]
+            parts.append(f"----- ss -tnmi in host {i}\n" + "\n".join(lines[:120]))
+        except (OSError, subprocess.SubprocessError) as exc:
+            parts.append(f"----- ss -tnmi in host {i}: {exc}")
+    parts.append(stack.logs_report(30))
+    return "\n".join(parts)
+
+
 def outage(stack: multihost.MultiHostStack, seconds: float, silent: bool = False) -> Outage:
     """Streams on every rank, host 3's link down for `seconds` (netns.Hosts.link_down:
     carrier lost, or `silent`), then up; see the module doc."""
@@ -248,6 +274,10 @@ def outage(stack: multihost.MultiHostStack, seconds: float, silent: bool = False
     finally:
         hosts.link_up(CUT_HOST, silent)
     result.t_up = time.monotonic()
+    for t in threads:
+        t.join(timeout=max(0.0, result.t_up + STUCK_AFTER_UP_S - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        result.stuck_report = stuck_report(stack, sum(t.is_alive() for t in threads))
     for t in threads:
         t.join(timeout=max(1.0, result.t_up + read_timeout + 15 - time.monotonic()))
     result.health_after = h.http_status(stack.url("/health"), timeout=5.0)
