@@ -71,15 +71,16 @@ class KVCacheManager:
         if request.kv_blocks is not None and self.prefix_cache is not None:  # running: its new blocks now
             self.prefix_cache.ensure(request, request.blocks)
 
-    def admit(self, request: Request) -> int:
-        """A request joins the running batch: its tokens count towards the
-        usage; returns the tokens the prefix cache already holds (the blocks
-        allocated before admission are taken here, after the hit blocks)."""
+    def admit(self, request: Request, resumed: bool = False) -> int:
+        """A request joins the running batch (`resumed`: back after a
+        preemption): its tokens count towards the usage; returns the tokens
+        the prefix cache already holds (the blocks allocated before
+        admission are taken here, after the hit blocks)."""
         self.tokens += request.num_tokens
         cache = self.prefix_cache
         if cache is None or request.all_token_ids is None:
             return 0
-        cached = cache.admit(request)
+        cached = cache.admit(request, resumed)
         cache.ensure(request, max(request.blocks, self.blocks_for(request.num_tokens)))
         return cached
 

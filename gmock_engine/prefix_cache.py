@@ -113,10 +113,11 @@ class PrefixCache:
         root = 0 if lora is None else hash(("lora", lora.lora_name)) & HASH_MASK
         request.block_hashes = list(block_hashes(token_ids, self.block_size, root))
 
-    def admit(self, request: Any) -> int:
-        """A request joins the running batch: touch the cached blocks of its
-        longest cached prefix and return the tokens they hold (never the
-        whole of its tokens: at least one is computed, as in vLLM)."""
+    def admit(self, request: Any, resumed: bool = False) -> int:
+        """A request joins the running batch (`resumed`: back after a
+        preemption): touch the cached blocks of its longest cached prefix and
+        return the tokens they hold (never the whole of its tokens: at least
+        one is computed, as in vLLM)."""
         hashes = request.block_hashes
         limit = min(len(hashes), (request.num_tokens - 1) // self.block_size)
         hits: List[Block] = []
@@ -134,7 +135,7 @@ class PrefixCache:
         request.kv_blocks = hits
         request.num_cached_blocks = len(hits)
         hit_tokens = len(hits) * self.block_size
-        if request.num_output_tokens:  # a preempted request comes back (§7.1 preempted_*)
+        if resumed:  # §7.1 preempted_*: vLLM counts any request preempted before, token or not
             self._preempted_requests += 1
             self._preempted_queries += request.num_tokens
             self._preempted_hits += hit_tokens

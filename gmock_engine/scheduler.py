@@ -439,6 +439,7 @@ class Scheduler:
                 kv.allocate(request, need)
             waiting.pop_request()
             request.scheduled_at = now
+            resumed = request.status is _PREEMPTED
             events = request.pending_events or []
             events.append(engine_core_event(_SCHEDULED, self._scheduled_stamp))
             request.pending_events = events
@@ -447,7 +448,7 @@ class Scheduler:
             new.append(request)  # the output processor's full path: its next output carries events
             target = request.num_tokens  # recompute after a preemption
             # cached prompt blocks are not computed again (KV is still held)
-            request.cached_tokens = kv.admit(request)
+            request.cached_tokens = kv.admit(request, resumed)
             target -= request.cached_tokens
             if request.kv is not None and request.kv.consume and not request.num_output_tokens:
                 # P/D consumer: its KV comes over the transfer, not from the token budget; its

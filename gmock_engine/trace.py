@@ -54,7 +54,7 @@ TIMING_SAMPLING_KEYS = (
 
 #: SchedulerStats keys kept from each output (§7.1).
 STATS_KEYS = ("num_running_reqs", "num_waiting_reqs", "kv_cache_usage", "step_counter", "current_wave")
-PREFIX_CACHE_KEYS = ("requests", "queries", "hits")
+PREFIX_CACHE_KEYS = ("requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits")
 
 
 class TraceFormatError(ValueError):

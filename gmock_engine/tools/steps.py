@@ -26,6 +26,11 @@ fitted here times the mock's steps the same way:
   served within the token budget (`max_num_batched_tokens`, as vLLM's
   scheduler: decodes first, then prompt chunks); a request with its first
   token in a step finishes its prompt there;
+* a preempted request (its PREEMPTED event) leaves the batch, and from
+  the SCHEDULED event after it its tokens so far (prompt and generated)
+  are computed again as a prompt, up to its next token (vLLM's recompute
+  preemption), less what the prefix cache still held for it: the step's
+  SchedulerStats count those hits (`preempted_hits`, §7.1), 0 when absent;
 * `context_tokens`: the tokens the requests of the step hold when it
   begins: prompt plus tokens generated before it (the mock's
   `KVCacheManager.tokens` when it times the step);
@@ -152,10 +157,16 @@ def steps_of_rank(
     cached = _cached_tokens(outputs)
     scheduled = _first_events(outputs, SCHEDULED)
 
+    groups = _step_groups(outputs)
+    moves = _preemptions(outputs)
+    resume_hits = _resume_hits(groups, moves)
+    preempts = [(stamp, rid) for stamp, kind, rid in moves if kind == PREEMPTED]
+    resumes = [(stamp, rid) for stamp, kind, rid in moves if kind == SCHEDULED]
     by_id = {add["request_id"]: add for add in adds}
     admitted: set = set()
     pending: Dict[str, _Pending] = {}  # FCFS: insertion order is arrival order
     running: Dict[str, int] = {}  # id -> prompt + generated tokens
+    preempted: Dict[str, int] = {}  # id -> prompt + generated tokens, to compute again
     steps: List[Step] = []
     sizes = StepSizes()  # of every step, timed or not
     ai = bi = 0
@@ -166,12 +177,31 @@ def steps_of_rank(
             admitted.add(rid)
             pending[rid] = _Pending(rid, add["t"], int(add.get("prompt_len") or 0), cached.get(rid, 0))
 
+    def preempt(rid: str) -> None:
+        if rid in running:
+            preempted[rid] = running.pop(rid)
+        elif rid in pending:  # before its first token: its prompt is computed again
+            preempted[rid] = pending.pop(rid).prompt_len
+
+    def resume(rid: str, stamp: float, at: float) -> None:
+        # back at the front of the queue (vLLM prepends it), behind the prompts being chunked
+        tokens = preempted.pop(rid)
+        hits, queries = resume_hits.get((rid, stamp), (0, 0))
+        again = _Pending(rid, at, tokens, min(round(hits * tokens / queries) if queries else 0, tokens - 1))
+        chunking = {k: p for k, p in pending.items() if p.done}
+        rest = {k: p for k, p in pending.items() if not p.done}
+        pending.clear()
+        pending.update(chunking)
+        pending[rid] = again
+        pending.update(rest)
+
     # The engine's own timestamps time its steps: the tap's receive times
     # lag behind when it is short of CPU, in bursts.
     offset = _clock_offset(outputs)
     prev_end: Optional[float] = None
     prev_start: Optional[float] = None
-    for group in _step_groups(outputs):
+    pi = ri = 0
+    for group in groups:
         end = group[0]["engine_timestamp"] + offset if offset is not None else min(r["t"] for r in group)
         while ai < len(adds) and adds[ai]["request_id"] in admitted:
             ai += 1
@@ -203,7 +233,24 @@ def steps_of_rank(
             for rid in aborts[bi].get("request_ids", ()):
                 pending.pop(rid, None)
                 running.pop(rid, None)
+                preempted.pop(rid, None)
             bi += 1
+        # Preempted when the step was scheduled: out of it. An engine that
+        # schedules ahead preempts a request while it decodes in the step
+        # under way, whose token for it is then not sent (`leaving`).
+        leaving: List[str] = []
+        if offset is not None:
+            while pi < len(preempts) and preempts[pi][0] + offset < (limit if ahead else boundary):
+                preempt(preempts[pi][1])
+                pi += 1
+            while ahead and pi < len(preempts) and preempts[pi][0] + offset < end:
+                leaving.append(preempts[pi][1])
+                pi += 1
+            while ri < len(resumes) and resumes[ri][0] + offset < boundary:
+                stamp, rid = resumes[ri]
+                if rid in preempted:
+                    resume(rid, stamp, min(stamp + offset, limit))
+                ri += 1
         tokens: Dict[str, int] = {}
         finished: List[str] = []
         for record in group:
@@ -216,7 +263,10 @@ def steps_of_rank(
         for rid in tokens:
             if rid not in running and rid not in pending and rid in by_id and rid not in admitted:
                 admit(by_id[rid])  # its ADD reached the tap after the step began (clock noise)
-        decode = sum(1 for rid in tokens if rid in running)
+            elif rid in preempted:  # its resume was stamped after the step began (clock noise)
+                stamp = next((t for t, r in resumes[ri:] if r == rid), 0.0)
+                resume(rid, stamp, limit)
+        decode = sum(1 for rid in tokens if rid in running) + sum(1 for rid in leaving if rid in running and rid not in tokens)
         budget = None if max_num_batched_tokens is None else max_num_batched_tokens - decode
         prefill = 0
         attention = 0.0
@@ -250,12 +300,15 @@ def steps_of_rank(
         for rid in finished:
             running.pop(rid, None)
             pending.pop(rid, None)
+            preempted.pop(rid, None)
+        for rid in leaving:
+            preempt(rid)
         prev_end, prev_start = end, start
     return steps
 
 
 #: EngineCoreEvent types (docs/protocol.md §4.5).
-QUEUED, SCHEDULED = 1, 2
+QUEUED, SCHEDULED, PREEMPTED = 1, 2, 3
 #: An ADD with no other ADD to its engine this long before it came alone.
 ISOLATED_S = 0.02
 
@@ -314,6 +367,71 @@ def _first_events(outputs: List[Dict[str, Any]], kind: int) -> Dict[str, float]:
                 if event[0] == kind and item["id"] not in found and isinstance(event[1], (int, float)):
                     found[item["id"]] = float(event[1])
     return found
+
+
+def _preemptions(outputs: List[Dict[str, Any]]) -> List["tuple[float, int, str]"]:
+    """(engine-clock stamp, PREEMPTED or SCHEDULED, request id) of each
+    preemption and of the resume after it, in time order. A preempted
+    request's events ride on its next output, after its resume (§4.5)."""
+    moves = []
+    for record in outputs:
+        for item in record.get("requests", ()):
+            out = False
+            for event in item.get("events") or ():
+                if not isinstance(event[1], (int, float)):
+                    continue
+                if event[0] == PREEMPTED:
+                    moves.append((float(event[1]), PREEMPTED, item["id"]))
+                    out = True
+                elif event[0] == SCHEDULED and out:
+                    moves.append((float(event[1]), SCHEDULED, item["id"]))
+                    out = False
+    moves.sort(key=lambda m: (m[0], m[1] == SCHEDULED))
+    return moves
+
+
+def _resume_hits(
+    groups: List[List[Dict[str, Any]]], moves: List["tuple[float, int, str]"]
+) -> Dict["tuple[str, float]", "tuple[int, int]"]:
+    """(request id, resume stamp) -> the prompt tokens the prefix cache held
+    for it when it was resumed. An engine counts its resumes
+    (`preempted_requests`) and their cache hits (`preempted_hits`, §7.1:
+    vLLM records them at admission) in the first SchedulerStats it sends
+    once it decided them: those stamped at the end of the step that follows
+    (vLLM), or with the outputs of the boundary it decided them at, when
+    stats are due (the mock's, at most every outbox.STATS_INTERVAL_S; with
+    async scheduling it stamps the event a step earlier). So each resume,
+    in time order, goes to the first stats at or after its stamp that still
+    count one not placed. Returns (hits, queries) of those stats: resumes
+    counted together share the hits in proportion to their tokens (the
+    queries). Empty when the engine sends no such counts."""
+    ends = _step_ends(groups)
+    if ends is None:
+        return {}
+    counts: List[int] = []  # the groups with such stats, in order
+    room: Dict[int, int] = {}
+    counted: Dict[int, "tuple[int, int]"] = {}
+    keys = ("preempted_requests", "preempted_queries", "preempted_hits")
+    for i, group in enumerate(groups):
+        for record in group:
+            prefix = (record.get("stats") or {}).get("prefix_cache") or {}
+            if all(isinstance(prefix.get(key), int) for key in keys):
+                if i not in room:
+                    counts.append(i)
+                hits, queries = counted.get(i, (0, 0))
+                room[i] = room.get(i, 0) + prefix["preempted_requests"]
+                counted[i] = (hits + prefix["preempted_hits"], queries + prefix["preempted_queries"])
+    placed: Dict["tuple[str, float]", "tuple[int, int]"] = {}
+    for stamp, kind, rid in moves:
+        if kind != SCHEDULED:
+            continue
+        j = bisect_left(counts, bisect_left(ends, stamp))
+        while j < len(counts) and room[counts[j]] <= 0:
+            j += 1
+        if j < len(counts):
+            room[counts[j]] -= 1
+            placed[(rid, stamp)] = counted[counts[j]]
+    return placed
 
 
 def _step_ends(groups: List[List[Dict[str, Any]]]) -> Optional[List[float]]:

@@ -69,11 +69,13 @@ def workload(n, seed, max_prompt=1024, rates=(3.0, 12.0, 30.0), prompts=()):
     return out
 
 
-def simulate(profile, arrivals, seed=0, reader_lag=0.0, **settings):
+def simulate(profile, arrivals, seed=0, reader_lag=0.0, shared_prefix=0, **settings):
     """Run the engine with `profile` over `arrivals` (t, id, prompt_len,
     max_tokens) on a virtual clock; return (trace records, recorder).
     `reader_lag`: an ADD that arrives this little before a step reaches the
-    engine after it (its reader greenlet had not run yet), as over sockets."""
+    engine after it (its reader greenlet had not run yet), as over sockets.
+    `shared_prefix`: the prompts carry token ids, the first that many the
+    same in all (with prefix caching: hits, also for a preempted request)."""
     clock = Clock(0.0)
     engine = engine_with(clock, latency=LatencyModel(profile=profile), seed=seed, **settings)
     recorder = Recorder(engine.scheduler.latency)
@@ -86,7 +88,11 @@ def simulate(profile, arrivals, seed=0, reader_lag=0.0, **settings):
         if pending and (due is None or pending[0][0] <= due - reader_lag):
             t, rid, prompt_len, max_tokens = pending.pop(0)
             clock.now = max(clock.now, t)
-            engine.apply(EngineCoreRequest(rid, prompt_len, max_tokens, True))
+            ids = None
+            if shared_prefix:
+                ids = [7 + i % 97 for i in range(min(shared_prefix, prompt_len))]
+                ids += [1000 + (hash(rid) + i) % 30000 for i in range(prompt_len - len(ids))]
+            engine.apply(EngineCoreRequest(rid, prompt_len, max_tokens, True, prompt_token_ids=ids))
             records.append({"kind": "add", "t": t, "rank": 0, "client": 0, "request_id": rid,
                             "prompt_len": prompt_len, "max_tokens": max_tokens})
             if due is None:
@@ -128,10 +134,15 @@ def test_steps_read_back_are_the_steps_the_engine_timed(budget, reader_lag, asyn
     # a step read back spans the engine's gap from one step of its own to the
     # next, which sent that step's tokens: the engine timed the gap from the plan
     # it made when the gap began
-    timed = {round(t, 9): c for t, c in zip(recorder.starts, recorder.timed)}
-    novelty = {round(t, 9): n for t, n in zip(recorder.starts, recorder.novelty)}
     assert {NEW_SIZE, NEW_MAX} <= set(recorder.novelty)
     assert len(steps) > 300
+    _assert_read_back_as_timed(steps, recorder)
+
+
+def _assert_read_back_as_timed(steps, recorder):
+    """Every step read back is one the engine timed, with its composition."""
+    timed = {round(t, 9): c for t, c in zip(recorder.starts, recorder.timed)}
+    novelty = {round(t, 9): n for t, n in zip(recorder.starts, recorder.novelty)}
     checked = 0
     for step in steps:
         expected = timed.get(round(step.start, 9))
@@ -143,6 +154,33 @@ def test_steps_read_back_are_the_steps_the_engine_timed(budget, reader_lag, asyn
         assert step.duration_ms == pytest.approx(TRUE.predict_ms(*expected), rel=1e-6)
         checked += 1
     assert checked == len(steps)
+
+
+def _events(records, kind):
+    return [e for r in records if r.get("kind") == "output" for item in r["requests"] for e in item.get("events") or () if e[0] == kind]
+
+
+@pytest.mark.parametrize("blocks, caching", [(60, False), (40, True)], ids=["recompute", "recompute-with-cache-hits"])
+def test_a_preempted_request_is_read_back_as_computed_again(blocks, caching):
+    """Under KV pressure the engine preempts the newest request and later
+    computes its tokens so far again as a prompt, less the blocks the
+    prefix cache still holds for it (counted in SchedulerStats as
+    preempted_hits): the read-back places that recomputation as prefill in
+    the steps the engine timed it in, and leaves the request out of the
+    batch while it waits."""
+    profile = dataclasses.replace(TRUE, spread_new_size=(1.0, 1.0))
+    records, recorder = simulate(
+        profile, workload(150, seed=3, max_prompt=300, rates=(20.0, 60.0)), reader_lag=0.002,
+        shared_prefix=64 if caching else 0, max_num_batched_tokens=512, kv_blocks=blocks, num_gpu_blocks=blocks,
+        prefix_caching=caching,
+    )
+    assert len(_events(records, 3)) >= 20  # PREEMPTED
+    resume_hits = sum(r["stats"]["prefix_cache"]["preempted_hits"] for r in records
+                      if r.get("kind") == "output" and (r.get("stats") or {}).get("prefix_cache"))
+    assert (resume_hits > 1000) == caching
+    steps = steps_from_trace(records, max_num_batched_tokens=512, ahead=False)
+    assert len(steps) > 1000
+    _assert_read_back_as_timed(steps, recorder)
 
 
 @pytest.mark.parametrize("arrivals, budget", [(workload(120, seed=1), 2048), (workload(60, seed=5, rates=(100.0,)), 512)],

@@ -183,6 +183,27 @@ def test_running_out_of_blocks_preempts_the_newest_and_it_recomputes():
     assert engine.used_blocks == 0 and engine.num_active == 0
 
 
+def test_a_request_preempted_in_its_prompt_comes_back_as_a_preempted_one():
+    """vLLM counts a resumed request in SchedulerStats' preempted_* (not as a
+    new request) whether or not it had a token before (num_preemptions > 0):
+    the fit reads those counts to place a resume's cache hits. b's 12-token
+    prompt is chunked by a budget of 2; a's third block takes b's room
+    while b has no token yet."""
+    clock = Clock(0.0)
+    engine = engine_with(clock, kv_blocks=6, block_size=4, max_num_batched_tokens=2, prefix_caching=True,
+                         latency=LatencyModel(itl_ms=10))
+    engine.apply(EngineCoreRequest("a", 3, 12, True, prompt_token_ids=[1, 2, 3]))
+    sent = [(clock.now, m) for _, m in engine.step()]
+    clock.now = engine.next_step_time(clock.now)
+    engine.apply(EngineCoreRequest("b", 12, 2, True, prompt_token_ids=list(range(100, 112))))
+    sent += drive(engine, clock)
+    events = [e["type"] for o in outputs_by_request(sent)["b"] if len(o) > 7 and o[7] for e in o[7]]
+    assert events[:4] == [1, 2, 3, 2]  # preempted before its first token, then resumed
+    counted = [m[2]["prefix_cache_stats"] for _, m in sent if m[2] and m[2].get("prefix_cache_stats")]
+    assert sum(c["requests"] for c in counted) == 2 and sum(c["preempted_requests"] for c in counted) == 1
+    assert sum(c["preempted_queries"] for c in counted) == 12
+
+
 def test_a_step_holds_the_kv_of_what_it_computes_not_of_the_token_it_samples():
     """vLLM's slots for a step are num_computed_tokens + num_new_tokens: the
     last sampled token's KV is never computed. Prompt 3 and 6 tokens out

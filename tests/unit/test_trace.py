@@ -22,7 +22,8 @@ STATS = {
     "kv_cache_usage": 0.25,
     "step_counter": 7,
     "current_wave": 0,
-    "prefix_cache_stats": {"reset": False, "requests": 2, "queries": 40, "hits": 16, "preempted_requests": 0},
+    "prefix_cache_stats": {"reset": False, "requests": 2, "queries": 40, "hits": 16, "preempted_requests": 1,
+                           "preempted_queries": 300, "preempted_hits": 256},
     "kv_cache_eviction_events": [],
 }
 
@@ -69,7 +70,8 @@ def test_output_record_tokens_finishes_and_stats():
         ],
         "finished_requests": ["b", "c"],
         "stats": {"num_running_reqs": 3, "num_waiting_reqs": 1, "kv_cache_usage": 0.25, "step_counter": 7,
-                  "current_wave": 0, "prefix_cache": {"requests": 2, "queries": 40, "hits": 16}},
+                  "current_wave": 0, "prefix_cache": {"requests": 2, "queries": 40, "hits": 16, "preempted_requests": 1,
+                                                      "preempted_queries": 300, "preempted_hits": 256}},
     }  # fmt: skip
     with_ids = trace.output_record(0, 0, 0, [packed(message)], token_ids=True)
     assert [r["token_ids"] for r in with_ids["requests"]] == [[1, 2, 3], [9], []]
