@@ -47,15 +47,14 @@ class KVCacheManager:
         """Blocks that hold `tokens` tokens."""
         return -(-tokens // self.block_size)
 
-    def blocks_to_admit(self, request: Request, next_tokens: int) -> int:
+    def blocks_to_admit(self, request: Request) -> int:
         """Blocks a waiting request needs to join the batch: its prompt and
-        what it already generated (recomputed after a preemption), plus its
-        next tokens' slots, so that it is never preempted by its own first
-        decode step. vLLM takes those at that step (`allocate_slots`: the
-        slots of what a step computes), and it checks at startup that its
-        KV memory holds max_model_len tokens, so no request can outgrow the
-        cache alone; the mock has no such check."""
-        return self.blocks_for(request.num_tokens + next_tokens)
+        what it already generated (recomputed after a preemption). vLLM
+        admits a request only if its whole sequence fits
+        (`allocate_slots(full_sequence_must_fit=...)`, on by default:
+        `scheduler_reserve_full_isl`), and takes the slot of its first
+        decode at the step that computes it."""
+        return self.blocks_for(request.num_tokens)
 
     def blocks_to_grow(self, request: Request, next_tokens: int) -> int:
         """New blocks a running request needs for its next tokens."""

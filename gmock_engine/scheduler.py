@@ -235,7 +235,7 @@ class Scheduler:
         if not (self.waiting and self.can_admit):
             return None
         head = self.waiting.peek_request()
-        return head.admit_at if self.kv.fits(self.kv.blocks_to_admit(head, self._next_tokens(head))) else None
+        return head.admit_at if self.kv.fits(self.kv.blocks_to_admit(head)) else None
 
     # -- requests in and out ---------------------------------------------------
 
@@ -419,11 +419,14 @@ class Scheduler:
                     continue
             need = 0
             if kv.enforced:
-                need = kv.blocks_to_admit(request, self._next_tokens(request))
+                need = kv.blocks_to_admit(request)
+                if need > kv.num_blocks:
+                    # the whole cache cannot hold what it has: vLLM checks at
+                    # startup that its KV holds max_model_len tokens, the
+                    # mock's blocks are whatever was configured
+                    self._reject_too_long(waiting.pop_request(), rejected)
+                    continue
                 if not kv.fits(need):
-                    if not self.running and need > kv.num_blocks:
-                        self._reject_too_long(waiting.pop_request(), rejected)
-                        continue
                     break  # waits for blocks to free up, as vLLM
             loaded = False
             if adapter is not None and lora is not None:

@@ -143,8 +143,8 @@ def test_shared_prefixes_make_chains_of_exact_token_ids_and_seqs_count_up():
 def test_eviction_removes_exactly_the_evicted_blocks_and_reset_clears():
     with serving("--num-gpu-blocks", "4") as (app, frontend):
         sub = subscribe(frontend, app)
-        run(frontend, "a", list(range(8)))  # 3 blocks: 2 cached, 1 for its first token's slot
-        run(frontend, "b", list(range(50, 62)))  # 4 blocks: the 2 never cached, then a's tail, then its head
+        run(frontend, "a", list(range(8)))  # 2 blocks, cached (its one token's KV is never computed)
+        run(frontend, "b", list(range(50, 66)))  # 4 blocks: the 2 never used, then a's tail, then its head
         events = events_of(drain(sub))
         ha = block_hashes(list(range(8)), BS)
         assert [e["type"] for e in events] == ["BlockStored", "BlockRemoved", "BlockRemoved", "BlockStored"]

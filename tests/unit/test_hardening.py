@@ -179,15 +179,27 @@ def events_of(messages, rid):
     return [(e["type"], e["timestamp"]) for o in outputs_of(messages, rid) if len(o) > 7 and o[7] for e in o[7]]
 
 
-def test_a_request_is_never_preempted_by_its_own_first_step():
-    """The issue's case: 5 blocks of 16 and a request whose prompt fills them.
-    It was admitted, preempted and re-admitted 16 steps in a row without a
-    token; now it cannot fit (prompt + first token > 5 blocks): one ERROR."""
+def test_a_request_that_outgrows_the_whole_cache_alone_ends_with_error_not_a_cycle():
+    """5 blocks of 16 and a request whose prompt fills them: it is admitted
+    (vLLM admits a sequence that fits), and the KV of its first sampled
+    token needs a sixth block that no preemption can free. It is preempted
+    once and, as what it holds can no longer fit the whole cache, ends with
+    ERROR: never admitted, preempted and re-admitted step after step."""
     clock = Clock()
     e = engine_with(clock, kv_blocks=5, block_size=16)
     e.apply(EngineCoreRequest("big", 80, 20, True))
     sent = run(e, clock, tick=0.01)
     outputs = outputs_of(sent, "big")
+    assert [o[5] if len(o) > 5 else None for o in outputs[:-1]] == [None] * (len(outputs) - 1) and 1 <= len(outputs) - 1 < 20
+    assert outputs[-1][5] == FinishReason.ERROR and outputs[-1][ERROR_AT]["code"] == "kv_cache_too_small"
+    assert e.counters["preemptions"] == 1 and e.used_blocks == 0
+
+
+def test_a_prompt_larger_than_the_whole_cache_ends_with_error_at_once():
+    clock = Clock()
+    e = engine_with(clock, kv_blocks=5, block_size=16)
+    e.apply(EngineCoreRequest("big", 81, 20, True))
+    outputs = outputs_of(run(e, clock, tick=0.01), "big")
     assert [o[5] for o in outputs] == [FinishReason.ERROR] and outputs[0][ERROR_AT]["code"] == "kv_cache_too_small"
     assert e.counters["preemptions"] == 0
 

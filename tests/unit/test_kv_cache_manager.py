@@ -19,17 +19,17 @@ def test_blocks_for_is_the_ceiling(tokens, blocks):
     assert KVCacheManager(100, 16, None, False).blocks_for(tokens) == blocks
 
 
-def test_admission_counts_prompt_output_and_the_next_tokens():
+def test_admission_counts_prompt_and_output():
     kv = KVCacheManager(100, 4, 10, False)
-    assert kv.blocks_to_admit(_request(prompt=8), 0) == 2
-    assert kv.blocks_to_admit(_request(prompt=8), 1) == 3  # the first decode's slot is allocated at admission
-    assert kv.blocks_to_admit(_request(prompt=5, output=3), 1) == 3  # a preempted one recomputes its output too
+    assert kv.blocks_to_admit(_request(prompt=8)) == 2  # the first decode's slot comes at its step, as vLLM's
+    assert kv.blocks_to_admit(_request(prompt=9)) == 3
+    assert kv.blocks_to_admit(_request(prompt=5, output=4)) == 3  # a preempted one recomputes its output too
 
 
 def test_growth_is_only_the_blocks_not_yet_held():
     kv = KVCacheManager(100, 4, 10, False)
     request = _request(prompt=7)
-    kv.allocate(request, kv.blocks_to_admit(request, 1))  # 8 tokens: 2 blocks
+    kv.allocate(request, kv.blocks_to_admit(request))  # 7 tokens: 2 blocks
     assert request.blocks == 2 and kv.blocks_to_grow(request, 1) == 0
     request.num_output_tokens = 1
     assert kv.blocks_to_grow(request, 1) == 1  # token 9 opens a third block

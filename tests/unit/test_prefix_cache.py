@@ -90,7 +90,7 @@ def test_a_hit_stores_only_the_new_blocks_with_the_last_hit_as_parent():
 def test_eviction_is_lru_the_tail_blocks_first_with_one_removed_per_block():
     kv = KVCacheManager(4, 2, 4, True, kv_events=True)  # 4 blocks of 2 tokens, enforced
     a = _request("a", [1, 2, 3, 4, 5])
-    kv.allocate(a, kv.blocks_to_admit(a, 1))
+    kv.allocate(a, kv.blocks_to_admit(a))
     _run(kv, a, [1, 2, 3, 4, 5])
     kv.free(a)
     a_hashes = block_hashes([1, 2, 3, 4], 2)
@@ -98,7 +98,7 @@ def test_eviction_is_lru_the_tail_blocks_first_with_one_removed_per_block():
     b = _request("b", [9, 9, 9, 9, 9])
     # a held 3 blocks (2 cached, its partial third not): 2 free blocks were
     # never cached, so b's 3 blocks take those and evict one
-    kv.allocate(b, kv.blocks_to_admit(b, 1))
+    kv.allocate(b, kv.blocks_to_admit(b))
     _run(kv, b, [9, 9, 9, 9, 9])
     events = kv.take_events()
     # a's blocks were freed tail first: [3 4] is the least recently freed and goes

@@ -35,14 +35,14 @@ def events_of(sent, rid):
 
 
 def preempting_scenario(**settings):
-    """3 blocks of 16. "a" (16-token prompt: 2 blocks with its first token's
-    slot) and "b" (15 tokens: 1 block) fill them at step 1. At step 2 "b"'s
-    second token needs a second block: "b" (the newest) is preempted, which
-    frees one. "hi" (priority -1, one block) arrives before step 2: it
-    fits in that freed block but must wait for step 3."""
+    """3 blocks of 16. "a" (16-token prompt: 1 block) and "b" (31 tokens: 2
+    blocks) fill them at step 1. At step 2 "a" computes the KV of its first
+    token, which needs a second block: "b" (the newest) is preempted, which
+    frees two, "a" takes one. "hi" (priority -1, one block) arrives before
+    step 2: it fits in the other but must wait for step 3."""
     e = engine(kv_blocks=3, scheduling_policy="priority", **settings)
     e.apply(EngineCoreRequest("a", 16, 6, True, priority=0))
-    e.apply(EngineCoreRequest("b", 15, 6, True, priority=0))
+    e.apply(EngineCoreRequest("b", 31, 6, True, priority=0))
     sent = e.step()
     assert set(e.active) == {"a", "b"} and e.used_blocks == 3
     e.apply(EngineCoreRequest("hi", 1, 2, True, priority=-1))
