@@ -578,7 +578,7 @@ class Scheduler:
             total = 0
             for request in self.running.values():
                 if request.request_id in prefilling:
-                    continue  # its next token's block came with its admission
+                    continue  # its prompt's blocks came with its admission; no new KV before its first token
                 need = kv.blocks_to_grow(request, self._next_tokens(request) - emitted)
                 if need > 0:
                     needs.append((request, need))
