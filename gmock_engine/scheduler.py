@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 # global a plain dict lookup.
 _UNPAUSED, _PAUSED_ALL = PauseState.UNPAUSED, PauseState.PAUSED_ALL
 _SCHEDULED = EngineCoreEventType.SCHEDULED
+_QUEUED_TYPE = int(EngineCoreEventType.QUEUED)
 _WAITING, _PREEMPTED = RequestStatus.WAITING, RequestStatus.PREEMPTED
 _RUNNING, _REMOTE_KVS = RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KVS
 _ABORTED = RequestStatus.FINISHED_ABORTED
@@ -134,6 +135,9 @@ class Scheduler:
         #: `schedule` calls so far, and the time of the last one
         self._calls = 0
         self._last_call_at = 0.0
+        #: requests added since the last `schedule` call whose QUEUED event
+        #: waits for its time (`_queue_arrivals`)
+        self._arrived: List[Request] = []
         #: the time of this call's decisions: its SCHEDULED and PREEMPTED events
         self._scheduled_stamp = 0.0
         #: requests whose prompt the last `schedule` call finished computing
@@ -247,6 +251,26 @@ class Scheduler:
         if self.async_scheduling and self.running:
             request.first_call = self._calls + 2  # vLLM planned the next step while this one ran: it joins the one after
         self.waiting.add_request(request)
+        if request.pending_events:
+            self._arrived.append(request)
+
+    def _queue_arrivals(self, now: float) -> None:
+        """Stamp the QUEUED event of the requests that reached the engine
+        since the last call with this call's time. vLLM's engine core takes
+        its input between steps (`EngineCore._process_input_queue`, then
+        `add_request` records QUEUED, then `schedule`): a request that
+        arrives while a step runs is queued when that step ends, one that
+        wakes an idle engine at once. With a latency profile a request is
+        in the engine only after its input delay (`admit_at`)."""
+        later = []
+        for request in self._arrived:
+            if request.admit_at > now:
+                later.append(request)
+                continue
+            events = request.pending_events
+            if events and events[0]["type"] == _QUEUED_TYPE:
+                events[0]["timestamp"] = now
+        self._arrived = later
 
     def remove(self, request_id: str, status: RequestStatus = _ABORTED) -> Optional[Request]:
         """Take a running or waiting request out (ABORT; `status`: how it
@@ -303,6 +327,8 @@ class Scheduler:
         # schedules what woke it at once
         self._scheduled_stamp = self._last_call_at if self.async_scheduling and running else now
         self._last_call_at = now
+        if self._arrived:
+            self._queue_arrivals(now)
         prefill_tokens = 0
         self._prefill_attention = 0.0
         self._prefill_reqs = 0

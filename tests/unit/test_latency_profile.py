@@ -201,6 +201,25 @@ def test_the_input_delay_holds_the_first_token_not_the_batch():
     assert times[0] == pytest.approx(9.0 / 1000) and times[1] - times[0] == pytest.approx(2.0 / 1000)
 
 
+def test_queued_is_when_the_request_reaches_the_engine_after_its_input_delay():
+    """vLLM records QUEUED when its engine core takes the ADD in: the input
+    delay is before it, and a step boundary (the engine takes its input
+    between steps) is at or after it."""
+    slow_input = StepProfile(batch=(1, 2), step_ms=(2.0, 2.0), input_delay_ms=(7.0, 7.0))
+    clock = Clock(0.0)
+    engine = engine_with(clock, latency=LatencyModel(profile=slow_input))
+    engine.apply(EngineCoreRequest("r", 10, 2, True))
+    events = []
+    for _ in range(10):
+        if not engine.has_work:
+            break
+        events += [o[7] for _, m in engine.step() for o in m[1] if len(o) > 7 and o[7]]
+        clock.now = engine.next_step_time(clock.now)
+    [(queued, scheduled)] = [(e[0], e[1]) for e in events]
+    assert queued["type"] == 1 and queued["timestamp"] == pytest.approx(7.0 / 1000)
+    assert scheduled["type"] == 2 and scheduled["timestamp"] == pytest.approx(7.0 / 1000)
+
+
 def test_a_request_in_input_delay_joins_the_running_batch_at_a_step_boundary():
     slow_input = StepProfile(batch=(1, 2), step_ms=(4.0, 4.0), input_delay_ms=(5.0, 5.0))
     clock = Clock(0.0)

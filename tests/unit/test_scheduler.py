@@ -284,8 +284,9 @@ def test_no_busy_steps_while_the_queue_waits_for_blocks_and_the_batch_prefills()
 def test_async_scheduling_admits_what_came_while_the_batch_ran_a_step_later(async_scheduling):
     """vLLM's async scheduling plans step k+1 while step k runs: a request
     that comes during step k is scheduled when step k ends, into step k+2.
-    Without it, into step k+1. Either way its SCHEDULED event is the end of
-    step k, and a request that finds the engine idle is scheduled at once."""
+    Without it, into step k+1. Either way its QUEUED and SCHEDULED events
+    are the end of step k (vLLM's engine core takes its input between
+    steps), and a request that finds the engine idle is scheduled at once."""
     clock = Clock(0.0)
     latency = LatencyModel(itl_ms=10, prefill_ms_per_token=0.5)
     engine = engine_with(clock, latency=latency, async_scheduling=async_scheduling)
@@ -303,7 +304,7 @@ def test_async_scheduling_admits_what_came_while_the_batch_ran_a_step_later(asyn
     events = {o[0]: o[7] for _, m in sent for o in m[1] if len(o) > 7 and o[7]}
     assert firsts["old"] == pytest.approx(0.014)  # 10 ms + 8 prompt tokens x 0.5 ms
     assert events["old"][1]["timestamp"] == pytest.approx(0.0)  # SCHEDULED at its arrival
-    assert events["new"][0]["timestamp"] == pytest.approx(0.016)  # QUEUED
+    assert events["new"][0]["timestamp"] == pytest.approx(0.024)  # QUEUED when the step it came in ended
     assert events["new"][1]["timestamp"] == pytest.approx(0.024)  # SCHEDULED
     # prefilled (10 ms + 20 x 0.5 ms) in the step from 0.024, or, async, from 0.034
     assert firsts["new"] == pytest.approx(0.054 if async_scheduling else 0.044)
