@@ -91,7 +91,7 @@ def simulate(profile, arrivals, seed=0, reader_lag=0.0, shared_prefix=0, **setti
             ids = None
             if shared_prefix:
                 ids = [7 + i % 97 for i in range(min(shared_prefix, prompt_len))]
-                ids += [1000 + (hash(rid) + i) % 30000 for i in range(prompt_len - len(ids))]
+                ids += [1000 + (7919 * len(records) + i) % 30000 for i in range(prompt_len - len(ids))]
             engine.apply(EngineCoreRequest(rid, prompt_len, max_tokens, True, prompt_token_ids=ids))
             records.append({"kind": "add", "t": t, "rank": 0, "client": 0, "request_id": rid,
                             "prompt_len": prompt_len, "max_tokens": max_tokens})
