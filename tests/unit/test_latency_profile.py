@@ -10,7 +10,7 @@ from gmock_engine.latency import LatencyModel
 from gmock_engine.latency_profile import ProfileError, StepProfile, format_profile, parse_profile
 from gmock_engine.settings import from_config
 from gmock_engine.wire.inputs import EngineCoreRequest
-from engine_steps import Clock, engine_with
+from engine_steps import Clock, drive, engine_with, outputs_of
 
 PROFILE = StepProfile(
     batch=(1, 2, 4),
@@ -183,19 +183,18 @@ def test_a_reload_reads_the_profile_again_and_applies_an_edit(tmp_path):
     assert refused.error and "missing key step_ms" in refused.error
 
 
-def test_the_input_delay_holds_the_first_token_not_the_batch():
+def _one_request_with_a_7_ms_input_delay():
+    """(time, message) of every message an engine with 2 ms steps and a 7 ms
+    input delay sends for one request of 2 tokens that came at 0."""
     slow_input = StepProfile(batch=(1, 2), step_ms=(2.0, 2.0), input_delay_ms=(7.0, 7.0))
     clock = Clock(0.0)
     engine = engine_with(clock, latency=LatencyModel(profile=slow_input))
     engine.apply(EngineCoreRequest("r", 10, 2, True))
-    times = []
-    for _ in range(10):
-        if not engine.has_work:
-            break
-        sent = engine.step()
-        if sent:
-            times.append(clock.now)
-        clock.now = engine.next_step_time(clock.now)
+    return drive(engine, clock)
+
+
+def test_the_input_delay_holds_the_first_token_not_the_batch():
+    times = sorted({t for t, _ in _one_request_with_a_7_ms_input_delay()})
     # admitted 7 ms after its ADD (it reaches the engine then), prefilled in a 2 ms step,
     # then steps every 2 ms
     assert times[0] == pytest.approx(9.0 / 1000) and times[1] - times[0] == pytest.approx(2.0 / 1000)
@@ -205,16 +204,7 @@ def test_queued_is_when_the_request_reaches_the_engine_after_its_input_delay():
     """vLLM records QUEUED when its engine core takes the ADD in: the input
     delay is before it, and a step boundary (the engine takes its input
     between steps) is at or after it."""
-    slow_input = StepProfile(batch=(1, 2), step_ms=(2.0, 2.0), input_delay_ms=(7.0, 7.0))
-    clock = Clock(0.0)
-    engine = engine_with(clock, latency=LatencyModel(profile=slow_input))
-    engine.apply(EngineCoreRequest("r", 10, 2, True))
-    events = []
-    for _ in range(10):
-        if not engine.has_work:
-            break
-        events += [o[7] for _, m in engine.step() for o in m[1] if len(o) > 7 and o[7]]
-        clock.now = engine.next_step_time(clock.now)
+    events = [o[7] for o in outputs_of(_one_request_with_a_7_ms_input_delay(), "r") if len(o) > 7 and o[7]]
     [(queued, scheduled)] = [(e[0], e[1]) for e in events]
     assert queued["type"] == 1 and queued["timestamp"] == pytest.approx(7.0 / 1000)
     assert scheduled["type"] == 2 and scheduled["timestamp"] == pytest.approx(7.0 / 1000)
