@@ -158,10 +158,8 @@ def steps_of_rank(
     scheduled = _first_events(outputs, SCHEDULED)
 
     groups = _step_groups(outputs)
-    moves = _preemptions(outputs)
-    resume_hits = _resume_hits(groups, moves)
-    preempts = [(stamp, rid) for stamp, kind, rid in moves if kind == PREEMPTED]
-    resumes = [(stamp, rid) for stamp, kind, rid in moves if kind == SCHEDULED]
+    preempts, resumes = _preemptions(outputs)
+    resume_hits = _resume_hits(groups, resumes)
     by_id = {add["request_id"]: add for add in adds}
     admitted: set = set()
     pending: Dict[str, _Pending] = {}  # FCFS: insertion order is arrival order
@@ -369,11 +367,12 @@ def _first_events(outputs: List[Dict[str, Any]], kind: int) -> Dict[str, float]:
     return found
 
 
-def _preemptions(outputs: List[Dict[str, Any]]) -> List["tuple[float, int, str]"]:
-    """(engine-clock stamp, PREEMPTED or SCHEDULED, request id) of each
-    preemption and of the resume after it, in time order. A preempted
-    request's events ride on its next output, after its resume (§4.5)."""
-    moves = []
+def _preemptions(outputs: List[Dict[str, Any]]) -> "tuple[List[tuple[float, str]], List[tuple[float, str]]]":
+    """(engine-clock stamp, request id) of each preemption (its PREEMPTED
+    event) and of each resume (the SCHEDULED event after one), each in time
+    order. A preempted request's events ride on its next output, after its
+    resume (§4.5)."""
+    preempts, resumes = [], []
     for record in outputs:
         for item in record.get("requests", ()):
             out = False
@@ -381,17 +380,18 @@ def _preemptions(outputs: List[Dict[str, Any]]) -> List["tuple[float, int, str]"
                 if not isinstance(event[1], (int, float)):
                     continue
                 if event[0] == PREEMPTED:
-                    moves.append((float(event[1]), PREEMPTED, item["id"]))
+                    preempts.append((float(event[1]), item["id"]))
                     out = True
                 elif event[0] == SCHEDULED and out:
-                    moves.append((float(event[1]), SCHEDULED, item["id"]))
+                    resumes.append((float(event[1]), item["id"]))
                     out = False
-    moves.sort(key=lambda m: (m[0], m[1] == SCHEDULED))
-    return moves
+    preempts.sort()
+    resumes.sort()
+    return preempts, resumes
 
 
 def _resume_hits(
-    groups: List[List[Dict[str, Any]]], moves: List["tuple[float, int, str]"]
+    groups: List[List[Dict[str, Any]]], resumes: List["tuple[float, str]"]
 ) -> Dict["tuple[str, float]", "tuple[int, int]"]:
     """(request id, resume stamp) -> the prompt tokens the prefix cache held
     for it when it was resumed. An engine counts its resumes
@@ -408,23 +408,19 @@ def _resume_hits(
     ends = _step_ends(groups)
     if ends is None:
         return {}
-    counts: List[int] = []  # the groups with such stats, in order
-    room: Dict[int, int] = {}
+    room: Dict[int, int] = {}  # group index -> resumes its stats count and not placed yet
     counted: Dict[int, "tuple[int, int]"] = {}
     keys = ("preempted_requests", "preempted_queries", "preempted_hits")
     for i, group in enumerate(groups):
         for record in group:
             prefix = (record.get("stats") or {}).get("prefix_cache") or {}
             if all(isinstance(prefix.get(key), int) for key in keys):
-                if i not in room:
-                    counts.append(i)
                 hits, queries = counted.get(i, (0, 0))
                 room[i] = room.get(i, 0) + prefix["preempted_requests"]
                 counted[i] = (hits + prefix["preempted_hits"], queries + prefix["preempted_queries"])
+    counts = list(room)  # the groups with such stats, in order
     placed: Dict["tuple[str, float]", "tuple[int, int]"] = {}
-    for stamp, kind, rid in moves:
-        if kind != SCHEDULED:
-            continue
+    for stamp, rid in resumes:
         j = bisect_left(counts, bisect_left(ends, stamp))
         while j < len(counts) and room[counts[j]] <= 0:
             j += 1
