@@ -21,6 +21,11 @@ by Huber's reweighting: fit_candidate):
   … as far as the steps reach (the non-linear growth with the batch), plus
   the four other terms.
 
+The context term of the last two is not fitted with the others: its
+coefficient is the slope of the step time within runs of back-to-back
+decode steps of one batch (context_slope), where nothing but the context
+changes; the other coefficients are fitted to what it leaves.
+
 The spread around the chosen model (measured / predicted) goes into the
 profile as quantiles, the engine draws each step's factor from them: for
 steps that only decode one set per bin of the batch (none, or bins that
@@ -51,7 +56,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ..config import ENV_PREFIX, FIT_SECTION, ConfigError, ini_reader, new_parser, parse_tool_config
-from ..latency_profile import NEW_MAX, NEW_SIZE, StepProfile, format_profile, spread_time
+from ..latency_profile import NEW_MAX, NEW_SIZE, STEADY, StepProfile, format_profile, spread_time
 from ..option import Group, Option, add_groups
 from ..validators import choice, int_at_least, nonempty
 from ..trace import TraceFormatError, read_trace
@@ -89,10 +94,14 @@ HUBER_K = 1.5
 @dataclass(frozen=True)
 class Model:
     """A model form made for a set of steps: the features of a step and
-    the profile from fitted coefficients."""
+    the profile from fitted coefficients. `context` is the index of the
+    feature of the context held, if the form has one: its coefficient is
+    not fitted with the others but taken from within runs of steps
+    (context_slope)."""
 
     features: Callable[[Step], List[float]]
     profile: Callable[[Sequence[float]], StepProfile]
+    context: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -166,6 +175,7 @@ def _table(steps: Sequence[Step]) -> Model:
             prefill_ms_per_request=c[n + 2],
             context_ms_per_ktoken=c[n + 3],
         ),
+        context=n + 3,
     )
 
 
@@ -173,7 +183,7 @@ CANDIDATES = (
     Candidate("linear", lambda _: Model(lambda s: [1.0, float(s.batch), float(s.prefill_tokens)], _linear)),
     Candidate(
         "linear+attention",
-        lambda _: Model(lambda s: [1.0, float(s.batch)] + _terms(s), lambda c: _linear(c, c[3], c[5], c[4])),
+        lambda _: Model(lambda s: [1.0, float(s.batch)] + _terms(s), lambda c: _linear(c, c[3], c[5], c[4]), context=5),
     ),
     Candidate("table", _table),
 )
@@ -213,6 +223,81 @@ def _usable(steps: Sequence[Step]) -> List[Step]:
     return [s for s in steps if s.duration_ms >= MIN_STEP_MS and s.batch > 0]
 
 
+#: The fewest steps of a run (context_slope) that tell how the context weighs.
+MIN_RUN_STEPS = 8
+
+
+def decode_runs(steps: Sequence[Step]) -> List[List[Step]]:
+    """Maximal runs of back-to-back steps of one engine that only decode the
+    same number of requests (of sizes run before, not on an idle engine's
+    wake-up), MIN_RUN_STEPS or longer: within a run the batch and the
+    machine's state are the same and only the context grows."""
+    runs: List[List[Step]] = []
+    run: List[Step] = []
+    for s in steps:
+        plain = s.prefill_tokens == 0 and not s.woke and s.novelty == STEADY
+        if run and plain and s.rank == run[-1].rank and s.batch == run[-1].batch and abs(s.start - run[-1].end) < 1e-4:
+            run.append(s)
+            continue
+        if len(run) >= MIN_RUN_STEPS:
+            runs.append(run)
+        run = [s] if plain else []
+    if len(run) >= MIN_RUN_STEPS:
+        runs.append(run)
+    return runs
+
+
+#: The least spread (ms) a run's steps are taken to have (context_slope): a
+#: run of identical steps would otherwise weigh infinitely.
+MIN_RUN_SPREAD_MS = 0.001
+
+
+def _run_spread(run: Sequence[Step]) -> float:
+    """The step-to-step spread (ms) of a run's times, robust to the trend:
+    the median absolute deviation of successive differences, as a standard
+    deviation of one step."""
+    diffs = [b.duration_ms - a.duration_ms for a, b in zip(run, run[1:])]
+    centre = quantile(sorted(diffs), 0.5)
+    mad = quantile(sorted(abs(d - centre) for d in diffs), 0.5)
+    return max(MIN_RUN_SPREAD_MS, 1.4826 * mad / math.sqrt(2.0))
+
+
+def context_slope(steps: Sequence[Step]) -> float:
+    """ms a step takes per 1000 tokens of context held, from how the steps
+    of each decode run grow with it: the time and the context less their
+    run's means, pooled, each run weighed by the inverse square of its
+    spread (a run of one request on a noisy host says little about a slope
+    that a run of sixteen says clearly), with HUBER_K reweighting; 0 when
+    no run's context varies. Across runs the context goes with everything
+    else that differs between them (the batch, the workload, the machine's
+    drift over a recording), and a slope fitted across them took those for
+    attention: several times the within-run slope on the reference engine."""
+    xs: List[float] = []
+    ys: List[float] = []
+    scales: List[float] = []
+    for run in decode_runs(steps):
+        mx = sum(s.context_tokens for s in run) / (1000.0 * len(run))
+        my = sum(s.duration_ms for s in run) / len(run)
+        spread = _run_spread(run)
+        xs.extend(s.context_tokens / 1000.0 - mx for s in run)
+        ys.extend(s.duration_ms - my for s in run)
+        scales.extend([spread] * len(run))
+    base = [1.0 / (sc * sc) for sc in scales]
+    weights = base
+    slope = 0.0
+    for _ in range(ROBUST_ITERATIONS + 1):
+        sxx = sum(w * x * x for w, x in zip(weights, xs))
+        if sxx <= 0.0:
+            return 0.0
+        slope = sum(w * x * y for w, x, y in zip(weights, xs, ys)) / sxx
+        residuals = [abs(y - slope * x) / sc for x, y, sc in zip(xs, ys, scales)]
+        threshold = HUBER_K * 1.4826 * quantile(sorted(residuals), 0.5)
+        if threshold <= 0.0:
+            break
+        weights = [b if r <= threshold else b * threshold / r for b, r in zip(base, residuals)]
+    return max(0.0, slope)
+
+
 def fit_candidate(candidate: Candidate, steps: Sequence[Step]) -> StepProfile:
     """The candidate's profile fitted to `steps` (no spread yet): least
     squares on the relative error, then ROBUST_ITERATIONS reweightings that
@@ -220,18 +305,28 @@ def fit_candidate(candidate: Candidate, steps: Sequence[Step]) -> StepProfile:
     deviations the weight of one at that distance (Huber's). The model is
     the typical step; the tail goes into the spread, not into the
     coefficients (a few prefills that took several times their usual time
-    would otherwise price every prompt token higher)."""
+    would otherwise price every prompt token higher). The context's
+    coefficient is context_slope's, the others are fitted to what is left."""
     model = candidate.make(steps)
     rows = [model.features(s) for s in steps]
     ys = [s.duration_ms for s in steps]
     weights = [1.0 / (y * y) for y in ys]
-    c = nnls(rows, ys, weights)
+    fixed = 0.0
+    targets = ys
+    if model.context is not None:
+        fixed = context_slope(steps)
+        targets = [y - fixed * row[model.context] for row, y in zip(rows, ys)]
+        rows = [row[: model.context] + [0.0] + row[model.context + 1 :] for row in rows]
+    c = nnls(rows, targets, weights)
     for _ in range(ROBUST_ITERATIONS):
-        residuals = [(sum(a * b for a, b in zip(row, c)) - y) / y for row, y in zip(rows, ys)]
+        residuals = [(sum(a * b for a, b in zip(row, c)) - t) / y for row, t, y in zip(rows, targets, ys)]
         threshold = HUBER_K * 1.4826 * quantile(sorted(abs(r) for r in residuals), 0.5)
         if threshold <= 0.0:
             break  # an exact fit: nothing to reweight
-        c = nnls(rows, ys, [w if abs(r) <= threshold else w * threshold / abs(r) for w, r in zip(weights, residuals)])
+        c = nnls(rows, targets, [w if abs(r) <= threshold else w * threshold / abs(r) for w, r in zip(weights, residuals)])
+    if model.context is not None:
+        c = list(c)
+        c[model.context] = fixed
     return model.profile(c)
 
 
@@ -581,6 +676,11 @@ def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None, inpu
         f"{len(usable)} steps ({sum(1 for s in usable if s.prefill_tokens)} with prefill), batch 1..{max_batch}, "
         f"{folds}-fold cross-validation over contiguous blocks",
     ]
+    runs = decode_runs(usable)
+    report.append(
+        f"context held: {context_slope(usable):.4f} ms per 1000 tokens, from {len(runs)} runs of decode steps "
+        f"({sum(len(r) for r in runs)} steps; within each the batch is the same and only the context grows)"
+    )
     best: Optional[Tuple[float, Candidate]] = None
     for form in forms:
         cv = cross_validate(form, usable, folds)

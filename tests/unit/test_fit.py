@@ -18,7 +18,7 @@ import pytest
 from gmock_engine.latency import LatencyModel
 from gmock_engine.latency_profile import NEW_MAX, NEW_SIZE, STEADY, StepProfile, format_profile, read_profile
 from gmock_engine.tools import fit as fitting
-from gmock_engine.tools.steps import steps_from_trace
+from gmock_engine.tools.steps import Step, steps_from_trace
 from gmock_engine.trace import header, output_record
 from gmock_engine.wire.inputs import EngineCoreRequest
 from engine_steps import Clock, engine_with
@@ -337,6 +337,40 @@ def test_a_linear_engine_is_fitted_as_linear_figures():
     p = result.profile
     assert p.batch_ms(1) == pytest.approx(6.0, rel=0.02) and p.batch_ms(9) == pytest.approx(10.0, rel=0.02)
     assert p.prefill_ms_per_token == pytest.approx(0.05, rel=0.03)
+
+
+def test_the_context_is_priced_from_within_runs_not_across_a_drifting_recording():
+    """Short prompts first, then long ones on a machine that has grown 1 ms
+    a step slower (the reference engine drifts so between workloads minutes
+    apart): across the recording the context goes with the drift, and a
+    slope fitted across it prices 1 000 tokens held several times as high as
+    the engine does. Within each run of decode steps of one batch only the
+    context grows, and its slope is the engine's."""
+    short, _ = simulate(TRUE, workload(150, seed=7, max_prompt=96))
+    long, _ = simulate(TRUE, workload(150, seed=8, prompts=(900, 1000)))
+    early = steps_from_trace(short)
+    shift = early[-1].end + 5.0
+    late = [dataclasses.replace(s, start=s.start + shift, end=s.end + shift + 0.001) for s in steps_from_trace(long)]
+    steps = early + late
+    assert fitting.context_slope(steps) == pytest.approx(TRUE.context_ms_per_ktoken, rel=0.1)
+    table = fitting.CANDIDATES[2]
+    assert fitting.fit_candidate(table, steps).context_ms_per_ktoken == pytest.approx(TRUE.context_ms_per_ktoken, rel=0.1)
+
+
+def test_decode_runs_break_at_a_prefill_a_gap_another_batch_or_another_engine():
+    def step(start, batch=4, prefill=0, rank=0, context=1000):
+        return Step(rank=rank, start=start, end=start + 0.01, batch=batch, decode=batch, prefill_tokens=prefill,
+                    prefill_attention=0.0, context_tokens=context, woke=False)  # fmt: skip
+
+    n = fitting.MIN_RUN_STEPS
+    t = [0.01 * i for i in range(6 * n)]
+    steps = [step(t[i], context=1000 + i) for i in range(n)]  # a run
+    steps.append(step(t[n], prefill=64))  # a prefill ends it
+    steps += [step(t[n + 1 + i]) for i in range(n)]  # a run
+    steps += [step(t[2 * n + 1 + i] + 1.0) for i in range(n - 1)]  # after a gap: too short
+    steps += [step(t[3 * n + i] + 1.0, batch=5) for i in range(n)]  # another batch: a run
+    steps += [step(t[4 * n + i] + 1.0, rank=i % 2) for i in range(n)]  # engines alternate: none
+    assert [len(r) for r in fitting.decode_runs(steps)] == [n, n, n]
 
 
 def test_chunked_prefill_is_placed_within_the_token_budget():
