@@ -53,7 +53,13 @@ request, as vLLM, or a step after it.
 frontend's part (arrival to ADD), the engine's (ADD to first token) and the
 engine's own queued-to-first-token. `compare` prints a markdown table: every real repetition, their spread, the
 mock and its error against the real mean, and whether it meets the goals
-(fidelity_stats.GOALS) or lies inside the real runs' range.
+(fidelity_stats.GOALS) or lies inside the real runs' range. With `--twin`
+(the real engine's calibration results; `sitting` adds them) it also
+judges, as if they were the mock, the calibration runs of a held-out
+workload's shape (`c16_128_256` for `c16_128_256_held`: another seed,
+the same lengths and load) against the held-out runs: a profile is fitted
+to the calibration, and no model of it can come closer than the real
+engine's own calibration runs of that workload did.
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -121,6 +127,8 @@ class Workload:
     rate: Optional[float] = None
     #: added to the run's --seed: a held-out workload of a calibration shape gets other prompts
     seed: int = 0
+    #: the calibration workload of the same shape (`compare --twin`): the real engine against itself
+    twin: Optional[str] = None
 
     def bench_args(self) -> List[str]:
         load = ["--max-concurrency", str(self.concurrency), "--request-rate", "inf"] if self.concurrency else \
@@ -144,7 +152,7 @@ WORKLOADS = [
     Workload("c2_256_128", "cal", 24, _random(256, 128), concurrency=2),
     Workload("poisson6_128_128", "cal", 60, _random(128, 128), rate=6.0),
     Workload("poisson4_256_96", "held", 60, _random(256, 96), rate=4.0),
-    Workload("c16_128_256_held", "held", 48, _random(128, 256), concurrency=16, seed=1000),
+    Workload("c16_128_256_held", "held", 48, _random(128, 256), concurrency=16, seed=1000, twin="c16_128_256"),
     Workload("c2_768_128", "held", 32, _random(768, 128), concurrency=2),
     # 4 prefixes of 256 tokens shared by 12 requests each: prefix-cache hits after each prefix's first
     Workload("prefix_c4_256+128_128", "held", 48,
@@ -430,7 +438,9 @@ def sitting(options: argparse.Namespace) -> int:
     step("mock", "held", "mock-linear.json", None, LINEAR_FLAGS)
     for name in ("profile", "linear"):
         with open(d / f"compare-{name}.md", "w") as f, contextlib.redirect_stdout(f):
-            compare(argparse.Namespace(real=str(d / "real-held.json"), mock=str(d / f"mock-{name}.json")))
+            compare(argparse.Namespace(real=str(d / "real-held.json"), mock=str(d / f"mock-{name}.json"),
+                                       twin=[str(d / f"real-cal{i}.json") for i in range(1, options.repeat + 1)]
+                                       if name == "profile" else []))
         outside = [line for line in (d / f"compare-{name}.md").read_text().splitlines() if line.startswith("Outside")]
         _say(f"{name}: {d / f'compare-{name}.md'}; {outside[0] if outside else 'no comparison'}")
     return 0
@@ -455,7 +465,33 @@ def compare(options: argparse.Namespace) -> int:
         print(f"Outside the goals ({goals}, or inside the real runs' range): {len(misses)}")
         for miss in misses:
             print(f"- {miss}")
+    if options.twin:
+        twin_table(real_runs, [r["workloads"] for f in options.twin for r in json.loads(Path(f).read_text())["runs"]])
     return 0
+
+
+def twin_table(held_runs: List[Dict[str, Any]], cal_runs: List[Dict[str, Any]]) -> int:
+    """Print the real engine's calibration runs of a held-out workload's
+    shape (Workload.twin) judged against its held-out runs as the mock is;
+    the number of figures outside the goals. A profile is fitted to the
+    calibration: on a held-out workload no model of it can do better than
+    the calibration's own runs of that workload did."""
+    twins = {w.name: w.twin for w in WORKLOADS if w.twin and any(w.name in r for r in held_runs)}
+    as_mock = [{name: run[twin] for name, twin in twins.items() if twin in run} for run in cal_runs]
+    twins = {name: twin for name, twin in twins.items() if any(name in run for run in as_mock)}
+    if not twins:
+        return 0
+    table, misses = stats.compare_table(held_runs, as_mock, list(twins))
+    print()
+    print("The real engine against itself: its calibration runs of the same shape (another seed) "
+          f"in the mock's column: {', '.join(f'{t} for {n}' for n, t in twins.items())}")
+    print()
+    print(table)
+    print()
+    print(f"Outside the goals: {len(misses)}")
+    for miss in misses:
+        print(f"- {miss}")
+    return len(misses)
 
 
 def breakdown(options: argparse.Namespace) -> int:
@@ -537,6 +573,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     c = sub.add_parser("compare", help="markdown table: real runs vs a mock run")
     c.add_argument("real")
     c.add_argument("mock", nargs="?")
+    c.add_argument("--twin", action="append", default=[], metavar="REAL_CAL",
+                   help="results of the real engine's calibration runs: also judge them, as the mock, on the "
+                   "held-out workloads of their shape (a floor no profile fitted to them can beat)")
     b = sub.add_parser("breakdown", help="markdown table: where TTFT goes, from the runs' traces")
     b.add_argument("results", nargs="+", help="results JSON of runs with traces (real, or mock run with --trace)")
     s = sub.add_parser("sitting", help="the whole accuracy measurement: real cal/held alternating, fit, mock, compare")

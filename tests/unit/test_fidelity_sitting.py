@@ -61,3 +61,19 @@ def test_a_failed_fit_stops_the_sitting_before_the_mock(tmp_path, monkeypatch):
     monkeypatch.setattr(fit, "main", lambda argv: 2)
     assert fidelity.main(["sitting", "--dir", str(tmp_path), "--repeat", "1"]) == 2
     assert calls == ["real", "real"]
+
+
+def test_the_twin_table_judges_the_real_calibration_runs_of_a_held_out_shape_as_the_mock(capsys):
+    """The held-out c16 workload has a calibration twin of the same shape:
+    its calibration runs go in the mock's column, against the held-out runs."""
+    held = [{"c16_128_256_held": {"p50_itl_ms": 15.0, "request_throughput": 4.0}, "c2_768_128": {"p50_itl_ms": 6.0}},
+            {"c16_128_256_held": {"p50_itl_ms": 15.6, "request_throughput": 3.8}}]  # fmt: skip
+    drifted = [{"c16_128_256": {"p50_itl_ms": 17.6, "request_throughput": 3.9}, "c1_64_64": {"p50_itl_ms": 5.0}}]
+    assert fidelity.twin_table(held, drifted) == 1  # ITL 15 % above; the rate inside the held-out runs' range
+    out = capsys.readouterr().out
+    assert "c16_128_256 for c16_128_256_held" in out
+    assert "| c16_128_256_held | ITL p50 | 15 | 15.6 | 3.9 % | 17.6 | +15.0 % | **no** |" in out
+    assert "c2_768_128" not in out  # no twin: not in the table
+    steady = [{"c16_128_256": {"p50_itl_ms": 15.2, "request_throughput": 3.9}}]
+    assert fidelity.twin_table(held, steady) == 0
+    assert fidelity.twin_table(held, [{"c1_64_64": {"p50_itl_ms": 5.0}}]) == 0  # calibration without the twin
