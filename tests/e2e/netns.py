@@ -135,6 +135,11 @@ class Hosts:
     def root_address(self) -> str:
         return self.address(ROOT_HOST)
 
+    @property
+    def bridge_mac(self) -> str:
+        """The bridge's (the root's) MAC: locally administered, from the subnet."""
+        return f"02:00:0a:{self.x:02x}:00:{ROOT_HOST:02x}"
+
     def veth(self, i: int) -> str:
         """The bridge-side end of host i's link (what link_down switches)."""
         return f"{self.tag}v{i}"
@@ -152,6 +157,10 @@ class Hosts:
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             self._made.append(self.bridge)
+            # A bridge takes the lowest MAC of its ports unless given one: a silent
+            # link_down of the port holding it would change the root's MAC under the
+            # other hosts' ARP entries, and cut them off the client too.
+            _ip("link", "set", self.bridge, "address", self.bridge_mac)
             _ip("addr", "add", f"{self.root_address}/24", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
             for i, ns in enumerate(self.names, start=1):

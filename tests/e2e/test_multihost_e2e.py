@@ -22,8 +22,12 @@ from __future__ import annotations
 import collections
 import os
 import re
+import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -286,6 +290,30 @@ def _netns_names() -> set:
 
 def _link_names() -> set:
     return {m.group(1) for m in re.finditer(r"^\d+:\s+([^:@\s]+)", netns._ip("-o", "link", "show").stdout, re.M)}
+
+
+def test_a_silent_cut_of_any_host_leaves_the_others_reaching_the_client(netns_ok):
+    """A silent link_down takes a port off the bridge: the bridge (the client's
+    side) keeps its MAC, so the other hosts' ARP entries stay right and they
+    keep reaching the client, whichever host's port had the lowest MAC."""
+    with netns.Hosts(3) as made, socket.create_server((made.root_address, 0)) as server:
+        port = server.getsockname()[1]
+
+        def reaches(i: int) -> str:
+            """'' if host i completes a TCP handshake with the client's side, else why not."""
+            code = f"import socket; socket.create_connection(({made.root_address!r}, {port}), timeout=2).close()"
+            done = subprocess.run(made.run(i, [sys.executable, "-c", code]), capture_output=True, text=True, timeout=20)
+            return "" if done.returncode == 0 else done.stderr.strip().splitlines()[-1]
+
+        assert [reaches(i) for i in (1, 2, 3)] == ["", "", ""]
+        mac = Path(f"/sys/class/net/{made.bridge}/address").read_text().strip()
+        for cut in (1, 2, 3):
+            made.link_down(cut, silent=True)
+            try:
+                assert Path(f"/sys/class/net/{made.bridge}/address").read_text().strip() == mac, f"host {cut} cut"
+                assert {i: reaches(i) for i in {1, 2, 3} - {cut}} == {i: "" for i in {1, 2, 3} - {cut}}, f"host {cut} cut"
+            finally:
+                made.link_up(cut, silent=True)
 
 
 def test_hosts_are_removed_also_after_a_failure(netns_ok):
