@@ -173,8 +173,7 @@ class Outage:
     def paused_while_down(self) -> List[Stream]:
         """Streams silent for at least half the outage while the link was down: those
         on the cut host's ranks. A silence that begins once the link is back is the
-        frontend's recovery (vllm-rs may then hold every stream, those of the other
-        host too, while it takes up the cut link again), not an engine that stopped."""
+        frontend's recovery (the burst of what waited), not an engine that stopped."""
         def overlap(start: float, length: float) -> float:
             return min(start + length, self.t_up) - max(start, self.t_down)
 
