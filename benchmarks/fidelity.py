@@ -58,8 +58,8 @@ mock and its error against the real mean, and whether it meets the goals
 judges, as if they were the mock, the calibration runs of a held-out
 workload's shape (`c16_128_256` for `c16_128_256_held`: another seed,
 the same lengths and load) against the held-out runs: a profile is fitted
-to the calibration, and no model of it can come closer than the real
-engine's own calibration runs of that workload did.
+to the calibration, and one that reproduces it misses the held-out runs
+where the real engine's own calibration runs of that workload do.
 """
 
 from __future__ import annotations
@@ -474,8 +474,8 @@ def twin_table(held_runs: List[Dict[str, Any]], cal_runs: List[Dict[str, Any]]) 
     """Print the real engine's calibration runs of a held-out workload's
     shape (Workload.twin) judged against its held-out runs as the mock is;
     the number of figures outside the goals. A profile is fitted to the
-    calibration: on a held-out workload no model of it can do better than
-    the calibration's own runs of that workload did."""
+    calibration: one that reproduces it misses a held-out workload where
+    the calibration's own runs of that workload do."""
     twins = {w.name: w.twin for w in WORKLOADS if w.twin and any(w.name in r for r in held_runs)}
     as_mock = [{name: run[twin] for name, twin in twins.items() if twin in run} for run in cal_runs]
     twins = {name: twin for name, twin in twins.items() if any(name in run for run in as_mock)}
@@ -575,7 +575,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     c.add_argument("mock", nargs="?")
     c.add_argument("--twin", action="append", default=[], metavar="REAL_CAL",
                    help="results of the real engine's calibration runs: also judge them, as the mock, on the "
-                   "held-out workloads of their shape (a floor no profile fitted to them can beat)")
+                   "held-out workloads of their shape (where they miss, a profile that reproduces them misses too)")
     b = sub.add_parser("breakdown", help="markdown table: where TTFT goes, from the runs' traces")
     b.add_argument("results", nargs="+", help="results JSON of runs with traces (real, or mock run with --trace)")
     s = sub.add_parser("sitting", help="the whole accuracy measurement: real cal/held alternating, fit, mock, compare")
