@@ -223,6 +223,17 @@ def _usable(steps: Sequence[Step]) -> List[Step]:
     return [s for s in steps if s.duration_ms >= MIN_STEP_MS and s.batch > 0]
 
 
+def huber_weights(base: Sequence[float], residuals: Sequence[float]) -> Optional[List[float]]:
+    """`base` with Huber's reweighting for `residuals`: a point beyond HUBER_K
+    robust standard deviations (1.4826 x the median |residual|) weighs as
+    one at that distance; None when that median is 0 (an exact fit)."""
+    sizes = [abs(r) for r in residuals]
+    threshold = HUBER_K * 1.4826 * quantile(sorted(sizes), 0.5)
+    if threshold <= 0.0:
+        return None
+    return [w if r <= threshold else w * threshold / r for w, r in zip(base, sizes)]
+
+
 #: The fewest steps of a run (context_slope) that tell how the context weighs.
 MIN_RUN_STEPS = 8
 
@@ -283,18 +294,16 @@ def context_slope(steps: Sequence[Step]) -> float:
         ys.extend(s.duration_ms - my for s in run)
         scales.extend([spread] * len(run))
     base = [1.0 / (sc * sc) for sc in scales]
-    weights = base
+    weights: Optional[List[float]] = base
     slope = 0.0
     for _ in range(ROBUST_ITERATIONS + 1):
         sxx = sum(w * x * x for w, x in zip(weights, xs))
         if sxx <= 0.0:
             return 0.0
         slope = sum(w * x * y for w, x, y in zip(weights, xs, ys)) / sxx
-        residuals = [abs(y - slope * x) / sc for x, y, sc in zip(xs, ys, scales)]
-        threshold = HUBER_K * 1.4826 * quantile(sorted(residuals), 0.5)
-        if threshold <= 0.0:
+        weights = huber_weights(base, [(y - slope * x) / sc for x, y, sc in zip(xs, ys, scales)])
+        if weights is None:
             break
-        weights = [b if r <= threshold else b * threshold / r for b, r in zip(base, residuals)]
     return max(0.0, slope)
 
 
@@ -319,11 +328,10 @@ def fit_candidate(candidate: Candidate, steps: Sequence[Step]) -> StepProfile:
         rows = [row[: model.context] + [0.0] + row[model.context + 1 :] for row in rows]
     c = nnls(rows, targets, weights)
     for _ in range(ROBUST_ITERATIONS):
-        residuals = [(sum(a * b for a, b in zip(row, c)) - t) / y for row, t, y in zip(rows, targets, ys)]
-        threshold = HUBER_K * 1.4826 * quantile(sorted(abs(r) for r in residuals), 0.5)
-        if threshold <= 0.0:
+        robust = huber_weights(weights, [(sum(a * b for a, b in zip(row, c)) - t) / y for row, t, y in zip(rows, targets, ys)])
+        if robust is None:
             break  # an exact fit: nothing to reweight
-        c = nnls(rows, targets, [w if abs(r) <= threshold else w * threshold / abs(r) for w, r in zip(weights, residuals)])
+        c = nnls(rows, targets, robust)
     if model.context is not None:
         c = list(c)
         c[model.context] = fixed
