@@ -32,11 +32,11 @@ from typing import Dict, List, Sequence, Tuple
 
 import msgpack
 
-from gmock_engine.engine import EngineCore, EngineSettings
-from gmock_engine.latency import LatencyModel
-from gmock_engine.latency_profile import StepSizes, read_profile
+from gmock_engine.core.engine import EngineCore, EngineSettings
+from gmock_engine.timing.latency import LatencyModel
+from gmock_engine.timing.profile import StepSizes, read_profile
 from gmock_engine.tools.steps import steps_from_trace
-from gmock_engine.trace import output_record, read_trace
+from gmock_engine.timing.trace import output_record, read_trace
 from gmock_engine.wire.inputs import EngineCoreRequest
 
 #: The engine limits of the real engine in fidelity.py (MOCK_ARGS).

@@ -516,10 +516,10 @@ def breakdown(options: argparse.Namespace) -> int:
 
 def score(options: argparse.Namespace) -> int:
     """`score`: profiles against the steps of held-out traces (tools/fit.py score_steps)."""
-    from gmock_engine.latency_profile import read_profile
+    from gmock_engine.timing.profile import read_profile
     from gmock_engine.tools import fit
     from gmock_engine.tools.steps import steps_from_trace
-    from gmock_engine.trace import read_trace
+    from gmock_engine.timing.trace import read_trace
 
     steps = [s for path in options.trace for s in steps_from_trace(read_trace(path)[1], MAX_NUM_BATCHED_TOKENS)]
     print(f"held-out steps of {', '.join(options.trace)}: mean pinball loss (ms) at "
@@ -535,7 +535,7 @@ def score(options: argparse.Namespace) -> int:
 def slots(options: argparse.Namespace) -> int:
     """`slots`: per trace, where the requests that waited got their slot (tools/steps.py slot_admissions)."""
     from gmock_engine.tools.steps import slot_admissions
-    from gmock_engine.trace import read_trace
+    from gmock_engine.timing.trace import read_trace
 
     print("| trace | " + " | ".join(("with a finish", "a step after one", "other")) + " |")
     print("| --- | ---: | ---: | ---: |")

@@ -195,7 +195,7 @@ def compare_table(real_runs: Sequence[Mapping[str, Mapping[str, object]]],
 
 def ttft_parts(records: Sequence[Mapping[str, object]], t_start: float, t_end: float) -> Dict[str, Optional[float]]:
     """Where a workload's time to first token goes, from a trace of its run
-    (gmock_engine/trace.py): medians in ms over the requests whose ADD the
+    (gmock_engine/timing/trace.py): medians in ms over the requests whose ADD the
     tap relayed inside [t_start, t_end] and which got a token.
 
     * `frontend`: the request's arrival at the frontend (the ADD's

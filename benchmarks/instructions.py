@@ -55,8 +55,8 @@ def main() -> int:
         if command[1:3] == ["-m", "gmock_engine"]:
             # the engine's own entry point, with the stepper's interval stretched
             code = (
-                "from gevent import monkey; monkey.patch_all(); import sys, gmock_engine.runner as r; "
-                f"r.YIELD_INTERVAL_S = {ours.yield_interval!r}; from gmock_engine.cli import main; sys.exit(main())"
+                "from gevent import monkey; monkey.patch_all(); import sys, gmock_engine.runtime.runner as r; "
+                f"r.YIELD_INTERVAL_S = {ours.yield_interval!r}; from gmock_engine.runtime.cli import main; sys.exit(main())"
             )
             command = [command[0], "-c", code, *command[3:]]
         return ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_dir}/{target}.%p", "--dump-instr=no", *command]

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import msgpack  # noqa: E402
 
-from gmock_engine.engine import EngineCore, EngineSettings  # noqa: E402
-from gmock_engine.tokens import RandomTokens  # noqa: E402
+from gmock_engine.core.engine import EngineCore, EngineSettings  # noqa: E402
+from gmock_engine.content.tokens import RandomTokens  # noqa: E402
 from gmock_engine.wire.eras import DEFAULT_PROTOCOL_VERSION, layout_for_version  # noqa: E402
 from gmock_engine.wire.inputs import decode_input  # noqa: E402
 import reference_emitter  # noqa: E402  (beside this file: benchmarks/)
@@ -158,7 +158,7 @@ def main() -> int:
     floor_total = sum(results["floor"][0].values())
     print(f"ratio gmock/floor opcodes: {gmock_total / floor_total:.2f}")
     # by module: which layer a request's price is paid in (the floor is one
-    # module and what it calls of wire/ and tokens.py)
+    # module and what it calls of wire/ and content/tokens.py)
     for name in ("gmock", "floor"):
         modules: Counter[str] = collections.Counter()
         for (filename, _), count in results[name][0].items():

@@ -8,7 +8,7 @@ command: it lives beside the benchmarks, outside the package, and bench.py
 runs it by path from the checkout (gmock_engine must be importable). It
 sends:
 
-* the same wire messages: the same token ids (tokens.py's pool, at the
+* the same wire messages: the same token ids (content/tokens.py's pool, at the
   position gmock seeds per request), a first output carrying the QUEUED and
   SCHEDULED events and the prefill stats, a final output with
   finish_reason LENGTH and its id in finished_requests, SchedulerStats on the
@@ -42,7 +42,7 @@ Paced (`--itl-ms`, as gmock's flag) every engine steps at that interval,
 counted from the actual start of the step before (a step that starts late
 does not make the next one come sooner), the first step after idle at once;
 it sleeps in its poll until then, woken by a timerfd at the deadline (as
-gmock's steptimer.py), and keeps the step lateness for `gmock_stats`.
+gmock's runtime/steptimer.py), and keeps the step lateness for `gmock_stats`.
 
 It answers get_supported_tasks with ["generate"], gmock_stats with the step
 lateness (`step_lateness_us`, the window restarted by gmock_stats(True), as
@@ -70,16 +70,16 @@ from typing import Any, Callable, Dict, List, Optional
 import msgpack
 import zmq
 
-from gmock_engine import kv_events
+from gmock_engine.kv import events as kv_events
 from gmock_engine.wire.eras import DEFAULT_PROTOCOL_VERSION, layout_for_version, WireLayout  # noqa: E402
 from gmock_engine.wire.outputs import engine_core_event, engine_core_output, logprobs_lists, prefill_stats, scheduler_stats  # noqa: E402
 from gmock_engine.wire.types import EngineCoreEventType, FinishReason  # noqa: E402
-from gmock_engine.logprobs import LogprobModel
-from gmock_engine.outbox import STATS_INTERVAL_S
-from gmock_engine.prefix_cache import block_hash, block_hashes
-from gmock_engine.stats import Samples
-from gmock_engine.steptimer import TimerFD
-from gmock_engine.tokens import POOL_PAD, RandomTokens
+from gmock_engine.content.logprobs import LogprobModel
+from gmock_engine.core.outbox import STATS_INTERVAL_S
+from gmock_engine.core.prefix_cache import block_hash, block_hashes
+from gmock_engine.utils.stats import Samples
+from gmock_engine.runtime.steptimer import TimerFD
+from gmock_engine.content.tokens import POOL_PAD, RandomTokens
 
 #: EngineCoreRequest fields read here (the 0.33 layout the bench driver sends).
 _PROMPT, _SAMPLING, _CLIENT = 1, 3, 11
@@ -403,7 +403,7 @@ class Engine:
                     append(out)
             elif chunk <= POOL_PAD:
                 # The per-token work and nothing else: the next ids of the
-                # request's pool position (tokens.py's TokenPool.draw, inline:
+                # request's pool position (content/tokens.py's TokenPool.draw, inline:
                 # one slice) swapped into its reused [request_id, tokens] list.
                 for entry in requests.values():
                     end = entry[1] + chunk
@@ -542,7 +542,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     events = args.kv_events_config if args.kv_events_config is not None and args.kv_events_config.enabled else None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    # As gmock's entry point (cli.py): the cyclic GC runs rarely. A step's
+    # As gmock's entry point (runtime/cli.py): the cyclic GC runs rarely. A step's
     # lists are acyclic and freed by reference counting; with the default
     # thresholds the collector walks every live request and block again and
     # again, which no engine needs to pay.

@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 import e2e_harness as h  # noqa: E402
 import requests  # noqa: E402
 
-from gmock_engine.stats import summarize  # noqa: E402
+from gmock_engine.utils.stats import summarize  # noqa: E402
 from gmock_engine.tools import report  # noqa: E402
 from gmock_engine.tools.procfs import process_tree, tree_rss_bytes  # noqa: E402
 

@@ -27,8 +27,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from engine_steps import engine_with, run  # noqa: E402
 
-from gmock_engine import structured_output  # noqa: E402
-from gmock_engine.tokenizer import load_tokenizer  # noqa: E402
+from gmock_engine.content import structured_output  # noqa: E402
+from gmock_engine.content.tokenizer import load_tokenizer  # noqa: E402
 from gmock_engine.wire.inputs import EngineCoreRequest, StructuredOutputsParams  # noqa: E402
 
 ADDRESS = {"type": "object", "properties": {"street": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["zip"]}

@@ -37,7 +37,7 @@ def main() -> None:
 
     monkey.patch_all()
 
-    from gmock_engine.cli import main as engine_main
+    from gmock_engine.runtime.cli import main as engine_main
 
     sys.exit(engine_main())
 

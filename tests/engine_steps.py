@@ -7,7 +7,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import msgpack
 
-from gmock_engine.engine import EngineCore, EngineSettings
+from gmock_engine.core.engine import EngineCore, EngineSettings
 
 
 class Clock:

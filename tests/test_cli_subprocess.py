@@ -110,7 +110,7 @@ def test_with_no_frontend_the_engine_says_once_what_it_waits_for(tmp_path):
 def test_second_signal_exits_at_once(tmp_path):
     # --on-stop finish waits up to --drain-timeout (30 s) for a request that
     # never ends, so the first SIGTERM starts a shutdown that takes 30 s; the
-    # second signal cuts it short: os._exit(128 + signal) in cli.py, with no
+    # second signal cuts it short: os._exit(128 + signal) in runtime/cli.py, with no
     # drain timeout and no final summary.
     frontend = FakeFrontend(num_clients=1, dp=1)
     drain_timeout = 30.0

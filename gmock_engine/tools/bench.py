@@ -45,11 +45,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import msgpack
 import zmq
 
-from ..stats import summarize
-from ..steptimer import TimerFD
-from . import report
-from .frontend import RequestTemplate, abort_frames, add_frames, identity, utility_frames
-from .procfs import process_tree, tree_cpu_seconds, tree_rss_bytes
+from gmock_engine.utils.stats import summarize
+from gmock_engine.runtime.steptimer import TimerFD
+from gmock_engine.tools import report
+from gmock_engine.tools.frontend import RequestTemplate, abort_frames, add_frames, identity, utility_frames
+from gmock_engine.tools.procfs import process_tree, tree_cpu_seconds, tree_rss_bytes
 
 
 # -- the frontend's side ----------------------------------------------------------

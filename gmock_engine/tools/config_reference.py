@@ -1,5 +1,5 @@
 """docs/configuration.md, generated from the parsers: every option of the
-engine (config.build_parser, declared in options.py) and of `./run.sh serve`
+engine (config.build_parser, declared in config/options.py) and of `./run.sh serve`
 (serve_config.py), group by group as the parsers hold them: flag, variable,
 config-file key, default, whether a reload (SIGHUP) changes it and when,
 and its help. tests/unit/test_config.py fails when the page is stale.
@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 from typing import List
 
-from ..config import CONFIG_SECTION, ENV_PREFIX, FIT_SECTION, RECORD_SECTION, SERVE_SECTION, build_parser, env_name, ini_text
-from ..option import long_flag
-from ..options import OPTIONS
-from .fit import FIT_ENV_PREFIX, build_fit_parser
-from .record_config import RECORD_ENV_PREFIX, build_record_parser
-from .serve_config import SERVE_ENV_PREFIX, build_serve_parser
+from gmock_engine.config.loader import CONFIG_SECTION, ENV_PREFIX, FIT_SECTION, RECORD_SECTION, SERVE_SECTION, build_parser, env_name, ini_text
+from gmock_engine.config.option import long_flag
+from gmock_engine.config.options import OPTIONS
+from gmock_engine.tools.fit import FIT_ENV_PREFIX, build_fit_parser
+from gmock_engine.tools.record_config import RECORD_ENV_PREFIX, build_record_parser
+from gmock_engine.tools.serve_config import SERVE_ENV_PREFIX, build_serve_parser
 
 #: How to regenerate docs/configuration.md (the page says it; its test names it).
 REFERENCE_COMMAND = "python -m gmock_engine.tools.config_reference > docs/configuration.md"
@@ -32,7 +32,7 @@ def _md(text: str) -> str:
 
 def reference_tables(parser: argparse.ArgumentParser, section: str, env_prefix: str, reloads: bool) -> List[str]:
     """One Markdown table per option group of `parser`, in the parser's order;
-    `reloads`: with the column of what a reload does (options.py declares it)."""
+    `reloads`: with the column of what a reload does (config/options.py declares it)."""
     lines: List[str] = []
     head = ["flag", "environment", f"key in [{section}]", "default"] + (["reloads (SIGHUP)"] if reloads else []) + ["meaning"]
     for group in parser._action_groups:
@@ -63,7 +63,7 @@ def reference_page() -> str:
         f"<!-- Generated from the parsers; do not edit. Regenerate: {REFERENCE_COMMAND} -->",
         "",
         "Every option of the engine (`./run.sh`, `python -m gmock_engine`) and of `./run.sh serve`, "
-        "`./run.sh record` and `./run.sh fit`, generated from their parsers (`gmock_engine/options.py`, "
+        "`./run.sh record` and `./run.sh fit`, generated from their parsers (`gmock_engine/config/options.py`, "
         "`gmock_engine/tools/serve_config.py`, `record.py`, `fit.py`). "
         "Each option can be given on the command line, as its environment variable or as its key in "
         "the `--config` INI file. One precedence for all: "

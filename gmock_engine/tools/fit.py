@@ -6,7 +6,7 @@ on held-out steps (k-fold cross-validation over contiguous blocks of steps,
 so that a fold is a stretch of time the model has not seen), prints every
 candidate's error and the chosen one's residuals, and writes the chosen
 one as a profile the engine reads with `--latency-profile`
-(latency_profile.py; docs/latency-profile.md).
+(timing/profile.py; docs/latency-profile.md).
 
 The candidates (all non-negative least squares on the step time, weighted
 by 1/time² so that every step counts by its relative error, and made robust
@@ -55,12 +55,12 @@ from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from ..config import ENV_PREFIX, FIT_SECTION, ConfigError, ini_reader, new_parser, parse_tool_config
-from ..latency_profile import NEW_MAX, NEW_SIZE, STEADY, StepProfile, format_profile, spread_time
-from ..option import Group, Option, add_groups
-from ..validators import choice, int_at_least, nonempty
-from ..trace import TraceFormatError, read_trace
-from .steps import Step, input_delays_ms, schedules_ahead, scheduling_lags, steps_from_trace
+from gmock_engine.config.loader import ENV_PREFIX, FIT_SECTION, ConfigError, ini_reader, new_parser, parse_tool_config
+from gmock_engine.timing.profile import NEW_MAX, NEW_SIZE, STEADY, StepProfile, format_profile, spread_time
+from gmock_engine.config.option import Group, Option, add_groups
+from gmock_engine.config.validators import choice, int_at_least, nonempty
+from gmock_engine.timing.trace import TraceFormatError, read_trace
+from gmock_engine.tools.steps import Step, input_delays_ms, schedules_ahead, scheduling_lags, steps_from_trace
 
 #: Steps shorter than this (ms) are not steps of a model's forward pass
 #: (e.g. a stats-only message right after another): left out of the fit.

@@ -15,7 +15,7 @@ else in INIT (coordinator addresses, the frontend's stats address, the
 parallel config) stays, so the engines talk to a DP coordinator directly
 and what they echo in the registration and READY (§2.5, §2.7) is still the
 frontend's. After that every frame is relayed both ways as it came; the
-trace writer (gmock_engine/trace.py) decodes copies in a process of its own.
+trace writer (gmock_engine/timing/trace.py) decodes copies in a process of its own.
 
 Plain pyzmq (no gevent): one poller loop relays and hands each relayed data
 message, with its receive time, to a PUSH socket; the writer process PULLs,
@@ -40,10 +40,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import msgpack
 import zmq
 
-from ..config import ConfigError
-from .record_config import parse_args
+from gmock_engine.config.loader import ConfigError
+from gmock_engine.tools.record_config import parse_args
 
-from gmock_engine.trace import TraceWriter
+from gmock_engine.timing.trace import TraceWriter
 from gmock_engine.wire.handshake import decode_init
 from gmock_engine.wire.inputs import unpack
 from gmock_engine.wire.types import engine_identity
@@ -145,7 +145,7 @@ class Tap:
         sock.send_multipart(payload)
         log.info("engine %d: %s relayed to the frontend", rank, status)
         if status == "READY":
-            # As an engine does (transport.py): the frontend closes its handshake ROUTER once
+            # As an engine does (runtime/transport.py): the frontend closes its handshake ROUTER once
             # every engine is READY, and an open DEALER would keep reconnecting to it.
             self.poller.unregister(sock)
             del self.roles[sock], self.frontend_hs[rank]

@@ -7,9 +7,9 @@ from __future__ import annotations
 import argparse
 from typing import Any, Mapping, Optional, Sequence
 
-from ..config import ENV_PREFIX, RECORD_SECTION, ConfigError, ini_reader, new_parser, parse_tool_config
-from ..option import Group, Option, add_groups
-from ..validators import int_at_least, nonempty, zmq_address
+from gmock_engine.config.loader import ENV_PREFIX, RECORD_SECTION, ConfigError, ini_reader, new_parser, parse_tool_config
+from gmock_engine.config.option import Group, Option, add_groups
+from gmock_engine.config.validators import int_at_least, nonempty, zmq_address
 
 #: `./run.sh record`'s options, also as GMOCK_RECORD_<FLAG> or in [record] of --config.
 RECORD_ENV_PREFIX = ENV_PREFIX + "RECORD_"

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 INSTALL_HINT = "pip install 'gmock-engine[report]' (in a checkout: .venv/bin/pip install -e '.[report]')"
 
-#: Finish reasons of the engine's ledger (gmock_engine/metrics.py REASONS).
+#: Finish reasons of the engine's ledger (gmock_engine/runtime/metrics.py REASONS).
 REASONS = ("length", "stop", "abort", "error", "repetition")
 #: Engine faults (docs/faults.md): they hit every request for a while,
 #: so their intervals are shaded on every time axis; request faults (one

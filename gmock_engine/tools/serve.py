@@ -56,10 +56,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from .. import config as cfg
-from .. import pooling
-from . import frontends, model_dir, procgroup
-from .serve_config import SERVE_ENV_PREFIX, build_serve_parser, format_serve_config, frontend_arg_list, parse_serve_config
+from gmock_engine.config import loader as cfg
+from gmock_engine.content import pooling
+from gmock_engine.tools import frontends, model_dir, procgroup
+from gmock_engine.tools.serve_config import SERVE_ENV_PREFIX, build_serve_parser, format_serve_config, frontend_arg_list, parse_serve_config
 
 EXIT_STOPPED = 0
 EXIT_KILLED = 1
@@ -265,7 +265,7 @@ def plan(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
         engine.token_source = "text"
         engine.sources["token_source"] = cfg.Source("command line", "(set by serve: text, the model dir's tokenizer known)")
     if options.reasoning and engine.sources["reasoning_rate"].kind == "default":
-        # the frontend parses Qwen3's think blocks: the engine answers as a thinking model (content.py)
+        # the frontend parses Qwen3's think blocks: the engine answers as a thinking model (content/answer.py)
         engine_argv += ["--reasoning-rate", "1"]
         engine.reasoning_rate = 1.0
         engine.sources["reasoning_rate"] = cfg.Source("command line", "(set by serve --reasoning: a thinking model)")

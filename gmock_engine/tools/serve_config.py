@@ -2,7 +2,7 @@
 
 `./run.sh serve` (serve.py) starts a real frontend and the engines behind
 it. Its own options follow the engine's rules, with the same machinery
-(config.py): command line > GMOCK_SERVE_<FLAG> > key in [serve] of the
+(config/loader.py): command line > GMOCK_SERVE_<FLAG> > key in [serve] of the
 --config file (GMOCK_CONFIG, the same file as the engine's [gmock_engine])
 > default; a bad value raises ConfigError naming the flag and its source.
 Every other argument is the engine's, checked by config.parse_config, up to
@@ -19,9 +19,9 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 
 import configargparse
 
-from ..config import ENV_PREFIX, SERVE_SECTION, ConfigError, Source, Sources, env_name, ini_reader, ini_text, new_parser
-from ..option import Group, Option, add_groups, long_flag
-from ..validators import choice, float_at_least, int_at_least, nonempty
+from gmock_engine.config.loader import ENV_PREFIX, SERVE_SECTION, ConfigError, Source, Sources, env_name, ini_reader, ini_text, new_parser
+from gmock_engine.config.option import Group, Option, add_groups, long_flag
+from gmock_engine.config.validators import choice, float_at_least, int_at_least, nonempty
 
 #: Serve's options in the environment: GMOCK_SERVE_<FLAG> (the engine's: GMOCK_<FLAG>).
 SERVE_ENV_PREFIX = ENV_PREFIX + "SERVE_"

@@ -1,11 +1,11 @@
-"""A recorded engine's steps, read back from a trace (gmock_engine/trace.py).
+"""A recorded engine's steps, read back from a trace (gmock_engine/timing/trace.py).
 
 A real engine core sends one EngineCoreOutputs per client at the end of
 each step (with SchedulerStats to client 0 even when no request has a
 token: docs/protocol.md §7.1), so consecutive output messages of one engine
 are consecutive steps. For each step this module works out what the fit
 (tools/fit.py) needs, with the features defined as the mock's scheduler
-computes them (sched_output.py, kv_cache_manager.py), so that a profile
+computes them (core/sched_output.py, core/kv_cache_manager.py), so that a profile
 fitted here times the mock's steps the same way:
 
 * its duration: from the end of the previous step, or, when the engine had
@@ -50,7 +50,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional
 
-from ..latency_profile import STEADY, StepSizes
+from gmock_engine.timing.profile import STEADY, StepSizes
 
 
 @dataclass

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
-from ..logs import short
-from .types import TOKEN_ID_LIMIT, BadValue
+from gmock_engine.utils.logs import short
+from gmock_engine.wire.types import TOKEN_ID_LIMIT, BadValue
 
 #: Upper bound of vllm_xargs mock_ttft_ms (one hour): a timer needs a finite time.
 MAX_XARGS_TTFT_MS = 3_600_000
@@ -53,14 +53,14 @@ class Xargs(NamedTuple):
     #: mock_finish: "stop", "length" or "error".
     finish: Optional[str] = None
     ttft_ms: Optional[float] = None
-    #: P/D (kv_transfer.py): mock_kv_load = "fail", mock_kv_transfer_delay_ms in seconds.
+    #: P/D (kv/transfer.py): mock_kv_load = "fail", mock_kv_transfer_delay_ms in seconds.
     kv_load_fails: bool = False
     kv_delay_s: float = 0.0
-    #: mock_tool_call: answer a prompt with tools by a call (True) or text (False) (content.py)
+    #: mock_tool_call: answer a prompt with tools by a call (True) or text (False) (content/answer.py)
     tool_call: Optional[bool] = None
-    #: mock_reasoning_tokens: ids of the <think> span (0: none) (content.py)
+    #: mock_reasoning_tokens: ids of the <think> span (0: none) (content/answer.py)
     reasoning_tokens: Optional[int] = None
-    #: mock_spec_acceptance: the acceptance rate of every draft position (spec_decode.py)
+    #: mock_spec_acceptance: the acceptance rate of every draft position (content/spec_decode.py)
     spec_acceptance: Optional[float] = None
 
 

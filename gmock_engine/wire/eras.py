@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from .types import FinishReason, is_int
+from gmock_engine.wire.types import FinishReason, is_int
 
 #: EngineCoreOutput fields typed `int = 0` in their eras: nil there fails to decode.
 _INT_OUTPUT_FIELDS = frozenset(("num_nans_in_logits", "num_cached_tokens", "num_external_computed_tokens"))

@@ -1,6 +1,6 @@
 """The handshake (§2): HELLO, INIT, the registration map each input
 socket sends (§2.5) and READY, as plain maps. Pure: the sockets are
-transport.py's.
+runtime/transport.py's.
 """
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
-from .eras import WireLayout
-from .inputs import unpack
-from .types import ProtocolError
+from gmock_engine.wire.eras import WireLayout
+from gmock_engine.wire.inputs import unpack
+from gmock_engine.wire.types import ProtocolError
 
 def hello_message(local: bool = False, headless: bool = True) -> Dict[str, Any]:
     """HELLO map (§2.2)."""

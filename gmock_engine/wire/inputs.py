@@ -17,8 +17,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import msgpack
 
-from .eras import Wire, WireLayout
-from .types import (
+from gmock_engine.wire.eras import Wire, WireLayout
+from gmock_engine.wire.types import (
     COORDINATOR_READY,
     DEFAULT_MAX_TOKENS,
     MAX_CLIENTS,
@@ -64,12 +64,12 @@ class EngineCoreRequest:
     logit_bias: Dict[int, float] = field(default_factory=dict)
     #: SamplingParams.extra_args: what a client put in `vllm_xargs`.
     extra_args: Dict[str, Any] = field(default_factory=dict)
-    #: `lora_request` (index 6) as decoded by msgpack; lora.py checks it.
+    #: `lora_request` (index 6) as decoded by msgpack; core/lora.py checks it.
     lora_request: Any = None
     #: SamplingParams.structured_outputs (guided_decoding before 0.12), None: none.
     structured_outputs: Optional["StructuredOutputsParams"] = None
     #: `pooling_params` (index 4) as decoded by msgpack, read only when
-    #: sampling_params is nil; pooling.py checks it (§3.7).
+    #: sampling_params is nil; content/pooling.py checks it (§3.7).
     pooling_params: Any = None
 
 
@@ -82,7 +82,7 @@ class StructuredOutputsParams:
     """A request's structured-output constraint (§3.3), checked: `kind` is
     one of STRUCTURED_KINDS and `spec` its text (a JSON schema or a
     structural tag as JSON text, the choices as a JSON array, a regex or a
-    grammar; "" for json_object). Hashable: structured_output.py caches
+    grammar; "" for json_object). Hashable: content/structured_output.py caches
     compiled grammars by it."""
 
     kind: str

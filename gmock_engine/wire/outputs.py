@@ -12,8 +12,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import msgpack
 
-from .eras import DEFAULT_LAYOUT, WireLayout
-from .types import EngineCoreEventType, FinishReason
+from gmock_engine.wire.eras import DEFAULT_LAYOUT, WireLayout
+from gmock_engine.wire.types import EngineCoreEventType, FinishReason
 
 #: for engine_core_output's fast path (an enum member lookup is a metaclass attribute lookup)
 _LENGTH = FinishReason.LENGTH
@@ -158,7 +158,7 @@ def engine_core_event(event_type: EngineCoreEventType, timestamp: float) -> Dict
 def prefill_stats(num_prompt_tokens: int, num_cached_tokens: int = 0, num_external_cached_tokens: int = 0) -> Dict[str, Any]:
     """A PrefillStats map (§4.5, 0.21+): feeds `vllm:prompt_tokens_total`.
     `num_cached_tokens` are the local prefix-cache hits; the external ones
-    came over a KV transfer (P/D, kv_transfer.py)."""
+    came over a KV transfer (P/D, kv/transfer.py)."""
     cached = num_cached_tokens + num_external_cached_tokens
     return {
         "num_prompt_tokens": num_prompt_tokens,
@@ -209,7 +209,7 @@ def scheduler_stats(
         },
         "connector_prefix_cache_stats": None,
         "kv_cache_eviction_events": [],
-        # the drafts since the last stats (spec_decode.py), None without any
+        # the drafts since the last stats (content/spec_decode.py), None without any
         "spec_decoding_stats": spec_decoding_stats,
         "kv_connector_stats": None,
         "ec_connector_stats": None,

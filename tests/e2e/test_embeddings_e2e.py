@@ -29,7 +29,7 @@ import requests
 
 import e2e_harness as h
 from engine_steps import TickClock, engine_with
-from gmock_engine import pooling
+from gmock_engine.content import pooling
 from gmock_engine.tools import model_dir as model_dir_tool
 from gmock_engine.wire.eras import WIRE_LAYOUTS, Wire, layout_for_version
 from gmock_engine.wire.inputs import EngineCoreRequest

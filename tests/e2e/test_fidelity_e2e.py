@@ -19,8 +19,8 @@ import sys
 import pytest
 
 import e2e_harness as h
-from gmock_engine.latency_profile import format_profile
-from gmock_engine.trace import read_trace
+from gmock_engine.timing.profile import format_profile
+from gmock_engine.timing.trace import read_trace
 from gmock_engine.tools import fit as fitting
 from gmock_engine.tools.steps import input_delays_ms, steps_from_trace
 

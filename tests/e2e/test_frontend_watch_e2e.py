@@ -1,4 +1,4 @@
-"""The bare engine watches its real frontend (frontend_watch.py): a frontend
+"""The bare engine watches its real frontend (runtime/frontend_watch.py): a frontend
 killed with SIGKILL (its kernel closes its connections) is noticed within a
 few seconds, with one "frontend gone" line and gmock_frontend_connected 0 on
 the engine's /metrics, and with --exit-when-frontend-gone the engine exits 0

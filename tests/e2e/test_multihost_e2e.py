@@ -151,7 +151,7 @@ def test_engine_host_link_down_while_streams_run(stack, seconds, silent):
     started = sum(b.get("started", 0) for b in result.books.values())
     assert started == len(result.streams) + len(result.during) + len(result.fresh), result.books
     if seconds >= 10:
-        # the cut host's engines saw their outputs wait for ACKs (frontend_watch.py), and
+        # the cut host's engines saw their outputs wait for ACKs (runtime/frontend_watch.py), and
         # the end of it (read once a second: the line may come after the streams ended)
         assert "no TCP ACK from the frontend for" in result.engine_log, result.engine_lines
         h.wait_until(lambda: "the link to the frontend carries ACKs again" in stack.engine_logs_since(offsets), 10,

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import e2e_harness as h
-from gmock_engine.trace import read_trace
+from gmock_engine.timing.trace import read_trace
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 LENGTHS = (4, 6, 9)

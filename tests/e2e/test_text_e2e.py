@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 import e2e_harness as h
-from gmock_engine import corpus
+from gmock_engine.content import corpus
 from test_frontends import DP1_TOPOLOGIES
 
 pytestmark = pytest.mark.e2e

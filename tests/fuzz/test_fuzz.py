@@ -24,7 +24,7 @@ import msgpack
 import pytest
 
 import wire_rules
-from gmock_engine.engine import EngineCore, EngineSettings
+from gmock_engine.core.engine import EngineCore, EngineSettings
 from gmock_engine.wire.eras import DEFAULT_PROTOCOL_VERSION, WIRE_LAYOUTS
 from gmock_engine.wire.inputs import AbortRequests, EngineCoreRequest, UtilityCall, decode_input
 from gmock_engine.wire.types import ProtocolError
@@ -181,8 +181,8 @@ def test_nothing_is_ever_unpickled(monkeypatch):
 def test_a_running_engine_survives_a_flood_of_fuzzed_frames():
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from fake_frontend import FakeFrontend
-    from gmock_engine.config import parse_config
-    from gmock_engine.app import App
+    from gmock_engine.config.loader import parse_config
+    from gmock_engine.runtime.app import App
 
     frontend = FakeFrontend(num_clients=1, dp=1)
     app = App(parse_config(["--handshake-address", frontend.handshake_address, "--log-level", "ERROR"], env={}))

@@ -14,10 +14,10 @@ import msgpack
 import pytest
 
 from fake_frontend import Collected, FakeFrontend
-from gmock_engine.config import parse_config
+from gmock_engine.config.loader import parse_config
 from gmock_engine.wire.eras import WIRE_LAYOUTS
 from gmock_engine.wire.types import FinishReason
-from gmock_engine.app import App
+from gmock_engine.runtime.app import App
 from gmock_engine.tools import frontend as frontend_tools
 
 
@@ -32,7 +32,7 @@ def start_app(frontend, *extra):
 @contextlib.contextmanager
 def serving(frontend, *flags, **accept):
     """gmock_engine's App with `flags`, joined to `frontend`. Afterwards it must
-    stop with status 0 and, whatever the test did, its books balance (ledger.py)."""
+    stop with status 0 and, whatever the test did, its books balance (core/ledger.py)."""
     app, waiter = start_app(frontend, *flags)
     frontend.accept_engines(**accept)
     assert app.wait_joined(5)
@@ -460,7 +460,7 @@ def test_a_stop_with_the_frontend_gone_and_outputs_backed_up_is_clean_and_says_w
 
 
 def test_pd_producer_params_and_consumer_wait_over_real_sockets():
-    """P/D (kv_transfer.py): a producer's terminal output carries its
+    """P/D (kv/transfer.py): a producer's terminal output carries its
     kv_transfer_params at index 8 on the wire; a consumer given them waits
     the transfer time before its first token."""
     params = {"do_remote_decode": True, "remote_engine_id": None, "remote_block_ids": None}
@@ -484,7 +484,7 @@ def test_the_input_slice_grows_with_the_running_batch():
     intake grows as the batch does and all are running well before
     3000 / INPUT_SLICE steps (at its CPU limit an unpaced engine must not
     leave ADDs queued in front of the scheduler)."""
-    from gmock_engine.runner import INPUT_SLICE, INPUT_SLICE_DIVISOR
+    from gmock_engine.runtime.runner import INPUT_SLICE, INPUT_SLICE_DIVISOR
 
     frontend = FakeFrontend(num_clients=1, dp=1)
     with serving(frontend):
@@ -513,7 +513,7 @@ def test_a_flood_of_adds_is_admitted_in_slices_between_steps():
     """2000 ADDs at once: each step admits at most runner.INPUT_SLICE of
     them, so the first ones get their first token while the rest
     are still being taken in, and none is lost."""
-    from gmock_engine.runner import INPUT_SLICE
+    from gmock_engine.runtime.runner import INPUT_SLICE
 
     frontend = FakeFrontend(num_clients=1, dp=1)
     with serving(frontend):

@@ -13,8 +13,8 @@ import pytest
 
 from engine_steps import run, tokens_of
 from fake_frontend import Collected, FakeFrontend, engine_core_request
-from gmock_engine.engine import MOCK_FAILURE_MESSAGE, EngineCore
-from gmock_engine.faults import UTILITY_FAILURE_MESSAGE
+from gmock_engine.core.engine import MOCK_FAILURE_MESSAGE, EngineCore
+from gmock_engine.faults.specs import UTILITY_FAILURE_MESSAGE
 from gmock_engine.tools.frontend import add_frames
 from gmock_engine.wire.eras import WIRE_LAYOUTS
 from gmock_engine.wire.inputs import decode_input

@@ -1,4 +1,4 @@
-"""The engine watches its frontend (frontend_watch.py), against the fake
+"""The engine watches its frontend (runtime/frontend_watch.py), against the fake
 frontend in one hub: its sockets closing is noticed within a few seconds (one
 log line, the metrics), its coming back too, and --exit-when-frontend-gone
 stops the App with status 0 once every engine's frontend is gone that long."""
@@ -14,9 +14,9 @@ import zmq.green as zmq
 from loguru import logger
 
 from fake_frontend import FakeFrontend
-from gmock_engine import metrics
-from gmock_engine.app import App
-from gmock_engine.config import parse_config
+from gmock_engine.runtime import metrics
+from gmock_engine.runtime.app import App
+from gmock_engine.config.loader import parse_config
 
 
 def _start(frontend, *flags):
@@ -191,7 +191,7 @@ def test_read_tcp_info_reads_a_connection_and_only_the_one_named():
     (another port, or closed: libzmq may have closed it)."""
     import socket as plain
 
-    from gmock_engine.frontend_watch import read_tcp_info
+    from gmock_engine.runtime.frontend_watch import read_tcp_info
 
     server = plain.socket()
     server.bind(("127.0.0.1", 0))

@@ -14,10 +14,10 @@ import zmq.green as zmq
 from fake_frontend import FakeFrontend
 from zmq.utils.monitor import recv_monitor_message
 
-from gmock_engine.config import parse_config
-from gmock_engine.kv_events import END_SEQ
-from gmock_engine.prefix_cache import block_hashes
-from gmock_engine.app import App
+from gmock_engine.config.loader import parse_config
+from gmock_engine.kv.events import END_SEQ
+from gmock_engine.core.prefix_cache import block_hashes
+from gmock_engine.runtime.app import App
 from gmock_engine.tools.procgroup import free_ports
 
 EVENTS = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0", "topic": "kv@mock"}'
@@ -37,7 +37,7 @@ def scrape(app):
     """What /metrics would say."""
     from prometheus_client import generate_latest
 
-    from gmock_engine import metrics
+    from gmock_engine.runtime import metrics
 
     return generate_latest(metrics.registry(app.runners)).decode()
 

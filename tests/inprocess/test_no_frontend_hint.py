@@ -1,5 +1,5 @@
 """The bare engine with no frontend: after NO_FRONTEND_HINT_AFTER_S it says once
-what it waits for and how to start a frontend (cli.py); the real program: in
+what it waits for and how to start a frontend (runtime/cli.py); the real program: in
 tests/test_cli_subprocess.py."""
 
 from types import SimpleNamespace
@@ -8,7 +8,7 @@ import gevent
 import gevent.event
 import pytest
 
-from gmock_engine import cli
+from gmock_engine.runtime import cli
 
 
 def test_the_hint_names_the_address_and_both_frontends_commands():

@@ -7,11 +7,11 @@ import gevent.event
 import zmq.green as zmq
 from loguru import logger
 
-from gmock_engine import transport
+from gmock_engine.runtime import transport
 from gmock_engine.wire.eras import DEFAULT_PROTOCOL_VERSION, WIRE_LAYOUTS, Wire
 from gmock_engine.wire.inputs import decode_input
-from gmock_engine.links import StageLinks
-from gmock_engine.logs import Throttle
+from gmock_engine.runtime.links import StageLinks
+from gmock_engine.utils.logs import Throttle
 from gmock_engine.tools import frontend as frontend_tools
 
 

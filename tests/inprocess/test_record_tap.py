@@ -18,7 +18,7 @@ import zmq.green as zmq
 
 from fake_frontend import FakeFrontend, engine_core_request
 from gmock_engine.tools.frontend import abort_frames, add_frames, utility_frames
-from gmock_engine.trace import read_trace
+from gmock_engine.timing.trace import read_trace
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

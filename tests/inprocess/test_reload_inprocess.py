@@ -1,6 +1,6 @@
 """Reloads under load, one gmock_engine App against the fake frontend in one hub.
 
-`App.request_reload` is what cli.py's SIGHUP handler calls; the reload runs
+`App.request_reload` is what runtime/cli.py's SIGHUP handler calls; the reload runs
 in the App's config-reloader greenlet and each engine's stepper takes it
 between two steps. Times are only checked as lower bounds (a paced gap is
 at least its ITL), so a slow machine cannot make these fail.
@@ -13,11 +13,11 @@ import gevent
 from loguru import logger
 
 from fake_frontend import Collected, FakeFrontend
-from gmock_engine.config import parse_config
+from gmock_engine.config.loader import parse_config
 from gmock_engine.wire.eras import WIRE_LAYOUTS
 from gmock_engine.wire.types import FinishReason
-from gmock_engine.app import App
-from gmock_engine.tokens import RandomTokens
+from gmock_engine.runtime.app import App
+from gmock_engine.content.tokens import RandomTokens
 
 ERROR_POSITION = WIRE_LAYOUTS["0.33"].output_position("error")
 
@@ -239,7 +239,7 @@ def test_a_reload_during_the_handshake_is_what_the_engine_starts_with(tmp_path):
 
 
 def test_the_summary_interval_and_the_metrics(tmp_path):
-    from gmock_engine import metrics
+    from gmock_engine.runtime import metrics
 
     live = LiveConfig(tmp_path, "summary-interval = 0\n")
     frontend = FakeFrontend(num_clients=1, dp=1)

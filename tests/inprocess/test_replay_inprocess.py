@@ -14,9 +14,9 @@ import time
 import gevent
 
 from fake_frontend import FakeFrontend
-from gmock_engine import trace
-from gmock_engine.app import App
-from gmock_engine.config import parse_config
+from gmock_engine.timing import trace
+from gmock_engine.runtime.app import App
+from gmock_engine.config.loader import parse_config
 from gmock_engine.wire.types import FinishReason
 
 #: an output later than its offset by more than this failed the "first step at or after" rule

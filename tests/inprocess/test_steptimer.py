@@ -1,11 +1,11 @@
-"""steptimer.py: the wake-up at an absolute monotonic deadline."""
+"""runtime/steptimer.py: the wake-up at an absolute monotonic deadline."""
 
 import time
 
 import gevent
 import gevent.event
 
-from gmock_engine.steptimer import StepTimer
+from gmock_engine.runtime.steptimer import StepTimer
 
 
 def _recording_timer():
@@ -45,7 +45,7 @@ def test_timerfd_turns_readable_at_its_deadline_and_rearming_resets_it():
     FD wakes at the deadline, not at its own whole-millisecond timeout."""
     import select
 
-    from gmock_engine.steptimer import TimerFD
+    from gmock_engine.runtime.steptimer import TimerFD
 
     timer = TimerFD.create()
     assert timer is not None  # Linux

@@ -5,7 +5,7 @@ an explicit version wins; /metrics says which layout is in use."""
 from loguru import logger
 
 from fake_frontend import FakeFrontend, era_request
-from gmock_engine import metrics
+from gmock_engine.runtime import metrics
 from gmock_engine.tools.frontend import add_frames
 from gmock_engine.wire.eras import WIRE_LAYOUTS, layout_for_version
 from gmock_engine.wire.types import FinishReason

@@ -18,7 +18,7 @@ another:
 (c) the engine's ledger reports no violation;
 (d) no request is preempted in the step that admitted it, nor admitted in
     the step that preempted it (vLLM's scheduler, vllm/v1/core/sched/
-    scheduler.py `schedule()`: running requests first, preemption only among
+    core/scheduler.py `schedule()`: running requests first, preemption only among
     them, waiting ones only `if not preempted_reqs`). Visible on the wire as
     SCHEDULED and PREEMPTED events with the same timestamp, of one request or
     of two (the fake clock advances on every step);
@@ -30,7 +30,7 @@ another:
 (f) a request whose stop ids (plus EOS) cover every id the engine may emit
     ends with finish_reason STOP on its first token (vLLM's check_stop);
 (g) with outputs reused (as the runtime runs the engine), the steady step
-    (OutputProcessor.steady_step, lanes.py) sends the same bytes as the general step: each
+    (OutputProcessor.steady_step, core/lanes.py) sends the same bytes as the general step: each
     scenario runs once as it is and once with that path turned off;
 (h) with outputs reused, every new_logprobs row is self-consistent
     (distinct alternatives, non-increasing logprobs <= 0, the sampled token
@@ -68,10 +68,10 @@ from loguru import logger
 
 import wire_rules
 from fake_frontend import engine_core_request
-from gmock_engine.engine import EngineCore, EngineSettings
-from gmock_engine.latency import LatencyModel
-from gmock_engine.lengths import OutputLengths
-from gmock_engine.tokens import EchoTokens, FileTokens, RandomTokens
+from gmock_engine.core.engine import EngineCore, EngineSettings
+from gmock_engine.timing.latency import LatencyModel
+from gmock_engine.content.lengths import OutputLengths
+from gmock_engine.content.tokens import EchoTokens, FileTokens, RandomTokens
 from gmock_engine.wire.eras import DEFAULT_PROTOCOL_VERSION, WIRE_LAYOUTS
 from gmock_engine.wire.inputs import EngineCoreRequest, InvalidRequest, UtilityCall, decode_input
 from gmock_engine.wire.types import EngineCoreEventType, EngineCoreRequestType, FinishReason, ProtocolError

@@ -16,7 +16,7 @@ from test_engine_properties import ALL, Observer, examples, run_scenario, scenar
 
 from gmock_engine.wire.inputs import EngineCoreRequest
 from gmock_engine.wire.types import EngineCoreEventType, FinishReason
-from gmock_engine.request import FINISHED_STATUS, Request, RequestStatus
+from gmock_engine.core.request import FINISHED_STATUS, Request, RequestStatus
 
 class StatusObserver(Observer):
     """Every request object the scheduler held, checked after each apply and step."""
@@ -99,8 +99,8 @@ class _Clock:
 
 
 def _consumer(**kw):
-    from gmock_engine.engine import EngineCore, EngineSettings
-    from gmock_engine.kv_transfer import KVTransferSettings
+    from gmock_engine.core.engine import EngineCore, EngineSettings
+    from gmock_engine.kv.transfer import KVTransferSettings
 
     clock = _Clock()
     settings = EngineSettings(rank=0, num_clients=1, kv_transfer=KVTransferSettings(role="consumer", **kw), block_size=16)

@@ -1,4 +1,4 @@
-"""Structured outputs (structured_output.py) over random constraints: for a
+"""Structured outputs (content/structured_output.py) over random constraints: for a
 random JSON schema (nested objects with required and optional properties,
 arrays, enums, bounded numbers and strings) or a random regex (classes,
 literals, groups, alternation, quantifiers), with a random seed and token
@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_engine_properties import examples
 
-from gmock_engine import structured_output
-from gmock_engine.tokenizer import load_tokenizer
+from gmock_engine.content import structured_output
+from gmock_engine.content.tokenizer import load_tokenizer
 from gmock_engine.tools import model_dir
 from gmock_engine.wire.inputs import StructuredOutputsParams
 

@@ -4,7 +4,7 @@ for a bad value keep their words and their order."""
 
 import pytest
 
-from gmock_engine.engine import EngineCore, EngineSettings
+from gmock_engine.core.engine import EngineCore, EngineSettings
 from gmock_engine.wire.checks import NO_XARGS, BadXargs, Xargs, check_xargs
 from gmock_engine.wire.eras import WIRE_LAYOUTS
 from gmock_engine.wire.inputs import EngineCoreRequest

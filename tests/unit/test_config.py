@@ -1,4 +1,4 @@
-"""config.py: one precedence rule (CLI > env > file > default) and clear errors."""
+"""config/loader.py: one precedence rule (CLI > env > file > default) and clear errors."""
 
 import configparser
 import re
@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from gmock_engine import reload
-from gmock_engine.config import ConfigError, build_parser, format_config, options_template, parse_config
+from gmock_engine.config import reload
+from gmock_engine.config.loader import ConfigError, build_parser, format_config, options_template, parse_config
 from gmock_engine.tools.config_reference import REFERENCE_COMMAND, reference_page
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -148,7 +148,7 @@ def test_shipped_config_files_parse(name):
 
 def test_all_options_file_lists_every_option():
     text = open(os.path.join(REPO, "conf", "all-options.ini")).read()
-    assert text == options_template(), "regenerate: python -m gmock_engine.config > conf/all-options.ini"
+    assert text == options_template(), "regenerate: python -m gmock_engine.config.loader > conf/all-options.ini"
     for action in build_parser()._actions:
         if action.option_strings and action.dest not in ("help", "version", "config"):
             assert f";{action.option_strings[0][2:]} =" in text, action.option_strings[0]
@@ -264,7 +264,7 @@ def test_config_file_source_given_by_cli_or_environment(tmp_path):
 
 @pytest.mark.parametrize("name", ["max_num_seqs", "num_gpu_blocks", "max_num_batched_tokens"])
 def test_a_limit_given_in_any_form_counts_as_given(tmp_path, name):
-    # settings.py enforces these only when `sources[name].kind != "default"`.
+    # config/settings.py enforces these only when `sources[name].kind != "default"`.
     flag = "--" + name.replace("_", "-")
     forms = [
         ([flag, "64"], {}),

@@ -1,4 +1,4 @@
-"""gmock_engine/content.py: tool calls (hermes format) for prompts with tools, and reasoning spans."""
+"""gmock_engine/content/answer.py: tool calls (hermes format) for prompts with tools, and reasoning spans."""
 
 import json
 import re
@@ -9,8 +9,8 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-from gmock_engine import content  # noqa: E402
-from gmock_engine.tokenizer import load_tokenizer  # noqa: E402
+from gmock_engine.content import answer as content  # noqa: E402
+from gmock_engine.content.tokenizer import load_tokenizer  # noqa: E402
 from gmock_engine.tools import model_dir  # noqa: E402
 from gmock_engine.wire.checks import BadXargs, check_xargs  # noqa: E402
 from gmock_engine.wire.inputs import EngineCoreRequest, StructuredOutputsParams  # noqa: E402
@@ -168,7 +168,7 @@ def test_bad_xargs_are_refused(xargs, reason):
 def test_without_a_tokenizer_only_requests_that_ask_are_warned_about(tokenizer):
     from types import SimpleNamespace
 
-    from gmock_engine.settings import EngineSettings
+    from gmock_engine.config.settings import EngineSettings
 
     settings = EngineSettings(rank=0, num_clients=1, content=content.ContentSettings(tool_call_rate=0.5))
     planned = SimpleNamespace(sampler=None, rng_state=0)

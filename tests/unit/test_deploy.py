@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from gmock_engine.config import build_parser, env_name, parse_config
+from gmock_engine.config.loader import build_parser, env_name, parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
@@ -217,5 +217,5 @@ def test_dockerignore_keeps_the_context_small_but_not_what_is_copied():
                 if line.strip() and not line.startswith("#")]
     for unwanted in (".venv", ".git", "tests", "gmock_engine/__pycache__", "gmock_engine/tools/x.pyc", ".pytest_cache"):
         assert _ignored(patterns, unwanted), unwanted
-    for needed in ("setup.cfg", "setup.py", "README.md", "gmock_engine", "gmock_engine/cli.py"):
+    for needed in ("setup.cfg", "setup.py", "README.md", "gmock_engine", "gmock_engine/runtime/cli.py"):
         assert not _ignored(patterns, needed), needed

@@ -4,7 +4,7 @@
 
 import pytest
 
-from gmock_engine.engine import EngineCore, EngineSettings
+from gmock_engine.core.engine import EngineCore, EngineSettings
 from gmock_engine.wire.inputs import AbortRequests, EngineCoreRequest, StartDPWave, UtilityCall
 from gmock_engine.wire.outputs import engine_core_output
 from gmock_engine.wire.types import FinishReason
@@ -176,7 +176,7 @@ def test_gmock_stats_restarts_the_window_only_when_asked():
 
 
 def test_samples_restart_summarises_the_new_window_only():
-    from gmock_engine.stats import Samples
+    from gmock_engine.utils.stats import Samples
 
     samples = Samples(size=4)
     for value in (100.0, 200.0, 300.0):
@@ -352,7 +352,7 @@ def test_a_one_token_request_gets_events_and_finish_in_one_output():
 
 
 def test_echo_source_through_the_engine():
-    from gmock_engine.tokens import EchoTokens
+    from gmock_engine.content.tokens import EchoTokens
 
     engine = EngineCore(EngineSettings(rank=0, num_clients=1, token_source=EchoTokens()), clock=TickClock())
     engine.apply(EngineCoreRequest("e", 3, 5, True, prompt_token_ids=[7, 8, 9]))

@@ -11,7 +11,7 @@ import array
 import pytest
 
 from fake_frontend import era_request as era_add
-from gmock_engine.config import ConfigError, parse_config
+from gmock_engine.config.loader import ConfigError, parse_config
 from gmock_engine.wire.eras import WIRE_LAYOUTS, _ABSENT, _OUTS_0_11, _OUT_HEAD, Wire, fingerprint, layout_for_version
 from gmock_engine.wire.inputs import InvalidRequest, decode_add
 from gmock_engine.wire.outputs import engine_core_event, engine_core_output, logprobs_lists, prefill_stats, request_error

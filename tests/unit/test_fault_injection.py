@@ -1,4 +1,4 @@
-"""fault_injection.py: what the fault layer answers the runtime, without sockets.
+"""runtime/fault_injection.py: what the fault layer answers the runtime, without sockets.
 
 The runtime's hands (spawn, the output queue, the crash) are fakes that
 record what they were asked; nothing here waits on the hub.
@@ -9,10 +9,10 @@ import time
 import pytest
 from loguru import logger
 
-from gmock_engine import fault_injection
-from gmock_engine.engine import COORDINATOR
-from gmock_engine.fault_injection import NO_OUTPUTS, FaultInjector, NoFaults
-from gmock_engine.faults import UTILITY_FAILURE_MESSAGE, parse_spec
+from gmock_engine.runtime import fault_injection
+from gmock_engine.core.engine import COORDINATOR
+from gmock_engine.runtime.fault_injection import NO_OUTPUTS, FaultInjector, NoFaults
+from gmock_engine.faults.specs import UTILITY_FAILURE_MESSAGE, parse_spec
 from gmock_engine.wire.inputs import EngineCoreRequest, UtilityCall
 from gmock_engine.wire.outputs import engine_core_output, engine_core_outputs, scheduler_stats
 from gmock_engine.wire.types import FinishReason

@@ -1,8 +1,8 @@
-"""faults.py: specs, triggers and the wire rewrite, without I/O."""
+"""faults/specs.py: specs, triggers and the wire rewrite, without I/O."""
 
 import pytest
 
-from gmock_engine.faults import KINDS, Faults, fail_after, parse_seconds, parse_spec, rewrite
+from gmock_engine.faults.specs import KINDS, Faults, fail_after, parse_seconds, parse_spec, rewrite
 from gmock_engine.wire.outputs import engine_core_output, engine_core_outputs, scheduler_stats
 from gmock_engine.wire.types import FinishReason
 

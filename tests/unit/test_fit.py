@@ -15,11 +15,11 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from gmock_engine.latency import LatencyModel
-from gmock_engine.latency_profile import NEW_MAX, NEW_SIZE, STEADY, StepProfile, format_profile, read_profile
+from gmock_engine.timing.latency import LatencyModel
+from gmock_engine.timing.profile import NEW_MAX, NEW_SIZE, STEADY, StepProfile, format_profile, read_profile
 from gmock_engine.tools import fit as fitting
 from gmock_engine.tools.steps import Step, steps_from_trace
-from gmock_engine.trace import header, output_record
+from gmock_engine.timing.trace import header, output_record
 from gmock_engine.wire.inputs import EngineCoreRequest
 from engine_steps import Clock, engine_with
 

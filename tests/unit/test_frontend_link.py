@@ -1,11 +1,11 @@
-"""The frontend watch's pure part (frontend_link.py): monitor events ->
+"""The frontend watch's pure part (runtime/frontend_link.py): monitor events ->
 one transition per outage and per return, counts by kind, the exit timer."""
 
 import pytest
 import zmq
 
-from gmock_engine import frontend_link as fl
-from gmock_engine.frontend_link import FrontendLink
+from gmock_engine.runtime import frontend_link as fl
+from gmock_engine.runtime.frontend_link import FrontendLink
 
 OUT = "tcp://10.0.0.1:5001"
 IN = "tcp://10.0.0.1:5000"
@@ -98,7 +98,7 @@ def _tcp_info(unacked, last_ack_recv_ms, retransmits=0):
     """Bytes as the kernel's struct tcp_info starts (the fields parse_tcp_info reads set)."""
     import struct
 
-    from gmock_engine.frontend_link import TCP_INFO_FORMAT
+    from gmock_engine.runtime.frontend_link import TCP_INFO_FORMAT
 
     u8 = [1, 0, retransmits, 0, 0, 0, 0, 0]
     u32 = [200000, 0, 1448, 536, unacked, 0, 0, 0, 0, 10, 0, 20, last_ack_recv_ms]
@@ -106,13 +106,13 @@ def _tcp_info(unacked, last_ack_recv_ms, retransmits=0):
 
 
 def test_tcp_info_fields():
-    from gmock_engine.frontend_link import TcpInfo, parse_tcp_info
+    from gmock_engine.runtime.frontend_link import TcpInfo, parse_tcp_info
 
     assert parse_tcp_info(_tcp_info(7, 2500, 3)) == TcpInfo(unacked=7, last_ack_recv_ms=2500, retransmits=3)
 
 
 def test_a_stall_is_told_once_when_it_starts_and_once_when_it_ends():
-    from gmock_engine.frontend_link import LinkStalls, TcpInfo
+    from gmock_engine.runtime.frontend_link import LinkStalls, TcpInfo
 
     stalls = LinkStalls(stall_after_ms=2000)
     ep = "tcp://10.0.0.1:5555"

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import msgpack
 import pytest
 
-from gmock_engine.config import parse_config
+from gmock_engine.config.loader import parse_config
 from gmock_engine.wire.eras import WIRE_LAYOUTS
 from gmock_engine.wire.handshake import InitMessage, decode_init, engine_ready_message, engine_ready_response
 from gmock_engine.wire.types import ProtocolError

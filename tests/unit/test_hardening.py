@@ -5,9 +5,9 @@ preemption at admission, stale KV usage, the ledger's window, log floods)."""
 import msgpack
 import pytest
 
-from gmock_engine.ledger import Ledger
-from gmock_engine.logs import Throttle, short
-from gmock_engine.tokens import EchoTokens, FileTokens, RandomTokens
+from gmock_engine.core.ledger import Ledger
+from gmock_engine.utils.logs import Throttle, short
+from gmock_engine.content.tokens import EchoTokens, FileTokens, RandomTokens
 from gmock_engine.wire.eras import WIRE_LAYOUTS
 from gmock_engine.wire.inputs import EngineCoreRequest, InvalidRequest, UtilityCall
 from gmock_engine.wire.types import FinishReason
@@ -309,7 +309,7 @@ def test_the_throttle_writes_a_few_lines_per_kind_and_counts_the_rest():
 
 
 def test_unchanged_stats_are_looked_at_again_after_the_recheck_interval_only():
-    from gmock_engine.outbox import STATS_INTERVAL_S, STATS_RECHECK_S, StatsCadence
+    from gmock_engine.core.outbox import STATS_INTERVAL_S, STATS_RECHECK_S, StatsCadence
 
     cadence = StatsCadence()
     assert cadence.due(0.0, 1, 0, 0.5, False)  # the first figures go out

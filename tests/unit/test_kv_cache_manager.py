@@ -1,11 +1,11 @@
-"""kv_cache_manager.py: block arithmetic, allocation and release, and the
+"""core/kv_cache_manager.py: block arithmetic, allocation and release, and the
 usage the frontends show, with blocks enforced or only reported (the prefix
 cache behind it is in test_prefix_cache.py)."""
 
 import pytest
 
-from gmock_engine.kv_cache_manager import KVCacheManager
-from gmock_engine.request import Request
+from gmock_engine.core.kv_cache_manager import KVCacheManager
+from gmock_engine.core.request import Request
 
 
 def _request(rid="r", prompt=10, output=0):

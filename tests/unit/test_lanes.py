@@ -1,4 +1,4 @@
-"""The output processor's lanes (lanes.py): the steady state's short path.
+"""The output processor's lanes (core/lanes.py): the steady state's short path.
 
 A request past its first output joins a lane and leaves it before its last
 output at a step fixed when it joined; whatever takes it out earlier
@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from gmock_engine.engine import EngineCore, EngineSettings
-from gmock_engine.tokens import EchoTokens, FileTokens, RandomTokens
+from gmock_engine.core.engine import EngineCore, EngineSettings
+from gmock_engine.content.tokens import EchoTokens, FileTokens, RandomTokens
 from gmock_engine.wire.inputs import AbortRequests, EngineCoreRequest
 from gmock_engine.wire.types import FinishReason
 
@@ -179,8 +179,8 @@ def test_ids_avoiding_is_the_avoided_slice_at_every_position_and_is_shared():
 
 
 def test_no_stop_free_pool_beyond_the_limits_and_the_checked_loop_is_right(monkeypatch):
-    import gmock_engine.lanes as lanes_module
-    import gmock_engine.tokens as tokens_module
+    import gmock_engine.core.lanes as lanes_module
+    import gmock_engine.content.tokens as tokens_module
 
     monkeypatch.setattr(tokens_module, "AVOIDING_POOL_LIMIT", 10)
     assert RandomTokens(32000, 0, 0).ids_avoiding(frozenset({1})) is None  # a pool too long to copy

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from gmock_engine.latency import LatencyModel
-from gmock_engine.latency_profile import NEW_MAX, NEW_SIZE, STEADY, StepProfile, StepSizes
-from gmock_engine.sched_output import SchedulerOutput
+from gmock_engine.timing.latency import LatencyModel
+from gmock_engine.timing.profile import NEW_MAX, NEW_SIZE, STEADY, StepProfile, StepSizes
+from gmock_engine.core.sched_output import SchedulerOutput
 
 
 def rng(seed=0):

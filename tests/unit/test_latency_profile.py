@@ -1,14 +1,14 @@
-"""The step-time profile (latency_profile.py): its file, its arithmetic, and
+"""The step-time profile (timing/profile.py): its file, its arithmetic, and
 the engine timed by it on a virtual clock."""
 
 import random
 
 import pytest
 
-from gmock_engine.config import ConfigError, parse_config
-from gmock_engine.latency import LatencyModel
-from gmock_engine.latency_profile import ProfileError, StepProfile, format_profile, parse_profile
-from gmock_engine.settings import from_config
+from gmock_engine.config.loader import ConfigError, parse_config
+from gmock_engine.timing.latency import LatencyModel
+from gmock_engine.timing.profile import ProfileError, StepProfile, format_profile, parse_profile
+from gmock_engine.config.settings import from_config
 from gmock_engine.wire.inputs import EngineCoreRequest
 from engine_steps import Clock, drive, engine_with, outputs_of
 
@@ -165,7 +165,7 @@ def test_profile_and_linear_figures_together_are_refused(tmp_path):
 
 
 def test_a_reload_reads_the_profile_again_and_applies_an_edit(tmp_path):
-    from gmock_engine import reload
+    from gmock_engine.config import reload
 
     path = tmp_path / "gpu.ini"
     path.write_text(format_profile(PROFILE))

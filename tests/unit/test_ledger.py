@@ -2,8 +2,8 @@
 
 import pytest
 
-from gmock_engine.engine import EngineCore, EngineSettings, LedgerViolation
-from gmock_engine.ledger import Ledger
+from gmock_engine.core.engine import EngineCore, EngineSettings, LedgerViolation
+from gmock_engine.core.ledger import Ledger
 from gmock_engine.wire.inputs import AbortRequests, EngineCoreRequest, UtilityCall
 
 

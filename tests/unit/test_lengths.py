@@ -1,4 +1,4 @@
-"""lengths.py: parsing `--output-len-dist`, what each kind draws, and the
+"""content/lengths.py: parsing `--output-len-dist`, what each kind draws, and the
 choice between it and `--eos-probability` (the ranges of every kind, the
 geometric mean and a few bad specs are in test_stops.py)."""
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gmock_engine.lengths import KINDS, OutputLengths, from_config
+from gmock_engine.content.lengths import KINDS, OutputLengths, from_config
 
 
 @pytest.mark.parametrize(

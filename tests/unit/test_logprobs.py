@@ -1,4 +1,4 @@
-"""Synthetic logprobs (logprobs.py) and their wire form (wire.outputs.logprobs_lists):
+"""Synthetic logprobs (content/logprobs.py) and their wire form (wire.outputs.logprobs_lists):
 decoded here with the frontends' rules (Appendix E), and checked for the
 self-consistency a client or an evaluation harness can see.
 
@@ -10,9 +10,9 @@ import struct
 import msgpack
 import pytest
 
-from gmock_engine import logprobs, tokens
-from gmock_engine.engine import EngineCore, EngineSettings
-from gmock_engine.logprobs import LogprobModel
+from gmock_engine.content import logprobs, tokens
+from gmock_engine.core.engine import EngineCore, EngineSettings
+from gmock_engine.content.logprobs import LogprobModel
 from gmock_engine.wire.eras import WIRE_LAYOUTS
 from gmock_engine.wire.inputs import decode_input, EngineCoreRequest, InvalidRequest
 from gmock_engine.wire.outputs import logprobs_lists

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from gmock_engine.engine import EngineCore, EngineSettings
-from gmock_engine.latency import LatencyModel
-from gmock_engine.lora import AdapterRegistry, LoRAError, LoRARequest, decode_lora_request
+from gmock_engine.core.engine import EngineCore, EngineSettings
+from gmock_engine.timing.latency import LatencyModel
+from gmock_engine.core.lora import AdapterRegistry, LoRAError, LoRARequest, decode_lora_request
 from gmock_engine.wire.eras import Wire
 from gmock_engine.wire.inputs import EngineCoreRequest, UtilityCall, decode_add, unpack
 from gmock_engine.wire.outputs import pack
@@ -380,7 +380,7 @@ def test_skipped_requests_keep_their_place_in_the_queue():
     ],
 )
 def test_bad_lora_options_stop_at_start_naming_the_flag(argv, env, words):
-    from gmock_engine.config import ConfigError, parse_config
+    from gmock_engine.config.loader import ConfigError, parse_config
 
     with pytest.raises(ConfigError) as info:
         parse_config(argv, env)
@@ -388,7 +388,7 @@ def test_bad_lora_options_stop_at_start_naming_the_flag(argv, env, words):
 
 
 def test_lora_options_parse_with_vllms_defaults():
-    from gmock_engine.config import parse_config
+    from gmock_engine.config.loader import parse_config
 
     args = parse_config(["--enable-lora", "--max-loras", "3"], {})
     assert args.enable_lora and args.max_loras == 3 and args.max_cpu_loras is None and args.max_lora_rank == 16

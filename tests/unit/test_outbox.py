@@ -3,8 +3,8 @@ first only, every id in finished_requests of its own client's message.
 
 §N: section N of docs/protocol.md."""
 
-from gmock_engine.ledger import Ledger
-from gmock_engine.outbox import COORDINATOR, Outbox
+from gmock_engine.core.ledger import Ledger
+from gmock_engine.core.outbox import COORDINATOR, Outbox
 from gmock_engine.wire.outputs import engine_core_output
 from gmock_engine.wire.types import FinishReason
 

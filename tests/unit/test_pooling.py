@@ -1,4 +1,4 @@
-"""Pooling requests (pooling.py, docs/protocol.md §3.7): PoolingParams of every
+"""Pooling requests (content/pooling.py, docs/protocol.md §3.7): PoolingParams of every
 era, the pooled tensors (shape, norm, determinism, Matryoshka cut), their wire
 form, and the engine's one output per pooling request (no tokens, STOP, at the
 prefill's end, KV and prefix cache as a prefill); a bad request gets an ERROR
@@ -11,9 +11,9 @@ import math
 import msgpack
 import pytest
 
-from gmock_engine import pooling
-from gmock_engine.latency import LatencyModel
-from gmock_engine.pooling import PoolingSettings, decode_params, pooled
+from gmock_engine.content import pooling
+from gmock_engine.timing.latency import LatencyModel
+from gmock_engine.content.pooling import PoolingSettings, decode_params, pooled
 from gmock_engine.tools import model_dir
 from gmock_engine.wire.inputs import EngineCoreRequest
 from gmock_engine.wire.outputs import pack
@@ -234,7 +234,7 @@ def serve_env(tmp_path):
 
 
 def test_serve_task_embed_starts_the_python_frontend_as_a_pooling_runner_and_the_engine_with_embed(serve_env):
-    from gmock_engine import config as cfg
+    from gmock_engine.config import loader as cfg
     from gmock_engine.tools import serve
 
     p = serve.plan(["--port", "0", "--task", "embed", "--vocab-size", "1000", "--max-model-len", "4096"], serve_env)
@@ -256,7 +256,7 @@ def test_serve_task_embed_starts_the_python_frontend_as_a_pooling_runner_and_the
 
 
 def test_serve_task_embed_with_vllm_rs_is_refused_naming_why(serve_env):
-    from gmock_engine import config as cfg
+    from gmock_engine.config import loader as cfg
     from gmock_engine.tools import serve
 
     with pytest.raises(cfg.ConfigError, match=r"argument --task: embed needs --frontend python \(vllm-rs .* 404 on /v1/embeddings"):

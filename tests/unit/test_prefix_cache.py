@@ -5,10 +5,10 @@ events it records, and hits in PrefillStats and SchedulerStats.
 
 import pytest
 
-from gmock_engine.engine import EngineCore, EngineSettings
-from gmock_engine.kv_cache_manager import KVCacheManager
-from gmock_engine.prefix_cache import CLEARED, REMOVED, STORED, PrefixCache, block_hashes
-from gmock_engine.request import Request
+from gmock_engine.core.engine import EngineCore, EngineSettings
+from gmock_engine.core.kv_cache_manager import KVCacheManager
+from gmock_engine.core.prefix_cache import CLEARED, REMOVED, STORED, PrefixCache, block_hashes
+from gmock_engine.core.request import Request
 from gmock_engine.wire.inputs import EngineCoreRequest, UtilityCall
 
 
@@ -173,8 +173,8 @@ def test_an_adapter_keeps_its_own_blocks_and_names_itself_in_the_events():
     """vLLM hashes a LoRA request's blocks with the adapter's name (extra keys):
     the same prompt under another adapter, or none, hits nothing; BlockStored
     carries lora_id and lora_name (Appendix D)."""
-    from gmock_engine.kv_events import EventFormat, encode_events
-    from gmock_engine.lora import LoRARequest
+    from gmock_engine.kv.events import EventFormat, encode_events
+    from gmock_engine.core.lora import LoRARequest
 
     kv = KVCacheManager(100, 4, None, True, kv_events=True)
     prompt = list(range(12))

@@ -5,12 +5,12 @@ fault layer rebuilt (fault_injection.build)."""
 import pytest
 from loguru import logger
 
-from gmock_engine import fault_injection
-from gmock_engine.engine import RELOADABLE_SETTINGS, EngineSettings
-from gmock_engine.faults import Faults, parse_spec
-from gmock_engine.latency import LatencyModel
-from gmock_engine.lengths import OutputLengths
-from gmock_engine.tokens import EchoTokens, RandomTokens
+from gmock_engine.runtime import fault_injection
+from gmock_engine.core.engine import RELOADABLE_SETTINGS, EngineSettings
+from gmock_engine.faults.specs import Faults, parse_spec
+from gmock_engine.timing.latency import LatencyModel
+from gmock_engine.content.lengths import OutputLengths
+from gmock_engine.content.tokens import EchoTokens, RandomTokens
 from gmock_engine.wire.inputs import EngineCoreRequest
 from gmock_engine.wire.types import FinishReason
 from engine_steps import Clock, engine_with, run, run_steps, tokens_of

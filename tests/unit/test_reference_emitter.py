@@ -6,7 +6,7 @@ import sys
 import msgpack
 import pytest
 
-from gmock_engine.tokens import RandomTokens
+from gmock_engine.content.tokens import RandomTokens
 from gmock_engine.tools.bench import REFERENCE_EMITTER
 from gmock_engine.wire.eras import Wire, layout_for_version
 from gmock_engine.wire.inputs import EngineCoreRequest
@@ -83,8 +83,8 @@ def test_the_floor_caches_prefixes_and_publishes_what_gmock_does(chunk, reuse):
     import collections
     import json
 
-    from gmock_engine import kv_events
-    from gmock_engine.engine import EngineCore, EngineSettings
+    from gmock_engine.kv import events as kv_events
+    from gmock_engine.core.engine import EngineCore, EngineSettings
     from engine_steps import TickClock
 
     layout = layout_for_version("0.33")
@@ -152,7 +152,7 @@ def test_the_floor_imports_no_gevent_and_collects_as_rarely_as_gmock():
     import subprocess
     import sys
 
-    from gmock_engine import cli
+    from gmock_engine.runtime import cli
 
     probe = (
         f"import sys; sys.path.insert(0, {str(REFERENCE_EMITTER.parent)!r}); import reference_emitter; "

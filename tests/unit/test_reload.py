@@ -10,8 +10,9 @@ import re
 import pytest
 from loguru import logger
 
-from gmock_engine import logs, reload
-from gmock_engine.config import build_parser, parse_config
+from gmock_engine.utils import logs
+from gmock_engine.config import reload
+from gmock_engine.config.loader import build_parser, parse_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

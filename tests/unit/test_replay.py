@@ -1,4 +1,4 @@
-"""gmock_engine/replay.py: a trace read into recorded requests, matched to
+"""gmock_engine/timing/replay.py: a trace read into recorded requests, matched to
 ADDs, and a pure EngineCore serving them back (docs/record.md, Replay)."""
 
 import argparse
@@ -6,11 +6,12 @@ import json
 
 import pytest
 
-from gmock_engine import reload, trace
-from gmock_engine.config import ConfigError, parse_config
-from gmock_engine.replay import RecordedOutput, ReplaySettings, load, recorded_requests, settings_from
-from gmock_engine.settings import from_config
-from gmock_engine.validators import replay_trace
+from gmock_engine.config import reload
+from gmock_engine.timing import trace
+from gmock_engine.config.loader import ConfigError, parse_config
+from gmock_engine.timing.replay import RecordedOutput, ReplaySettings, load, recorded_requests, settings_from
+from gmock_engine.config.settings import from_config
+from gmock_engine.config.validators import replay_trace
 from gmock_engine.wire.inputs import AbortRequests, EngineCoreRequest
 from gmock_engine.wire.types import FinishReason
 from engine_steps import Clock, drive, engine_with, outputs_of, tokens_of

@@ -1,11 +1,11 @@
-"""The waiting queue (request_queue.py): FCFS and priority order, a
+"""The waiting queue (core/request_queue.py): FCFS and priority order, a
 preempted request back at the front, removal (ABORT) without a scan, and
 peek/pop past removed entries."""
 
 import pytest
 
-from gmock_engine.request import Request
-from gmock_engine.request_queue import FCFSRequestQueue, PriorityRequestQueue, create_request_queue
+from gmock_engine.core.request import Request
+from gmock_engine.core.request_queue import FCFSRequestQueue, PriorityRequestQueue, create_request_queue
 
 
 def request(rid, priority=0):

@@ -8,8 +8,8 @@ from typing import List
 
 import pytest
 
-from gmock_engine.request import Request
-from gmock_engine.sched_output import SchedulerOutput
+from gmock_engine.core.request import Request
+from gmock_engine.core.sched_output import SchedulerOutput
 from gmock_engine.wire.inputs import EngineCoreRequest
 from engine_steps import Clock, engine_with
 

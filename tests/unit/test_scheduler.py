@@ -2,7 +2,7 @@
 
 import pytest
 
-from gmock_engine.latency import LatencyModel
+from gmock_engine.timing.latency import LatencyModel
 from gmock_engine.wire.inputs import AbortRequests, EngineCoreRequest, UtilityCall
 from gmock_engine.wire.types import FinishReason
 from engine_steps import Clock, drive, engine_with

@@ -14,7 +14,7 @@ inside takes.
 
 import pytest
 
-from gmock_engine.engine import Drain
+from gmock_engine.core.engine import Drain
 from gmock_engine.wire.inputs import EngineCoreRequest, UtilityCall
 from gmock_engine.wire.types import EngineCoreEventType, FinishReason
 from engine_steps import TickClock, engine_with, outputs_of, run

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gmock_engine import config as cfg
+from gmock_engine.config import loader as cfg
 from gmock_engine.tools import serve_config
 from gmock_engine.tools import serve
 

@@ -1,4 +1,4 @@
-"""The typed path from flag to part (settings.py): one frozen dataclass per
+"""The typed path from flag to part (config/settings.py): one frozen dataclass per
 part, built from the parsed configuration, and one engine's EngineSettings
 from those parts."""
 
@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from gmock_engine import options, settings
+from gmock_engine.config import options, settings
 from gmock_engine.wire.eras import Wire
-from gmock_engine.config import parse_config
-from gmock_engine.engine import EngineSettings
-from gmock_engine.tokens import EchoTokens, RandomTokens
+from gmock_engine.config.loader import parse_config
+from gmock_engine.core.engine import EngineSettings
+from gmock_engine.content.tokens import EchoTokens, RandomTokens
 
 
 def parts(*argv):

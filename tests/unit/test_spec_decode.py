@@ -1,4 +1,4 @@
-"""Speculative decoding (spec_decode.py): the verifier's acceptance per
+"""Speculative decoding (content/spec_decode.py): the verifier's acceptance per
 position, the exact lengths and finishes of requests under it, the
 SpecDecodingStats the engine sends (their counts are the tokens emitted),
 the flags and the latency model's verify step."""
@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from gmock_engine import settings
-from gmock_engine.config import ConfigError, parse_config
-from gmock_engine.latency import LatencyModel
-from gmock_engine.sched_output import SchedulerOutput
-from gmock_engine.spec_decode import SpecDecode, acceptance_rates, expected_tokens_per_step
+from gmock_engine.config import settings
+from gmock_engine.config.loader import ConfigError, parse_config
+from gmock_engine.timing.latency import LatencyModel
+from gmock_engine.core.sched_output import SchedulerOutput
+from gmock_engine.content.spec_decode import SpecDecode, acceptance_rates, expected_tokens_per_step
 from gmock_engine.wire.checks import BadXargs, check_xargs
 from gmock_engine.wire.inputs import EngineCoreRequest
 from gmock_engine.wire.types import FinishReason
@@ -158,7 +158,7 @@ def test_a_verify_step_charges_the_drafts_as_computed_tokens():
 
 
 def test_the_wire_rules_know_spec_decoding_stats():
-    from gmock_engine.spec_decode import spec_decoding_stats
+    from gmock_engine.content.spec_decode import spec_decoding_stats
     from gmock_engine.wire.outputs import engine_core_outputs, scheduler_stats
 
     def problems(spec):
@@ -191,7 +191,7 @@ def test_a_reload_changes_the_rates_from_the_next_step_and_keeps_k(tmp_path):
     since --spec-tokens cannot change while running."""
     import dataclasses
 
-    from gmock_engine import reload
+    from gmock_engine.config import reload
 
     path = tmp_path / "live.ini"
     path.write_text("[gmock_engine]\nspec-tokens = 2\nspec-acceptance = 1.0\n")

@@ -1,9 +1,9 @@
-"""stats.py: nearest-rank percentiles, summaries, and the Samples ring
+"""utils/stats.py: nearest-rank percentiles, summaries, and the Samples ring
 (its window restart is in test_engine.py)."""
 
 import pytest
 
-from gmock_engine.stats import Samples, percentile, summarize
+from gmock_engine.utils.stats import Samples, percentile, summarize
 
 HUNDRED = [float(v) for v in range(1, 101)]
 

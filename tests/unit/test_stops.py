@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from gmock_engine.lengths import OutputLengths, from_config
+from gmock_engine.content.lengths import OutputLengths, from_config
 from gmock_engine.wire.inputs import EngineCoreRequest
 from gmock_engine.wire.types import FinishReason
 from engine_steps import engine_with

@@ -1,4 +1,4 @@
-"""Structured outputs (gmock_engine/structured_output.py, docs/protocol.md §3.3): the wire
+"""Structured outputs (gmock_engine/content/structured_output.py, docs/protocol.md §3.3): the wire
 decoding of `structured_outputs`, the answers generated with llguidance
 (valid when they end by STOP, cut by max_tokens with LENGTH, the same for
 the same seed and request id) and the engine's handling of a structured
@@ -11,8 +11,8 @@ import re
 import msgpack
 import pytest
 
-from gmock_engine import structured_output
-from gmock_engine.tokenizer import load_tokenizer
+from gmock_engine.content import structured_output
+from gmock_engine.content.tokenizer import load_tokenizer
 from gmock_engine.tools import model_dir
 from gmock_engine.wire.eras import DEFAULT_PROTOCOL_VERSION, WIRE_LAYOUTS
 from gmock_engine.wire.inputs import EngineCoreRequest, InvalidRequest, StructuredOutputsParams, decode_input

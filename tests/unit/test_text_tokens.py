@@ -1,4 +1,4 @@
-"""`--token-source text` (tokens.TextTokens, corpus.py): ids of English text
+"""`--token-source text` (tokens.TextTokens, content/corpus.py): ids of English text
 encoded once with the served model's tokenizer. What a client sees is
 checked: any slice decodes to printable text, re-tokenizing a request's
 text counts what was generated, the ids are deterministic per (seed, rank,
@@ -10,9 +10,10 @@ import random
 
 import pytest
 
-from gmock_engine import config, corpus, tokens, validators
-from gmock_engine.engine import EngineCore, EngineSettings
-from gmock_engine.tokenizer import load_tokenizer
+from gmock_engine.config import loader as config, validators
+from gmock_engine.content import corpus, tokens
+from gmock_engine.core.engine import EngineCore, EngineSettings
+from gmock_engine.content.tokenizer import load_tokenizer
 from gmock_engine.tools import model_dir
 from gmock_engine.wire.inputs import EngineCoreRequest
 
@@ -193,7 +194,7 @@ def test_the_pool_is_built_in_well_under_a_second(tokenizer):
 
 
 def test_a_reload_switches_to_text_for_new_requests_and_refuses_it_without_a_tokenizer(tmp_path):
-    from gmock_engine import reload, settings
+    from gmock_engine.config import reload, settings
 
     path = model_dir.write_model_dir(tmp_path / "m", vocab_size=2000)
     live = tmp_path / "live.ini"

@@ -1,11 +1,12 @@
-"""gmock_engine/tokenizer.py and --tokenizer: the served model's tokenizer, loaded once, errors at start."""
+"""gmock_engine/content/tokenizer.py and --tokenizer: the served model's tokenizer, loaded once, errors at start."""
 
 import json
 import sys
 
 import pytest
 
-from gmock_engine import config, tokenizer
+from gmock_engine.config import loader as config
+from gmock_engine.content import tokenizer
 from gmock_engine.tools import model_dir
 
 pytest.importorskip("tokenizers")

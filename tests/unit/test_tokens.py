@@ -1,4 +1,4 @@
-"""tokens.py: the one place tokens are made.
+"""content/tokens.py: the one place tokens are made.
 
 §N: section N of docs/protocol.md."""
 
@@ -6,7 +6,7 @@ import collections
 
 import pytest
 
-from gmock_engine.tokens import RandomTokens, request_seed
+from gmock_engine.content.tokens import RandomTokens, request_seed
 
 
 def test_seed_is_stable_and_depends_on_every_part():
@@ -48,7 +48,7 @@ def test_vocab_of_one():
     assert tokens == [0] * 8
 
 
-from gmock_engine.tokens import EchoTokens, FileTokens, make_source, read_token_file  # noqa: E402
+from gmock_engine.content.tokens import EchoTokens, FileTokens, make_source, read_token_file  # noqa: E402
 
 
 def test_id_range_limits_random_ids():
@@ -85,7 +85,7 @@ def test_bad_token_files(tmp_path, text, reason):
         read_token_file(str(path))
 
 
-from gmock_engine.tokens import POOL_PAD, RANDOM_POOL_SIZE  # noqa: E402
+from gmock_engine.content.tokens import POOL_PAD, RANDOM_POOL_SIZE  # noqa: E402
 
 
 def test_the_random_pool_is_drawn_once_per_seed_and_range_and_shared_by_the_engines():

@@ -4,7 +4,7 @@ a bad value stops them at start naming the flag and where it came from."""
 
 import pytest
 
-from gmock_engine.config import ConfigError
+from gmock_engine.config.loader import ConfigError
 from gmock_engine.tools import fit as fitting
 from gmock_engine.tools import record, record_config
 

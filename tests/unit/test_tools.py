@@ -105,25 +105,32 @@ def test_fake_frontend_keeps_its_request_and_helpers():
 # -- the serving path ----------------------------------------------------------------
 
 
-def _imports(path):
-    """Every module a file imports, relative imports resolved within the package."""
+def _imports(path, package="gmock_engine"):
+    """Every module a file imports, relative imports resolved from `package`,
+    the file's own (`.` is it, `..` its parent)."""
     tree = ast.parse(open(path).read(), path)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            # the serving modules sit at the package's top level: `.` is gmock_engine
-            module = ("gmock_engine" + (f".{node.module}" if node.module else "")) if node.level else node.module
+            base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+            module = (base + (f".{node.module}" if node.module else "")) if node.level else node.module
             yield module
             yield from (f"{module}.{alias.name}" for alias in node.names)
 
 
 def test_serving_modules_never_import_the_tools():
     # __main__ dispatches `gmock-engine bench` to tools/bench.py; nothing else may.
-    serving = [name for name in os.listdir(PACKAGE) if name.endswith(".py") and name != "__main__.py"]
-    assert "engine.py" in serving and "cli.py" in serving
+    serving = sorted(
+        os.path.relpath(os.path.join(folder, name), PACKAGE)
+        for folder, _, names in os.walk(PACKAGE)
+        for name in names
+        if name.endswith(".py") and os.path.relpath(folder, PACKAGE).split(os.sep)[0] != "tools" and name != "__main__.py"
+    )
+    assert os.path.join("core", "engine.py") in serving and os.path.join("runtime", "cli.py") in serving
     for name in serving:
-        offending = [m for m in _imports(os.path.join(PACKAGE, name)) if m == "gmock_engine.tools" or m.startswith("gmock_engine.tools.")]
+        package = ".".join(["gmock_engine"] + [p for p in os.path.dirname(name).split(os.sep) if p])
+        offending = [m for m in _imports(os.path.join(PACKAGE, name), package) if m == "gmock_engine.tools" or m.startswith("gmock_engine.tools.")]
         assert not offending, f"gmock_engine/{name} imports {offending}"
 
 

@@ -1,4 +1,4 @@
-"""gmock_engine/trace.py: the record tap's trace records, writer and reader (docs/record.md)."""
+"""gmock_engine/timing/trace.py: the record tap's trace records, writer and reader (docs/record.md)."""
 
 import io
 import json
@@ -7,7 +7,7 @@ import msgpack
 import pytest
 
 from fake_frontend import engine_core_request, era_request
-from gmock_engine import trace
+from gmock_engine.timing import trace
 from gmock_engine.tools.frontend import abort_frames, add_frames, utility_frames
 from gmock_engine.wire.eras import WIRE_LAYOUTS
 

@@ -1,4 +1,4 @@
-"""utilities.py through the engine's input: each call answered once, on the
+"""core/utilities.py through the engine's input: each call answered once, on the
 caller's socket, with its call id; a result, or a failure for what the mock
 does not know or cannot use, that call only (the common answers, pause
 modes and gmock_stats' window are in test_engine.py; LoRA's in test_lora.py)."""
@@ -7,7 +7,7 @@ import pytest
 
 from gmock_engine.wire.inputs import EngineCoreRequest, UtilityCall
 from gmock_engine.wire.types import FinishReason
-from gmock_engine.utilities import SUPPORTED_UTILITIES
+from gmock_engine.core.utilities import SUPPORTED_UTILITIES
 from engine_steps import TickClock, engine_with, run, run_steps, tokens_of
 
 

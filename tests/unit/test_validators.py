@@ -1,12 +1,12 @@
-"""The option value types (validators.py) on their own: the texts each
+"""The option value types (config/validators.py) on their own: the texts each
 accepts (and the value it makes of them), the texts it refuses, and the
-message it refuses them with (config.py adds the flag and the source)."""
+message it refuses them with (config/loader.py adds the flag and the source)."""
 
 import argparse
 
 import pytest
 
-from gmock_engine import validators as v
+from gmock_engine.config import validators as v
 from gmock_engine.wire.eras import layout_for_version
 
 

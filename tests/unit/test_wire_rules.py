@@ -5,7 +5,7 @@ import msgpack
 import pytest
 
 import wire_rules
-from gmock_engine.engine import EngineCore, EngineSettings
+from gmock_engine.core.engine import EngineCore, EngineSettings
 from gmock_engine.wire.inputs import EngineCoreRequest, UtilityCall
 from gmock_engine.wire.outputs import scheduler_stats
 from gmock_engine.wire.types import FinishReason

@@ -1,0 +1,1 @@
+"""Sockets and greenlets: the app, one engine's runner and its links, transport, the frontend watch, the KV-event publisher, fault injection, worker processes, metrics, the step wake-up, the command line."""

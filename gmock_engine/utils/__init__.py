@@ -1,0 +1,1 @@
+"""What every layer shares: loguru sinks and rate-limited warnings, percentiles and samples. Pure."""
