@@ -34,7 +34,7 @@ from gmock_engine.faults.specs import KINDS
 from gmock_engine.config.settings import ENFORCED_WHEN_GIVEN, effective
 
 if TYPE_CHECKING:
-    from gmock_engine.core.engine import EngineSettings
+    from gmock_engine.config.settings import EngineSettings
     from gmock_engine.faults.specs import FaultSpec
 
 #: --fault-*: each engine's fault layer is rebuilt (fault_injection.build).

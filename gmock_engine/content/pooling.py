@@ -34,10 +34,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from gmock_engine.core.request import Request
 from gmock_engine.wire.inputs import EngineCoreRequest
-from gmock_engine.wire.outputs import engine_core_event, engine_core_output, ndarray
-from gmock_engine.wire.types import BadValue, EngineCoreEventType, FinishReason
+from gmock_engine.wire.outputs import engine_core_output, ndarray
+from gmock_engine.wire.types import BadValue, FinishReason
 
 #: A pooling task as the eras name it -> the output it gets (§3.7): 0.11.0's
 #: "encode" is token_embed's ancestor, "score" (to 0.19) a cross-encoder's
@@ -215,16 +214,13 @@ def tensor(shape: Sequence[int], data: bytes) -> List[Any]:
     return ndarray("float32", shape, data)
 
 
-def make_request(request: EngineCoreRequest, settings: Any, now: float) -> Request:
-    """The engine's Request for a pooling ADD (§3.7), its tensor made now:
-    one "token" to go (its prefill), no token source; BadValue for a
-    request the engine cannot serve. `settings`: the EngineSettings."""
+def request_tensor(request: EngineCoreRequest, settings: Any) -> List[Any]:
+    """The pooled tensor of a pooling ADD (§3.7), made now from its prompt;
+    BadValue for a request the engine cannot serve. `settings`: the
+    EngineSettings."""
     params = decode_params(request.pooling_params, settings.supported_tasks, settings.pooling)
     shape, data = pooled(params, request.prompt_token_ids, request.prompt_len, settings.seed, settings.pooling)
-    entry = Request(request.request_id, request.client_index, 1, None, request.prompt_len, now)
-    entry.pooling, entry.priority = tensor(shape, data), request.priority
-    entry.pending_events = [engine_core_event(EngineCoreEventType.QUEUED, entry.queued_at)]
-    return entry
+    return tensor(shape, data)
 
 
 def final_output(request: Any, prefill_stats: Dict[str, Any], layout: Any) -> List[Any]:

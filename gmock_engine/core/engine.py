@@ -415,11 +415,15 @@ class EngineCore:
     def _add_pooling(self, request: EngineCoreRequest) -> List[Outbound]:
         """A pooling request (§3.7): its tensor made now, then one prefill; a bad one gets an ERROR."""
         try:
-            entry = pooling.make_request(request, self.settings, self.clock())
+            pooled = pooling.request_tensor(request, self.settings)
         except BadValue as exc:
             reason = f"{str(exc):.200}"
             self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(request.request_id), reason)
             return self._answer_now(request.client_index, request.request_id, FinishReason.ERROR, request_error("validation_error", reason))
+        # one "token" to go (its prefill), no token source
+        entry = Request(request.request_id, request.client_index, 1, None, request.prompt_len, self.clock())
+        entry.pooling, entry.priority = pooled, request.priority
+        entry.pending_events = [engine_core_event(_QUEUED, entry.queued_at)]
         self.kv.track(entry, request.prompt_token_ids)
         self.scheduler.add_request(entry)
         return []

@@ -36,8 +36,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-#: Event tags (kv_events.py encodes them as vLLM's BlockStored, BlockRemoved, AllBlocksCleared).
-STORED, REMOVED, CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
+from gmock_engine.kv.events import CLEARED, REMOVED, STORED
+
 #: Hashes are unsigned 64-bit ints on the wire, as vLLM's default
 #: (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1: the low 64 bits of the sha256).
 HASH_MASK = (1 << 64) - 1

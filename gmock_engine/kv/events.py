@@ -29,8 +29,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from gmock_engine.core.prefix_cache import CLEARED, REMOVED, STORED
 
+#: The tags of the prefix cache's event tuples: vLLM's event names, which this
+#: module encodes as its BlockStored, BlockRemoved and AllBlocksCleared.
+STORED, REMOVED, CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
 #: The replay end marker's seq: -1 as 8 signed big-endian bytes (vLLM's END_SEQ).
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 #: vLLM's MEDIUM_GPU: where the blocks live.

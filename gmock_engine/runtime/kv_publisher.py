@@ -38,8 +38,7 @@ import gevent.queue
 import msgpack
 import zmq.green as zmq
 
-from gmock_engine.kv.events import END_SEQ, EventFormat, KVEventsConfig, batch_payload, encode_events, seq_bytes
-from gmock_engine.core.prefix_cache import CLEARED
+from gmock_engine.kv.events import CLEARED, END_SEQ, EventFormat, KVEventsConfig, batch_payload, encode_events, seq_bytes
 from gmock_engine.runtime.transport import patient, publish_noblock
 
 #: The publisher and the replay loop yield to the hub after this many

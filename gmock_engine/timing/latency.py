@@ -36,12 +36,19 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 from gmock_engine.timing.profile import StepProfile, StepSizes
 
-if TYPE_CHECKING:
-    from gmock_engine.core.sched_output import SchedulerOutput
+
+class StepPlan(Protocol):
+    """What the latency model reads of a step's plan (core's SchedulerOutput)."""
+
+    num_running_reqs: int
+    num_prefill_tokens: int
+    num_draft_tokens: int
+    prefill_attention: float
+    num_prefill_reqs: int
 
 
 @dataclass(frozen=True)
@@ -106,7 +113,7 @@ class LatencyModel:
         return ms * self.time_scale / 1000.0
 
     def step_time(
-        self, scheduler_output: "SchedulerOutput", rng: random.Random, context_tokens: int = 0, sizes: Optional[StepSizes] = None
+        self, scheduler_output: StepPlan, rng: random.Random, context_tokens: int = 0, sizes: Optional[StepSizes] = None
     ) -> float:
         """Duration of the step `scheduler_output` planned (core/sched_output.py):
         its running batch and the prompt tokens it prefills; `context_tokens`:

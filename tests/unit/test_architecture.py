@@ -1,7 +1,10 @@
 """The shape docs/architecture.md promises: the wire protocol and the
 engine's parts are pure (no zmq, no gevent), so they run and are tested
-without sockets or a hub."""
+without sockets or a hub; and the folders stand in one order, each
+importing only the folders below it."""
 
+import ast
+import os
 import subprocess
 import sys
 
@@ -54,7 +57,17 @@ PURE = [
     "content.corpus",
     "content.answer",
     "runtime.frontend_link",
+    "core.ledger",
+    "kv.events",
+    "kv.transfer",
+    "timing.trace",
+    "utils.logs",
+    "utils.stats",
 ]
+
+#: The folders, bottom first (docs/architecture.md#folders): each imports only those before it.
+FOLDERS = ["utils", "wire", "kv", "content", "timing", "faults", "config", "core", "runtime", "tools"]
+PACKAGE = os.path.join(os.path.dirname(__file__), "..", "..", "gmock_engine")
 
 
 @pytest.mark.parametrize("module", PURE)
@@ -66,3 +79,28 @@ def test_pure_modules_import_neither_zmq_nor_gevent(module):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, f"gmock_engine.{module} pulls in {result.stdout.strip()} {result.stderr[-500:]}"
+
+
+def _folder_imports():
+    """(importing folder, imported folder, file) for every absolute import of
+    the package's folders (the package imports itself absolutely)."""
+    for folder in FOLDERS:
+        for name in sorted(os.listdir(os.path.join(PACKAGE, folder))):
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(PACKAGE, folder, name)
+            for node in ast.walk(ast.parse(open(path).read(), path)):
+                modules = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                for module in modules:
+                    parts = (module or "").split(".")
+                    if parts[0] == "gmock_engine" and len(parts) > 1 and parts[1] in FOLDERS:
+                        yield folder, parts[1], f"{folder}/{name}"
+
+
+def test_every_folder_is_in_the_order():
+    assert sorted(FOLDERS) == sorted(e for e in os.listdir(PACKAGE) if os.path.isdir(os.path.join(PACKAGE, e)) and not e.startswith("__"))
+
+
+def test_each_folder_imports_only_the_folders_below_it():
+    upward = [f"{where} imports {imported}/" for folder, imported, where in _folder_imports() if FOLDERS.index(imported) > FOLDERS.index(folder)]
+    assert not upward, upward
