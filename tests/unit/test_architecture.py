@@ -39,6 +39,7 @@ PURE = [
     "lengths",
     "reload",
     "config",
+    "parsed",
     "option",
     "options",
     "validators",
