@@ -1,4 +1,10 @@
-"""Configuration: every option from the command line, the environment or a file.
+"""The loader: argv (+ environment + config file) -> parsed options.
+
+The first stage of start-up (argv -> parsed options -> settings -> app,
+runtime/cli.py wires them): `parse_config` reads every option from the command
+line, the environment or a file into the parsed options (parsed.py);
+`reader` binds it to one command line for the reloads. None of the later
+stages (settings.py, reload.py, the runtime) imports this module.
 
 Precedence, one rule for every option: command line > environment > config
 file > default. The config file is INI with one section `[gmock_engine]`
@@ -18,15 +24,15 @@ import argparse
 import configparser
 import os
 import re
-from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import configargparse
 
 from gmock_engine import __version__
-from gmock_engine.faults.specs import KINDS
 from gmock_engine.config.option import add_groups, long_flag
 from gmock_engine.config.options import GROUPS
+# The parsed options' own names (parsed.py); the tools name them from here too.
+from gmock_engine.config.parsed import ConfigError, Source, fault_specs
 
 ENV_PREFIX = "GMOCK_"
 CONFIG_SECTION = "gmock_engine"
@@ -38,10 +44,6 @@ RECORD_SECTION = "record"
 FIT_SECTION = "fit"
 #: The sections a config file may hold; each reader reads and checks its own.
 CONFIG_SECTIONS = (CONFIG_SECTION, SERVE_SECTION, RECORD_SECTION, FIT_SECTION)
-
-
-class ConfigError(Exception):
-    """A configuration problem; the message names the flag and its source."""
 
 
 # -- the parser ----------------------------------------------------------------
@@ -118,17 +120,6 @@ def build_parser() -> configargparse.ArgumentParser:
 
 
 # -- where a value came from ------------------------------------------------------
-
-
-@dataclass
-class Source:
-    """Where an option's value came from."""
-
-    kind: str  # "command line" | "environment" | "config file" | "default"
-    detail: str = ""  # variable name, or "FILE, key KEY"
-
-    def __str__(self) -> str:
-        return f"{self.kind} {self.detail}".strip()
 
 
 def env_name(action: argparse.Action, prefix: str = ENV_PREFIX) -> str:
@@ -412,9 +403,20 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str
                 "ignored: give one or the other"
             )
     #: Every configured fault, in KINDS order (runtime/runner.py hands them to each engine).
-    args.faults = [spec for spec in (getattr(args, "fault_" + k.replace("-", "_")) for k in KINDS) if spec is not None]
+    args.faults = fault_specs(args)
     _check_kv_events(args, sources)
     return args
+
+
+def reader(argv: Sequence[str], env: Optional[Mapping[str, str]] = None) -> Callable[[], argparse.Namespace]:
+    """The loader bound to one command line: each call parses it again, with
+    the environment (`env`, or the process's as it is then) and the --config
+    file as they are then, into parsed options (ConfigError as parse_config).
+    runtime/cli.py makes one and hands it on: its first call starts the process,
+    the later ones are the reloads (SIGHUP), which go on from the parsed
+    options it returns."""
+    argv = list(argv)
+    return lambda: parse_config(argv, env)
 
 
 def _check_spec_decode(args: argparse.Namespace, sources: "Sources") -> None:

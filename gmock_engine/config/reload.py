@@ -1,10 +1,15 @@
 """Live reconfiguration (SIGHUP): what a reload changes, decided without I/O.
 
 `kill -HUP <pid>` makes the process read its configuration again, the way
-it did at start (config.parse_config): the same command line, which keeps
-its precedence, the environment and the --config file (command line >
-environment > config file > default). `check(current, load)` compares what
-it reads with the configuration in force and returns a `Reload`:
+it did at start: the same command line, which keeps its precedence, the
+environment and the --config file (command line > environment > config
+file > default). A reload re-enters start-up (argv -> parsed options ->
+settings -> app) at the parsed options: `compare(current, new)` compares
+the parsed options read again with those in force, and `check(current,
+read)` first reads them with `read`, the loader stage runtime/cli.py bound to the
+process's command line (config.reader), whose ConfigError refuses the
+reload. This module knows the parsed options (parsed.py) and the settings,
+never the loader. Both return a `Reload`:
 
 * `changes`: the options in RELOADABLE (declared so in options.py) whose value changed, each with
   old -> new and the source of the new value;
@@ -29,13 +34,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional
 
 from gmock_engine.config import options
-from gmock_engine.config.loader import ConfigError, Source
-from gmock_engine.faults.specs import KINDS
-from gmock_engine.config.settings import ENFORCED_WHEN_GIVEN, effective
+from gmock_engine.config.parsed import ENFORCED_WHEN_GIVEN, ConfigError, Source, effective, fault_specs
 
 if TYPE_CHECKING:
-    from gmock_engine.config.settings import EngineSettings
     from gmock_engine.faults.specs import FaultSpec
+    from gmock_engine.config.settings import EngineSettings, Settings
 
 #: --fault-*: each engine's fault layer is rebuilt (fault_injection.build).
 FAULTS = options.reloading(options.FAULT_LAYER)
@@ -132,18 +135,19 @@ def _show_effective(dest: str, value: Any) -> str:
     return show(value)
 
 
-def fault_specs(args: argparse.Namespace) -> List[Any]:
-    """Every configured fault, in KINDS order (as config.parse_config makes `faults`)."""
-    return [spec for spec in (getattr(args, "fault_" + kind.replace("-", "_")) for kind in KINDS) if spec is not None]
-
-
-def check(current: argparse.Namespace, load: Callable[[], argparse.Namespace]) -> Reload:
-    """Read the configuration again (`load`: config.parse_config with the
-    process's command line and environment) and compare it with `current`."""
+def check(current: argparse.Namespace, read: Callable[[], argparse.Namespace]) -> Reload:
+    """Read the parsed options again (`read`: the loader stage bound to the
+    process's command line, config.reader) and `compare` them with
+    `current`; a ConfigError refuses the reload."""
     try:
-        new = load()
+        new = read()
     except ConfigError as exc:
         return refused(str(exc))
+    return compare(current, new)
+
+
+def compare(current: argparse.Namespace, new: argparse.Namespace) -> Reload:
+    """The Reload from the parsed options in force to `new` (read again)."""
     merged = argparse.Namespace(**vars(current))
     merged.sources = dict(current.sources)
     result = Reload(merged)
@@ -167,7 +171,7 @@ def check(current: argparse.Namespace, load: Callable[[], argparse.Namespace]) -
         elif change is not None:
             result.fixed.append(change)
     merged.faults = fault_specs(merged)
-    # parse_config checked the new values against each other; a reloadable
+    # the loader checked the new values against each other; a reloadable
     # one must also fit the fixed options in force
     id_range = merged.token_id_range
     if id_range is not None and id_range.high > merged.vocab_size:
@@ -193,7 +197,10 @@ class Reconfiguration:
     generation: int
     #: The configuration in force from now on (Reload.config).
     config: Any
-    #: The engine's new settings (None: not joined yet; its handshake builds them from `config`).
+    #: The engine's new settings (None: not joined yet; its handshake builds them from `parts`).
     settings: Optional["EngineSettings"]
     #: The new --fault-* specs; None: unchanged (the fault layer stays as it is).
     faults: Optional[List["FaultSpec"]]
+    #: The settings from `config` (settings.from_config): what the engine's
+    #: handshake builds its EngineSettings from when it had not joined yet.
+    parts: Optional["Settings"] = None

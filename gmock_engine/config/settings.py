@@ -1,11 +1,14 @@
 """The typed path from flag to part: the parsed configuration as one frozen
 dataclass per part of the engine, built in one place.
 
-`from_config(c)` reads the Namespace of config.parse_config (or of a reload,
-reload.py) once and returns `Settings`: the latency model, generation, the
+The second stage of start-up (argv -> parsed options -> settings -> app,
+runtime/cli.py): `from_config(c)` reads the parsed options (parsed.py: of
+config.parse_config at start, of a reload's reading, reload.py) once and
+returns `Settings`: the latency model, generation, the
 scheduler's limits, the KV cache, LoRA, P/D, faults and logging, each typed.
 `engine_settings` gives one engine its EngineSettings from those parts (at
-the handshake and for a reload: runner.EngineRunner.engine_settings).
+the handshake and for a reload: runner.EngineRunner.engine_settings). This
+module never calls the loader.
 
 A limit is in effect only when configured: `--max-num-seqs`,
 `--max-num-batched-tokens` and `--num-gpu-blocks` from their default are
@@ -26,6 +29,7 @@ from gmock_engine.timing import replay
 from gmock_engine.content.answer import ContentSettings
 from gmock_engine.faults.specs import FaultSpec
 from gmock_engine.timing.latency import LatencyModel
+from gmock_engine.config.parsed import effective
 from gmock_engine.content.lengths import OutputLengths
 from gmock_engine.content.tokens import TokenSource
 from gmock_engine.wire.eras import Wire
@@ -204,24 +208,15 @@ class Settings:
     replay: Optional[replay.ReplaySettings] = None
 
 
-#: Limits in effect only when given: the value, or unlimited (None) when it
-#: comes from the default (then READY only reports it).
-ENFORCED_WHEN_GIVEN = frozenset({"max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks"})
-
-
-def effective(c: Any, name: str) -> Any:
-    """What option `name` of configuration `c` does: its value, or None for
-    a limit of ENFORCED_WHEN_GIVEN left at its default."""
-    if name in ENFORCED_WHEN_GIVEN and c.sources[name].kind == "default":
-        return None
-    return getattr(c, name)
-
-
 def from_config(c: Any) -> Settings:
     """The parts' settings from a parsed configuration (config.parse_config's
     Namespace, with `sources` and `faults`)."""
 
     events = getattr(c, "kv_events_config", None)
+    # the limits in effect (None: only reported)
+    max_num_seqs = effective(c, "max_num_seqs")
+    max_num_batched_tokens = effective(c, "max_num_batched_tokens")
+    kv_blocks = effective(c, "num_gpu_blocks")
     return Settings(
         latency=LatencyModel(
             itl_ms=c.itl_ms,
@@ -251,14 +246,14 @@ def from_config(c: Any) -> Settings:
         ),
         scheduler=SchedulerSettings(
             scheduling_policy=c.scheduling_policy,
-            max_num_seqs=effective(c, "max_num_seqs"),
-            max_num_batched_tokens=effective(c, "max_num_batched_tokens"),
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
             async_scheduling=c.async_scheduling,
         ),
         kv=KVSettings(
             num_gpu_blocks=c.num_gpu_blocks,
             block_size=c.block_size,
-            kv_blocks=effective(c, "num_gpu_blocks"),
+            kv_blocks=kv_blocks,
             prefix_caching=c.prefix_caching,
             kv_events=events is not None and events.enabled,
         ),

@@ -6,9 +6,16 @@ them (and the metrics endpoint, the summary line, the heap trim), the
 --fault-crash exit when no engine is left, reloads, the drain (--on-stop)
 and the ordered, bounded shutdown.
 
+The App is the last stage of start-up (argv -> parsed options -> settings
+-> app, cli.py): it takes the parsed options, makes the settings from them
+(settings.from_config; the one place that does, at start and for each
+reload), and each engine's EngineSettings from those at its handshake.
+
 A reload (SIGHUP: cli.py sets `App.request_reload`; config/reload.py decides
-what changed) runs in the App's `config-reloader` greenlet. It builds every
-engine's new settings first (so a token file that cannot be read refuses
+what changed) runs in the App's `config-reloader` greenlet. It re-enters
+the pipeline at the parsed options, read again by the loader stage that
+cli.py handed over (`load`), and builds the settings and every
+engine's new EngineSettings first (so a token file that cannot be read refuses
 the reload before anything changed), then hands each runner a
 `Reconfiguration`, which its stepper takes between two steps: the engine's
 settings and, when the --fault-* specs changed, a rebuilt fault layer.
@@ -30,6 +37,7 @@ from gmock_engine.faults import specs as faults
 from gmock_engine.runtime import frontend_link
 from gmock_engine.utils import logs
 from gmock_engine.config import reload
+from gmock_engine.config.settings import Settings, from_config
 from gmock_engine.wire.eras import Wire
 from gmock_engine.config.reload import Reconfiguration
 from gmock_engine.runtime.runner import KILL_TIMEOUT_S, SENDER_FLUSH_TIMEOUT_S, EngineRunner
@@ -45,12 +53,15 @@ HEAP_TRIM_INTERVAL_S = 60.0
 class App:
     """All engines of this process, their supervisor and the ZMQ context.
 
-    `load` reads the configuration again for a reload (SIGHUP): cli.py gives
-    config.parse_config with the process's command line and environment."""
+    `config` are the parsed options (config/parsed.py); `load` reads them again
+    for a reload (SIGHUP): cli.py gives the loader bound to the process's
+    command line (config.reader)."""
 
     def __init__(self, config: Any, load: Optional[Callable[[], Any]] = None) -> None:
         self.config = config
         self.load = load
+        #: The settings stage: the engines' typed parts from `config`; a reload makes them anew.
+        self.settings = from_config(config)
         #: One layout for all engines of the process: they serve one frontend (§8.2).
         self.wire = Wire.from_setting(config.protocol_version, logger.info)
         self.ctx = zmq.Context()
@@ -66,7 +77,7 @@ class App:
         self.summary: Optional[gevent.Greenlet] = None
         first = config.data_parallel_start_rank
         self.runners = [
-            EngineRunner(self.ctx, self.supervisor, rank, config, self.wire, self._on_crash, self._on_frontend_gone)
+            EngineRunner(self.ctx, self.supervisor, rank, config, self.settings, self.wire, self._on_crash, self._on_frontend_gone)
             for rank in range(first, first + config.engine_count)
         ]
 
@@ -136,7 +147,8 @@ class App:
         found = reload.check(self.config, self.load)
         if found.error is None:
             try:
-                plans = self._plan(found)
+                parts = from_config(found.config)
+                plans = self._plan(found, parts)
             except (OSError, ValueError) as exc:  # e.g. a token file gone since the check
                 found = reload.refused(f"{type(exc).__name__}: {exc}")
         first = self.config.data_parallel_start_rank
@@ -158,29 +170,31 @@ class App:
                 self.summary = None
             self._start_summary(new.summary_interval)
         self.config = new
+        self.settings = parts
         self.generation = generation
         self.loaded_at = time.time()
         self.reloads["applied"] += 1
         specs = list(new.faults) if found.changed(reload.FAULTS) else None
-        for runner, settings in plans:
-            runner.reconfigure(Reconfiguration(generation, new, settings, specs))
+        for runner, engine in plans:
+            runner.reconfigure(Reconfiguration(generation, new, engine, specs, parts))
         return True
 
-    def _plan(self, found: "reload.Reload") -> List[Any]:
-        """(runner, its new EngineSettings or None if not joined) for every
-        engine not crashed. A token source is made afresh only when its
-        options changed, so that running requests keep the fast path."""
+    def _plan(self, found: "reload.Reload", parts: Settings) -> List[Any]:
+        """(runner, its new EngineSettings from `parts`, or None if not
+        joined) for every engine not crashed. A token source is made afresh
+        only when its options changed, so that running requests keep the
+        fast path."""
         new_tokens = found.changed(("token_source", "token_id_range"))
         plans = []
         for runner in self.runners:
             if runner.crashed:
                 continue
-            settings = None
+            engine = None
             if runner.engine is not None:
                 known = runner.engine.settings
                 source = None if new_tokens else runner.token_source()
-                settings = runner.engine_settings(found.config, known.num_clients, known.has_coordinator, source)
-            plans.append((runner, settings))
+                engine = runner.engine_settings(parts, known.num_clients, known.has_coordinator, source)
+            plans.append((runner, engine))
         return plans
 
     def log_summary(self) -> None:

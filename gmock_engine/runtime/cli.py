@@ -1,5 +1,14 @@
 """The program: configuration -> logging -> engines -> signals -> exit status.
 
+Start-up is a pipeline, and this module wires its stages: argv -> the
+parsed options (the loader, config.parse_config: command line > environment
+> config file > default) -> the settings (settings.from_config, made by the
+App) -> the app (app.App; with --processes, processes.run_workers starts
+one process per slice of ranks, each running this pipeline). The loader
+bound to this command line (config.reader) is handed on: a reload (SIGHUP)
+reads the parsed options again with it and goes on from there (config/reload.py)
+without starting over.
+
 Exit status: 0 after SIGINT/SIGTERM (or --exit-when-frontend-gone), 1 when any
 greenlet failed, 2 for a bad configuration (nothing was connected then). A
 second signal exits at once. SIGUSR1 logs every engine's books; SIGHUP reads
@@ -23,9 +32,10 @@ from loguru import logger
 
 from gmock_engine import __version__
 from gmock_engine.runtime import kv_publisher as kv_event_publisher
-from gmock_engine.config.loader import ConfigError, format_config, parse_config
-from gmock_engine.utils.logs import setup_logging
 from gmock_engine.runtime.app import App
+from gmock_engine.config.loader import format_config, parse_config, reader
+from gmock_engine.utils.logs import setup_logging
+from gmock_engine.config.parsed import ConfigError
 from gmock_engine.wire.handshake import COORDINATOR_WAIT_HINT, reach_hint, tcp_host_port
 
 #: Allocations (net) between young-generation collections; CPython's default is 700.
@@ -119,10 +129,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # SIGHUP is dropped instead of ending the process (its default action).
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
-        config = parse_config(argv)
+        config = parse_config(argv)  # argv -> the parsed options
     except ConfigError as exc:
         print(f"gmock-engine: error: {exc}", file=sys.stderr)
         return 2
+    # The loader bound to this command line: each reload (SIGHUP) reads the
+    # parsed options again with it and goes on from there.
+    read = reader(argv)
     if config.print_config:
         print(format_config(config))
         return 0
@@ -147,7 +160,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if config.processes > 1:
         from gmock_engine.runtime.processes import run_workers
 
-        return run_workers(config, argv)
+        return run_workers(config, argv, read)
 
     # Each step allocates thousands of short-lived, acyclic lists that
     # reference counting frees at once; with CPython's default thresholds the
@@ -157,8 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # collect rarely.
     gc.freeze()
     gc.set_threshold(GC_THRESHOLD, 50, 100)
-    # A reload reads the same command line and the environment again.
-    app = App(config, load=lambda: parse_config(argv, os.environ))
+    app = App(config, load=read)  # the parsed options -> the settings -> the app
     signals_seen = []
 
     def on_signal(signum: int) -> None:

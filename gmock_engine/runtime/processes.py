@@ -16,13 +16,15 @@ from __future__ import annotations
 import ctypes
 import signal
 import sys
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import gevent
 import gevent.event
 from gevent import subprocess
 from loguru import logger
 
+from gmock_engine.utils import logs
+from gmock_engine.config import reload
 from gmock_engine.faults.specs import CRASH_EXIT_STATUS
 
 #: How long workers get to exit after SIGTERM before they are killed.
@@ -76,17 +78,14 @@ def worker_command(
     ]
 
 
-def reload_workers(config: Any, argv: Sequence[str], workers: Sequence[Any]) -> Any:
-    """SIGHUP in the supervisor: read the configuration as the workers will
-    (a bad file is refused here, once, and not passed on); name the options
+def reload_workers(config: Any, read: Callable[[], Any], workers: Sequence[Any]) -> Any:
+    """SIGHUP in the supervisor: read the parsed options as the workers will
+    (`read`, the loader stage of this command line; a bad file is refused
+    here, once, and not passed on); name the options
     the workers cannot see change because their command lines fix them
     (worker_command); then pass the signal on to every live worker, which
     logs and applies its own changes. Returns the configuration in force."""
-    from gmock_engine.utils import logs
-    from gmock_engine.config import reload
-    from gmock_engine.config.loader import parse_config
-
-    found = reload.check(config, lambda: parse_config(argv))
+    found = reload.check(config, read)
     if found.error is not None:
         logger.error("{} (not passed on to the workers)", found.refused_line(engines="supervisor"))
         return config
@@ -102,8 +101,10 @@ def reload_workers(config: Any, argv: Sequence[str], workers: Sequence[Any]) -> 
     return found.config
 
 
-def run_workers(config: Any, argv: Sequence[str]) -> int:
-    """Start and supervise the workers; return the exit status."""
+def run_workers(config: Any, argv: Sequence[str], read: Callable[[], Any]) -> int:
+    """Start and supervise the workers (each runs this command line `argv`
+    with its slice of ranks); `read` reads the parsed options again for a
+    reload (SIGHUP). Returns the exit status."""
     slices = split_ranks(config.data_parallel_start_rank, config.engine_count, config.processes)
     stop = gevent.event.Event()
     failures: List[str] = []
@@ -166,7 +167,7 @@ def run_workers(config: Any, argv: Sequence[str]) -> int:
             if stop.is_set():
                 continue
             try:
-                current = reload_workers(current, argv, workers)
+                current = reload_workers(current, read, workers)
             except Exception:  # noqa: BLE001 - a reload must not end the run; say why
                 logger.exception("config reload failed in the supervisor; the workers go on as they are")
 

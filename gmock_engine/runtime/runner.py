@@ -92,6 +92,7 @@ class EngineRunner:
         supervisor: Supervisor,
         rank: int,
         config: Any,
+        settings: parts.Settings,
         wire: Wire,
         on_crash: Callable[["EngineRunner"], None] = lambda runner: None,
         on_frontend_gone: Callable[[], None] = lambda: None,
@@ -100,6 +101,8 @@ class EngineRunner:
         self.supervisor = supervisor
         self.rank = rank
         self.config = config
+        #: The settings stage's parts (App.settings): the handshake builds the EngineSettings from them.
+        self.parts = settings
         self.wire = wire
         self.log = logger.bind(engine=rank)
         self.sockets: Optional[transport.EngineSockets] = None
@@ -182,13 +185,13 @@ class EngineRunner:
         return engine_ready_message(self.config, init)
 
     def engine_settings(
-        self, c: Any, num_clients: int, has_coordinator: bool, token_source: Optional[tokens.TokenSource] = None
+        self, settings: parts.Settings, num_clients: int, has_coordinator: bool, token_source: Optional[tokens.TokenSource] = None
     ) -> EngineSettings:
-        """The engine's settings from configuration `c` (at the handshake, and
-        for a reload), through the typed parts of config/settings.py; `token_source`
-        given: that one, else made from `c` (a token file is read here:
-        OSError or ValueError if it cannot be)."""
-        return parts.engine_settings(parts.from_config(c), self.rank, num_clients, has_coordinator, self.wire, token_source)
+        """The engine's settings from the typed parts of config/settings.py (at the
+        handshake, and for a reload); `token_source` given: that one, else
+        made from `settings` (a token file is read here: OSError or
+        ValueError if it cannot be)."""
+        return parts.engine_settings(settings, self.rank, num_clients, has_coordinator, self.wire, token_source)
 
     def _handshake(self) -> None:
         self.sockets, init = transport.join_frontend(
@@ -196,8 +199,8 @@ class EngineRunner:
             on_init=lambda init: self.got_init.set(),
         )
         # From here to the end no greenlet runs in between: a reload meanwhile
-        # found this engine not joined and changed `config` and the injector.
-        self.engine = EngineCore(self.engine_settings(self.config, len(init.outputs), init.has_coordinator))
+        # found this engine not joined and changed `config`, `parts` and the injector.
+        self.engine = EngineCore(self.engine_settings(self.parts, len(init.outputs), init.has_coordinator))
         self.engine.stats_provider = self.runtime_stats
         self.links.engine = self.engine  # `paced` reads its latency model as it is now
         spawn = self.supervisor.spawn
@@ -356,6 +359,8 @@ class EngineRunner:
         if self.crashed:
             return
         self.config = change.config
+        if change.parts is not None:
+            self.parts = change.parts
         if self.engine is None:
             if change.faults is not None:
                 self._rebuild_faults(change)
@@ -363,7 +368,7 @@ class EngineRunner:
             return
         if self._pending is not None and self._pending.faults is not None and change.faults is None:
             # the one waiting rebuilds the fault layer; this one keeps the specs it brought
-            change = Reconfiguration(change.generation, change.config, change.settings, self._pending.faults)
+            change = Reconfiguration(change.generation, change.config, change.settings, self._pending.faults, change.parts)
         self._pending = change
         self.links.wake()
 

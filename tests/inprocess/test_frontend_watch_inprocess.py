@@ -55,6 +55,17 @@ def _kill(frontend):
         sock.close(linger=0)
 
 
+def _come_back(frontend):
+    """The frontend binds its sockets again on the same addresses, as after a restart."""
+    again = []
+    for address, kind in [(a, zmq.ROUTER) for a in frontend.input_addresses] + [(a, zmq.PULL) for a in frontend.output_addresses]:
+        sock = frontend.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(address)
+        again.append(sock)
+    frontend.sockets = again
+
+
 def test_a_gone_frontend_is_logged_and_counted_and_its_return_too():
     lines, sink = _lines()
     frontend = FakeFrontend(num_clients=2, dp=2)
@@ -79,13 +90,7 @@ def test_a_gone_frontend_is_logged_and_counted_and_its_return_too():
         assert sum("frontend gone" in line for line in lines) == 2
 
         # the frontend comes back on the same addresses: one "back" line per engine
-        again = []
-        for address, kind in [(a, zmq.ROUTER) for a in frontend.input_addresses] + [(a, zmq.PULL) for a in frontend.output_addresses]:
-            sock = frontend.ctx.socket(kind)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(address)
-            again.append(sock)
-        frontend.sockets = again
+        _come_back(frontend)
         _wait_for(lambda: sum("frontend back after" in line for line in lines) == 2, 5, "'frontend back' line per engine")
         assert _sample(app, "gmock_frontend_connected", engine="0") == 1
         assert sum("frontend gone" in line for line in lines) == 2
@@ -108,6 +113,48 @@ def test_exit_when_frontend_gone_stops_with_status_0_after_the_timeout():
         assert waiter.get(timeout=5) == 0
         took = time.monotonic() - started
         assert 1.0 <= took < 3.0, took
+        assert any("--exit-when-frontend-gone" in line for line in lines), lines
+    finally:
+        logger.remove(sink)
+        if not waiter.ready():
+            app.stop()
+            waiter.join(timeout=5)
+        frontend.close()
+
+
+def test_exit_when_frontend_gone_fires_again_for_a_second_outage():
+    """The timer re-arms when the frontend comes back: an outage that the
+    process sat out (here the App is not told of the first one) does not use
+    up --exit-when-frontend-gone, and the next outage stops the process."""
+    lines, sink = _lines()
+    frontend = FakeFrontend(num_clients=1, dp=2)
+    app, waiter = _start(frontend, "--engine-count", "2", "--exit-when-frontend-gone", "0.3")
+    told = []
+    forward = []
+
+    def spy(runner, on_expired):
+        def expired():
+            told.append(runner.rank)
+            if forward:
+                on_expired()
+
+        return expired
+
+    for runner in app.runners:
+        runner.watch.on_expired = spy(runner, runner.watch.on_expired)
+    try:
+        _wait_for(lambda: _sample(app, "gmock_frontend_connected", engine="1") == 1, 5, "connection")
+        _kill(frontend)
+        _wait_for(lambda: sorted(told) == [0, 1], 5, "expiry of both engines")
+        gevent.sleep(0.5)
+        assert sorted(told) == [0, 1] and not waiter.ready()  # once per outage, and the App was not told
+        _come_back(frontend)
+        _wait_for(lambda: sum("frontend back after" in line for line in lines) == 2, 5, "'frontend back' line per engine")
+        forward.append(True)
+        _kill(frontend)
+        assert waiter.get(timeout=5) == 0
+        # the first engine to tell the App stops it (every frontend has been gone that long)
+        assert len(told) >= 3 and set(told[2:]) <= {0, 1}, told
         assert any("--exit-when-frontend-gone" in line for line in lines), lines
     finally:
         logger.remove(sink)

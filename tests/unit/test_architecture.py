@@ -42,6 +42,7 @@ PURE = [
     "content.lengths",
     "config.reload",
     "config.loader",
+    "config.parsed",
     "config.option",
     "config.options",
     "config.validators",

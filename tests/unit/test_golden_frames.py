@@ -170,3 +170,70 @@ def test_a_wrong_era_is_caught(version):
                 wrong += bool(golden.output_differences(document, item, ours))
             assert wrong, f"era {other.version}'s output layout passes vLLM {version}'s outputs"
     assert checked, "no other era differs: the check proved nothing"
+
+
+# -- ignore_eos, as a frontend sends it with the EOS id --------------------------------
+
+#: The golden ADDs whose SamplingParams carry the EOS id (`_eos_token_id`, the eras from 0.17).
+EOS_CASES = [
+    pytest.param(version, item["name"], id=f"{version}-{item['name']}")
+    for version, document in DOCUMENTS.items()
+    for item in document["requests"]
+    if "_eos_token_id" in item["unpacked"][_layout(version).request_fields.index("sampling_params")]
+]
+
+
+def _with_ignore_eos(version: str, name: str, value: object) -> bytes:
+    """The golden ADD frame with `ignore_eos` set in its SamplingParams map
+    (msgspec leaves the field out at its default, False, and writes it as a
+    key when it is set), packed again."""
+    import copy
+
+    import msgpack
+
+    fields = copy.deepcopy(_item(version, "requests", name)["unpacked"])
+    fields[_layout(version).request_fields.index("sampling_params")]["ignore_eos"] = value
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def test_the_eos_eras_have_golden_adds_with_the_eos_id():
+    eras = {_layout(version).version for version, _ in (p.values for p in EOS_CASES)}
+    assert len(eras) >= 5, eras
+
+
+@pytest.mark.parametrize("version,name", EOS_CASES)
+def test_decode_add_reads_ignore_eos_beside_the_eos_id(version, name):
+    """ignore_eos true decodes as True next to the frame's EOS id, and false
+    (or absent, the golden frame itself) as False."""
+    from gmock_engine.wire.inputs import unpack
+
+    sampling = _item(version, "requests", name)["unpacked"][_layout(version).request_fields.index("sampling_params")]
+    request = decode_add(unpack(_with_ignore_eos(version, name, True)), _layout(version))
+    assert isinstance(request, EngineCoreRequest), request
+    assert request.ignore_eos is True and request.eos_token_id == sampling["_eos_token_id"]
+    assert decode_add(unpack(_with_ignore_eos(version, name, False)), _layout(version)).ignore_eos is False
+    assert decode_add(_item(version, "requests", name)["unpacked"], _layout(version)).ignore_eos is False
+
+
+@pytest.mark.parametrize("version", sorted({v for v, _ in (p.values for p in EOS_CASES)}, key=golden.version_key))
+def test_an_eos_scenario_request_with_ignore_eos_runs_to_max_tokens(version):
+    """An engine whose requests end by EOS after one token: the decoded ADD
+    with ignore_eos runs to its max_tokens and ends LENGTH; the same ADD
+    without it ends STOP on the frame's EOS id after one token."""
+    from engine_steps import engine_with, outputs_of, run, tokens_of
+    from gmock_engine.content.lengths import OutputLengths
+    from gmock_engine.wire.inputs import unpack
+
+    name = next(n for v, n in (p.values for p in EOS_CASES) if v == version)
+    ended = {}
+    for ignore in (True, False):
+        request = decode_add(unpack(_with_ignore_eos(version, name, ignore)), _layout(version))
+        assert request.max_tokens > 1
+        engine = engine_with(output_lengths=OutputLengths.parse("fixed:1"))
+        engine.apply(request)
+        sent = run(engine)
+        ended[ignore] = (tokens_of(sent, request.request_id), outputs_of(sent, request.request_id)[-1][5], request)
+    tokens, finish, request = ended[True]
+    assert len(tokens) == request.max_tokens and finish == FinishReason.LENGTH
+    tokens, finish, request = ended[False]
+    assert tokens == [request.eos_token_id] and finish == FinishReason.STOP

@@ -183,6 +183,23 @@ def test_stop_without_recorded_ids_ends_on_the_stop_id_and_eos(tmp_path):
     assert tokens_of(sent, "e")[-1] == 99 and outputs_of(sent, "e")[-1][5] == FinishReason.STOP
 
 
+@pytest.mark.parametrize("ids", [True, False], ids=["recorded ids", "counts only"])
+def test_a_stop_of_exactly_max_tokens_stays_a_stop_and_one_token_less_is_length(tmp_path, ids):
+    """The boundary of the client's cap: a recorded STOP of max_tokens tokens
+    ended by its own stop (finish STOP, its stop_reason), not by the cap."""
+    recorded = req("s", [4, 5, 11], finish=0, stop_reason=11) if ids else req("s", tokens=3, finish=0, stop_reason=11)
+    records = [add(0.0, "s"), out(0.1, 0, recorded), add(0.2, "t"), out(0.3, 0, dict(recorded, id="t"))]
+    engine, clock = engine_replaying(tmp_path, records=records)
+    engine.apply(request("s", max_tokens=3))  # recording s: 3 tokens, STOP on 11
+    engine.apply(request("t", max_tokens=2))  # recording t: the same, capped one short
+    sent = drive(engine, clock)
+    last = outputs_of(sent, "s")[-1]
+    assert len(tokens_of(sent, "s")) == 3 and tokens_of(sent, "s")[-1] == 11
+    assert last[5] == FinishReason.STOP and last[6] == 11
+    last = outputs_of(sent, "t")[-1]
+    assert len(tokens_of(sent, "t")) == 2 and last[5] == FinishReason.LENGTH and last[6] is None
+
+
 def test_uncovered_requests_fall_back_to_the_model_and_aborted_recordings_go_on(tmp_path):
     engine, clock = engine_replaying(tmp_path, match="id")
     engine.apply(request("c", max_tokens=5))  # recorded: one output [9], then the client aborted
