@@ -21,6 +21,7 @@ from typing import Any, Optional, Tuple
 
 from . import kv_transfer, lengths, options, pooling, replay, spec_decode, tokens
 from .content import ContentSettings
+from .structured_output import GrammarLimits
 from .faults import FaultSpec
 from .latency import LatencyModel
 from .lengths import OutputLengths
@@ -239,7 +240,8 @@ def from_config(c: Any) -> Settings:
             token_source=c.token_source,
             token_id_range=(c.token_id_range.low, c.token_id_range.high) if c.token_id_range else None,
             tokenizer=getattr(c, "tokenizer", None),
-            content=ContentSettings(c.tool_call_rate, c.reasoning_rate, c.reasoning_tokens),
+            content=ContentSettings(c.tool_call_rate, c.reasoning_rate, c.reasoning_tokens,
+                                    GrammarLimits(c.grammar_max_tokens, c.grammar_max_rules, c.grammar_max_items)),
             output_lengths=lengths.from_config(c.output_len_dist, c.eos_probability),
             logprobs_top1=c.logprobs_top1,
             logprobs_sampled_top1=c.logprobs_sampled_top1,
