@@ -258,3 +258,48 @@ def test_optional_plus_star_and_repeat_translate(model, tokenizer):
     for seed in range(10):
         answer = generator.generate(params, seed, 100, None)
         assert answer.ended and re.fullmatch("a?x+y{2,3}", tokenizer.decode(list(answer.token_ids))), answer
+
+
+def _any_of_schema(tools, parallel):
+    """What vLLM's get_json_schema_from_tools builds for tool_choice required (the
+    frontends' JSON-schema era, and parsers without a structural tag)."""
+    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+        {"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]}, "parameters": t["function"]["parameters"]},
+         "required": ["name", "parameters"]} for t in tools]}}  # fmt: skip
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_the_json_schema_form_of_required_gives_calls_that_validate(model, tokenizer, parallel):
+    engine = engine_with(vocab_size=VOCAB, tokenizer=str(model))
+    prompt = tokenizer.encode("hi")
+    params = StructuredOutputsParams("json", json.dumps(_any_of_schema(TOOLS["strict"], parallel)))
+    for n in range(10):
+        engine.apply(request(f"j{n}", prompt, params))
+    sent = run(engine)
+    for n in range(10):
+        text, finish = answer_of(tokenizer, sent, f"j{n}")
+        calls = json.loads(text)
+        assert finish == FinishReason.STOP and 1 <= len(calls) and (parallel or len(calls) == 1), text
+        for call in calls:
+            jsonschema.validate(call["parameters"], SCHEMAS[call["name"]])
+
+
+def test_the_triggers_and_structures_form_gives_calls_that_validate(model, tokenizer):
+    """The older structural tag (vLLM's guidance backend reads it): triggers and
+    structures, free text with calls where a trigger starts one."""
+    engine = engine_with(vocab_size=VOCAB, tokenizer=str(model))
+    structures = [{"begin": f"<function={name}>", "schema": schema, "end": "</function>"} for name, schema in SCHEMAS.items()]
+    params = StructuredOutputsParams("structural_tag", json.dumps({"triggers": ["<function="], "structures": structures}))
+    for n in range(8):
+        engine.apply(request(f"s{n}", tokenizer.encode("hi"), params))
+    sent = run(engine)
+    for n in range(8):
+        text, finish = answer_of(tokenizer, sent, f"s{n}")
+        calls = re.compile(r"<function=(\w+)>(.*?)</function>", re.S)
+        for name, body in calls.findall(text):
+            jsonschema.validate(json.loads(body), SCHEMAS[name])
+        # free text around calls (the trigger form allows it), but no trigger outside a whole call
+        assert finish == FinishReason.STOP and "<function=" not in calls.sub("", text), text
