@@ -266,3 +266,28 @@ def test_tool_calls_follow_the_think_block_with_reasoning_on(client):
         assert reasoning_of(message).strip() and message.tool_calls, message
         for call in message.tool_calls:
             jsonschema.validate(json.loads(call.function.arguments), STRICT_SCHEMAS[call.function.name])
+
+
+# -- no constraint dropped: past a limit, or with no answer, the request fails ---------
+
+WIDE = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2000)}, "required": [f"p{i}" for i in range(2000)]}
+CHAIN = "start: r0\n" + "\n".join(f'r{i}: "x" r{i + 1}' for i in range(4999)) + '\nr4999: "end"'
+REFUSED = [
+    ("choice-5000", {"extra_body": {"structured_outputs": {"choice": [f"item{i}" for i in range(5000)]}}}),
+    ("grammar-5000-rules", {"extra_body": {"structured_outputs": {"grammar": CHAIN}}}),
+    ("object-2000-properties", {"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": WIDE}}, "max_tokens": 6000}),
+    ("empty-regex", {"extra_body": {"structured_outputs": {"regex": r"[^\s\S]"}}}),
+    ("min-tokens", {"extra_body": {"structured_outputs": {"choice": ["a", "b"]}, "min_tokens": 40}}),  # past the block and the answer
+]
+
+
+@pytest.mark.parametrize("name,kw", REFUSED, ids=[r[0] for r in REFUSED])
+def test_a_constraint_the_engine_cannot_follow_is_an_error_never_a_200(client, name, kw):
+    """vllm serve maps the engine's ERROR to 500 (or refuses in its own checks with
+    400), vllm-rs to 400: either way an error, never an answer outside the constraint."""
+    kw = dict(kw)
+    kw.setdefault("max_tokens", 200)
+    body = dict(kw.pop("extra_body", {}), vllm_xargs={"mock_reasoning_tokens": 0})
+    with pytest.raises(openai.APIStatusError) as failed:
+        client.chat.completions.create(model=h.MODEL_NAME, messages=MESSAGES, extra_body=body, **kw)
+    assert failed.value.status_code in (400, 500), failed.value
