@@ -193,6 +193,9 @@ def shape(request: Any, core_request: EngineCoreRequest, xargs: Any, settings: A
         reserve = len(markers(tokenizer).think_empty_bare) if thinks and request.pool is None else 0
         tools = prompt_tools(tokenizer, core_request.prompt_token_ids or ())
         params = tool_calls.pin_arguments(params, {tool.name: tool.parameters for tool in tools})
+        if tools:  # tool_choice auto under a tag: a call or text, drawn as without one
+            rng = random.Random(request_seed(settings.seed, rank, request.request_id) ^ _SEED_SALT ^ 2)
+            params = tool_calls.choose_auto(params, _flag(asked[0], content.tool_call_rate, rng))
         structured_output.follow(request, core_request, tokenizer, settings.seed, rank, max(0, cap - reserve), content.limits, params)
     if wants or (params is not None and reserve):
         apply(request, core_request, tokenizer, content, asked, settings.seed, rank, cap, words)

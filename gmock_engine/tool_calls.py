@@ -81,3 +81,31 @@ def pin_arguments(params: StructuredOutputsParams, schemas: Dict[str, Any]) -> S
     if not _pin(tag, schemas):
         return params
     return StructuredOutputsParams(params.kind, json.dumps(tag))
+
+
+#: What a text answer is, where tool_choice auto's tag allows text: no `<`, so never a trigger.
+TEXT = {"type": "regex", "pattern": "[^<]+"}
+
+
+def choose_auto(params: StructuredOutputsParams, call: bool) -> StructuredOutputsParams:
+    """tool_choice auto with a strict tool: the frontends send `triggered_tags`
+    (text, or calls where a trigger starts one). The mock decides as for an
+    auto request without a constraint (--tool-call-rate, vllm_xargs
+    mock_tool_call): `call`, the tags with at least one call; else text
+    without a trigger (a part of the tag's language). `params` itself for any
+    other constraint."""
+    if params.kind != "structural_tag" or '"triggered_tags"' not in params.spec:
+        return params
+    try:
+        tag = json.loads(params.spec)
+        form = tag["format"]
+    except (ValueError, KeyError, TypeError):
+        return params
+    from .structural_tag import reasoning_prefix
+
+    prefix, answer = reasoning_prefix(form)
+    if not isinstance(answer, dict) or answer.get("type") != "triggered_tags" or answer.get("at_least_one"):
+        return params
+    chosen = dict(answer, at_least_one=True) if call else TEXT
+    tag["format"] = chosen if prefix is None else {"type": "sequence", "elements": [prefix, chosen]}
+    return StructuredOutputsParams(params.kind, json.dumps(tag))

@@ -192,7 +192,7 @@ def test_tool_calls_that_finished_validate(tool_set, mode, strict, frontend, pic
     if finish != FinishReason.STOP:
         return
     if mode == "auto" and "<tool_call>" not in text:
-        assert captured is None or text == "", text  # text without a constraint; under a triggered tag: no free text
+        assert captured is None or "<" not in text, text  # text; under a triggered tag: text without a trigger
         return
     rest = CALLS.sub("", text)
     # under a constraint nothing but calls; without one (auto, no strict tool) a thinking

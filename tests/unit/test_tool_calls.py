@@ -134,6 +134,31 @@ def test_required_and_named_calls_follow_each_tools_schema(model, tokenizer, fro
         assert max(counts) >= 1
 
 
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_auto_with_a_strict_tool_answers_calls_or_text_as_drawn(model, tokenizer, frontend):
+    """tool_choice auto with a strict tool: a triggered tag; --tool-call-rate (and
+    vllm_xargs mock_tool_call) decides, as without a constraint: calls that validate,
+    or text without a trigger."""
+    reasoning = frontend.endswith("reasoning")
+    prompt = chat_prompt(tokenizer, TOOLS["strict"])
+    params = params_of(CAPTURED["captures"][frontend]["strict-auto"])
+    for rate in (1.0, 0.0):
+        settings = content.ContentSettings(tool_call_rate=rate, reasoning_rate=1.0 if reasoning else 0.0, reasoning_tokens=4)
+        engine = engine_with(vocab_size=VOCAB, tokenizer=str(model), content=settings)
+        for n in range(6):
+            engine.apply(request(f"a{n}", prompt, params))
+        sent = run(engine)
+        for n in range(6):
+            text, finish = answer_of(tokenizer, sent, f"a{n}")
+            assert finish == FinishReason.STOP, text
+            if reasoning:
+                _, text = split_think(text)
+            if rate:
+                check_calls(text, SCHEMAS)
+            else:
+                assert text and "<" not in text, text
+
+
 def test_a_tag_whose_arguments_are_any_json_gets_the_prompts_schema():
     tag = CAPTURED["captures"]["rust-plain"]["plain-required"]
     params = params_of(tag)
