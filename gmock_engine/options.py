@@ -172,6 +172,9 @@ GENERATION = Group(
                "an error naming this limit (docs/structured-outputs.md)", default=4096, type=int_at_least(1)),
         Option("--grammar-max-rules", "most rules in a request's Lark or GBNF grammar (deeper ones crash the grammar "
                "backend); more: the request ends with an error naming this limit", default=2000, type=int_at_least(1)),
+        Option("--grammar-max-depth", "most schema nodes on one path of a request's JSON schema, its $refs followed (deeper "
+               "ones crash the grammar backend); more: the request ends with an error naming this limit", default=500,
+               type=int_at_least(1)),
         Option("--grammar-max-items", "the grammar backend's alternatives per parser row (llguidance max_items_in_row: a "
                "choice of more items); more: the request ends with an error naming this limit", default=2000,
                type=int_at_least(1)),

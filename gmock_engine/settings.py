@@ -241,7 +241,7 @@ def from_config(c: Any) -> Settings:
             token_id_range=(c.token_id_range.low, c.token_id_range.high) if c.token_id_range else None,
             tokenizer=getattr(c, "tokenizer", None),
             content=ContentSettings(c.tool_call_rate, c.reasoning_rate, c.reasoning_tokens,
-                                    GrammarLimits(c.grammar_max_tokens, c.grammar_max_rules, c.grammar_max_items)),
+                                    GrammarLimits(c.grammar_max_tokens, c.grammar_max_rules, c.grammar_max_items, c.grammar_max_depth)),
             output_lengths=lengths.from_config(c.output_len_dist, c.eos_probability),
             logprobs_top1=c.logprobs_top1,
             logprobs_sampled_top1=c.logprobs_sampled_top1,

@@ -51,6 +51,11 @@ MAX_GENERATED = 4096
 #: deep chain of a few thousand rules overflows llguidance's stack while it
 #: compiles (the whole process dies), so a longer grammar is refused first.
 MAX_RULES = 2000
+#: Schema nodes on one path of a JSON schema, its local `$ref`s followed
+#: (--grammar-max-depth): llguidance overflows its stack on a chain of about
+#: two thousand (the process dies); the frontends bound only the nesting of
+#: the text, which a `$ref` chain does not have.
+MAX_DEPTH = 500
 #: llguidance's max_items_in_row (--grammar-max-items): alternatives a parser
 #: row may hold (a `choice` of that many items); past it the matcher stops.
 MAX_ITEMS = 2000
@@ -92,6 +97,7 @@ class GrammarLimits:
     max_tokens: int = MAX_GENERATED
     max_rules: int = MAX_RULES
     max_items: int = MAX_ITEMS
+    max_depth: int = MAX_DEPTH
 
 
 DEFAULT_LIMITS = GrammarLimits()
@@ -103,6 +109,71 @@ def _check_rules(text: str, limits: GrammarLimits) -> None:
     rules = len(_RULE.findall(text))
     if rules > limits.max_rules:
         raise GrammarError(f"the grammar has {rules} rules, more than the engine's limit of {limits.max_rules} (--grammar-max-rules)")
+
+
+class _TooDeep(Exception):
+    pass
+
+
+def _check_depth(schema: Any, limits: GrammarLimits) -> None:
+    """GrammarError when a path through `schema`, its local `$ref`s followed
+    (a ref back to a schema on the path counts nothing: recursion is fine),
+    holds more than limits.max_depth schema nodes."""
+    root = schema
+    memo: Dict[str, int] = {}
+    on_path: set = set()
+    most = limits.max_depth
+
+    def resolve(ref: str) -> Any:
+        node = root
+        for part in ref[2:].split("/") if ref.startswith("#/") else ():
+            node = node.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(node, dict) else None
+        return node if ref.startswith("#") else None
+
+    def depth(node: Any, at: int) -> int:
+        if at > most:
+            raise _TooDeep
+        if isinstance(node, list):
+            return max((depth(item, at) for item in node), default=0)
+        if not isinstance(node, dict):
+            return 0
+        deepest = 0
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref not in on_path:
+            if ref not in memo:
+                on_path.add(ref)
+                memo[ref] = depth(resolve(ref), at + 1)
+                on_path.discard(ref)
+            deepest = memo[ref]
+            if at + deepest > most:
+                raise _TooDeep
+        for key, value in node.items():
+            if key not in ("$ref", "enum", "const", "required", "examples", "default") and isinstance(value, (dict, list)):
+                deepest = max(deepest, depth(value, at + 1))
+        return deepest + 1
+
+    try:
+        depth(schema, 0)
+    except (_TooDeep, RecursionError):
+        raise GrammarError(f"the JSON schema nests (through its $refs) deeper than the engine's limit of {most} "
+                           "(--grammar-max-depth)") from None  # fmt: skip
+
+
+def _schemas_in(tag: Any) -> List[Any]:
+    """The JSON schemas of a structural tag (`json_schema` of a format, `schema` of the older form)."""
+    found: List[Any] = []
+    stack = [tag]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in ("json_schema", "schema") and isinstance(value, dict):
+                    found.append(value)
+                elif isinstance(value, (dict, list)):
+                    stack.append(value)
+        elif isinstance(node, list):
+            stack.extend(node)
+    return found
 
 
 def _failure(matcher: Any, limits: GrammarLimits) -> str:
@@ -138,6 +209,7 @@ def grammar_text(params: StructuredOutputsParams, limits: GrammarLimits = DEFAUL
     try:
         if kind == "json":
             schema: Any = json.loads(spec)
+            _check_depth(schema, limits)
             # none but the properties a schema names (vLLM's disable_additional_properties)
             structural_tag.no_additional_properties(schema)
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=compact)
@@ -145,6 +217,8 @@ def grammar_text(params: StructuredOutputsParams, limits: GrammarLimits = DEFAUL
             return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=compact)
         if kind == "structural_tag":
             tag = json.loads(spec)
+            for schema in _schemas_in(tag):
+                _check_depth(schema, limits)
             if structural_tag.is_xgrammar_format(tag):
                 return llguidance.LLMatcher.grammar_from_lark(structural_tag.to_lark(tag))
             return _structural_tag(llguidance, tag, compact)

@@ -234,6 +234,16 @@ def test_constraints_past_a_limit_end_with_an_error_that_names_it(model, tokeniz
     assert "--grammar-max-rules" in error_of(engine, "rules", prompt, StructuredOutputsParams("grammar", chain))
     wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2000)}, "required": [f"p{i}" for i in range(2000)]}
     assert "--grammar-max-tokens" in error_of(engine, "wide", prompt, StructuredOutputsParams("json", json.dumps(wide)), max_tokens=30000)
+    chain = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["a"]} for i in range(3000)}
+    chain["d3000"] = {"type": "integer"}  # (3000 levels through $refs: llguidance's stack overflows, the process dies)
+    deep = StructuredOutputsParams("json", json.dumps({"$defs": chain, "$ref": "#/$defs/d0"}))
+    assert "--grammar-max-depth" in error_of(engine, "deep", prompt, deep)
+    listed = {"$defs": {"node": {"type": "object", "properties": {"v": {"type": "integer"}, "next": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/node"}]}},
+                                 "required": ["v", "next"]}}, "$ref": "#/$defs/node"}  # fmt: skip
+    engine.apply(request("recursive", prompt, StructuredOutputsParams("json", json.dumps(listed))))  # recursion is no depth
+    text, finish = answer_of(tokenizer, run(engine), "recursive")
+    assert finish == FinishReason.STOP, text
+    jsonschema.validate(json.loads(text), listed)
     # raised limits: the same constraints are followed
     limits = structured_output.GrammarLimits(max_items=6000)
     engine = engine_with(vocab_size=VOCAB, tokenizer=str(model), content=content.ContentSettings(limits=limits))
