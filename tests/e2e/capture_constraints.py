@@ -114,6 +114,21 @@ def capture(kind: str, reasoning: bool, work: Path) -> Dict[str, Any]:
     return found
 
 
+def dump(data: Dict[str, Any]) -> str:
+    """The file's text: one line per captured request (small, and diffs by request)."""
+    compact = {"separators": (",", ":"), "sort_keys": True}
+    lines = ["{", f' "note": {json.dumps(data["note"])},', f' "tools": {json.dumps(data["tools"], **compact)},', ' "captures": {']
+    fronts = sorted(data["captures"])
+    for i, front in enumerate(fronts):
+        lines.append(f"  {json.dumps(front)}: {{")
+        labels = sorted(data["captures"][front])
+        for j, label in enumerate(labels):
+            comma = "," if j < len(labels) - 1 else ""
+            lines.append(f"   {json.dumps(label)}: {json.dumps(data['captures'][front][label], **compact)}{comma}")
+        lines.append("  }" + ("," if i < len(fronts) - 1 else ""))
+    return "\n".join(lines + [" }", "}"]) + "\n"
+
+
 def main() -> int:
     import tempfile
 
@@ -128,7 +143,7 @@ def main() -> int:
         "captures": {f"{kind}-{'reasoning' if reasoning else 'plain'}": capture(kind, reasoning, work)
                      for kind in ("python", "rust") for reasoning in (False, True)},
     }  # fmt: skip
-    text = json.dumps(data, indent=1, sort_keys=True) + "\n"
+    text = dump(data)
     if "--check" in sys.argv:
         same = json.loads(OUT.read_text())["captures"] == data["captures"]
         print("frontend_constraints.json is current" if same else "frontend_constraints.json differs from what the frontends send now")
