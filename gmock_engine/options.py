@@ -176,7 +176,7 @@ GENERATION = Group(
                "ones crash the grammar backend); more: the request ends with an error naming this limit", default=500,
                type=int_at_least(1)),
         Option("--grammar-max-items", "the grammar backend's alternatives per parser row (llguidance max_items_in_row: a "
-               "choice of more items); more: the request ends with an error naming this limit", default=2000,
+               "choice of more items); more: the request ends with an error naming this limit", default=10000,
                type=int_at_least(1)),
         Option(
             "--token-source",

@@ -58,7 +58,9 @@ MAX_RULES = 2000
 MAX_DEPTH = 500
 #: llguidance's max_items_in_row (--grammar-max-items): alternatives a parser
 #: row may hold (a `choice` of that many items); past it the matcher stops.
-MAX_ITEMS = 2000
+#: llguidance's own default is 2000; vLLM's default backend, xgrammar, has no
+#: such limit, so the mock allows more.
+MAX_ITEMS = 10000
 #: The probability of closing is CLOSE_BASE + (ids chosen so far) / CLOSE_SCALE.
 CLOSE_BASE = 0.04
 CLOSE_SCALE = 48.0

@@ -273,7 +273,7 @@ def test_tool_calls_follow_the_think_block_with_reasoning_on(client):
 WIDE = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2000)}, "required": [f"p{i}" for i in range(2000)]}
 CHAIN = "start: r0\n" + "\n".join(f'r{i}: "x" r{i + 1}' for i in range(4999)) + '\nr4999: "end"'
 REFUSED = [
-    ("choice-5000", {"extra_body": {"structured_outputs": {"choice": [f"item{i}" for i in range(5000)]}}}),
+    ("choice-12000", {"extra_body": {"structured_outputs": {"choice": [f"item{i}" for i in range(12000)]}}}),
     ("grammar-5000-rules", {"extra_body": {"structured_outputs": {"grammar": CHAIN}}}),
     ("object-2000-properties", {"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": WIDE}}, "max_tokens": 6000}),
     ("empty-regex", {"extra_body": {"structured_outputs": {"regex": r"[^\s\S]"}}}),
@@ -291,3 +291,10 @@ def test_a_constraint_the_engine_cannot_follow_is_an_error_never_a_200(client, n
     with pytest.raises(openai.APIStatusError) as failed:
         client.chat.completions.create(model=h.MODEL_NAME, messages=MESSAGES, extra_body=body, **kw)
     assert failed.value.status_code in (400, 500), failed.value
+
+
+def test_a_choice_of_5000_items_is_followed(client):
+    items = [f"item{i}" for i in range(5000)]
+    body = {"structured_outputs": {"choice": items}, "vllm_xargs": {"mock_reasoning_tokens": 0}}
+    choice = client.chat.completions.create(model=h.MODEL_NAME, messages=MESSAGES, max_tokens=50, extra_body=body).choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content in items, choice

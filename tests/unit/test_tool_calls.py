@@ -228,8 +228,12 @@ def error_of(engine, rid, prompt, params, **kw):
 def test_constraints_past_a_limit_end_with_an_error_that_names_it(model, tokenizer):
     engine = engine_with(vocab_size=VOCAB, tokenizer=str(model))
     prompt = tokenizer.encode("hi")
-    choice = StructuredOutputsParams("choice", json.dumps([f"item{i}" for i in range(5000)]))
+    choice = StructuredOutputsParams("choice", json.dumps([f"item{i}" for i in range(12000)]))
     assert "--grammar-max-items" in error_of(engine, "choice", prompt, choice)
+    five = StructuredOutputsParams("choice", json.dumps([f"item{i}" for i in range(5000)]))
+    engine.apply(request("five", prompt, five))  # within the default, as xgrammar answers it
+    text, finish = answer_of(tokenizer, run(engine), "five")
+    assert finish == FinishReason.STOP and text in json.loads(five.spec), text
     chain = "start: r0\n" + "\n".join(f'r{i}: "x" r{i + 1}' for i in range(4999)) + '\nr4999: "end"'
     assert "--grammar-max-rules" in error_of(engine, "rules", prompt, StructuredOutputsParams("grammar", chain))
     wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2000)}, "required": [f"p{i}" for i in range(2000)]}
@@ -245,7 +249,7 @@ def test_constraints_past_a_limit_end_with_an_error_that_names_it(model, tokeniz
     assert finish == FinishReason.STOP, text
     jsonschema.validate(json.loads(text), listed)
     # raised limits: the same constraints are followed
-    limits = structured_output.GrammarLimits(max_items=6000)
+    limits = structured_output.GrammarLimits(max_items=13000)
     engine = engine_with(vocab_size=VOCAB, tokenizer=str(model), content=content.ContentSettings(limits=limits))
     engine.apply(request("choice", prompt, choice))
     sent = run(engine)
