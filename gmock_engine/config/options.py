@@ -168,6 +168,16 @@ GENERATION = Group(
             type=float_in(0.0, 1.0),
         ),
         Option("--reasoning-tokens", "ids in a reasoning span (between <think> and </think>)", default=64, type=int_at_least(1)),
+        Option("--grammar-max-tokens", "most tokens generated for one structured answer; a longer one ends its request with "
+               "an error naming this limit (docs/structured-outputs.md)", default=4096, type=int_at_least(1)),
+        Option("--grammar-max-rules", "most rules in a request's Lark or GBNF grammar (deeper ones crash the grammar "
+               "backend); more: the request ends with an error naming this limit", default=2000, type=int_at_least(1)),
+        Option("--grammar-max-depth", "most schema nodes on one path of a request's JSON schema, its $refs followed (deeper "
+               "ones crash the grammar backend); more: the request ends with an error naming this limit", default=500,
+               type=int_at_least(1)),
+        Option("--grammar-max-items", "the grammar backend's alternatives per parser row (llguidance max_items_in_row: a "
+               "choice of more items); more: the request ends with an error naming this limit", default=10000,
+               type=int_at_least(1)),
         Option(
             "--token-source",
             "random (uniform ids from a pool of 65536 drawn per seed, each request from its seeded offset), "

@@ -27,6 +27,7 @@ from gmock_engine.content import lengths, pooling, spec_decode, tokens
 from gmock_engine.config import options
 from gmock_engine.timing import replay
 from gmock_engine.content.answer import ContentSettings
+from gmock_engine.content.structured_output import GrammarLimits
 from gmock_engine.faults.specs import FaultSpec
 from gmock_engine.timing.latency import LatencyModel
 from gmock_engine.config.parsed import effective
@@ -237,7 +238,8 @@ def from_config(c: Any) -> Settings:
             token_source=c.token_source,
             token_id_range=(c.token_id_range.low, c.token_id_range.high) if c.token_id_range else None,
             tokenizer=getattr(c, "tokenizer", None),
-            content=ContentSettings(c.tool_call_rate, c.reasoning_rate, c.reasoning_tokens),
+            content=ContentSettings(c.tool_call_rate, c.reasoning_rate, c.reasoning_tokens,
+                                    GrammarLimits(c.grammar_max_tokens, c.grammar_max_rules, c.grammar_max_items, c.grammar_max_depth)),
             output_lengths=lengths.from_config(c.output_len_dist, c.eos_probability),
             logprobs_top1=c.logprobs_top1,
             logprobs_sampled_top1=c.logprobs_sampled_top1,

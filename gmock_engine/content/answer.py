@@ -15,7 +15,9 @@ output (structured_output.follow):
   EOS, its arguments generated against the tool's parameters schema
   (structured_output.py); otherwise it answers text. A request with a
   structured-output constraint (tool_choice required or named, a
-  response_format) keeps that constraint's answer.
+  response_format) keeps that constraint's answer; its tool-call tags
+  whose arguments are any JSON get the prompt's tool schemas
+  (tool_calls.py).
 * **Reasoning** (`--reasoning-parser`): with `--reasoning-rate` above 0
   the engine is a thinking model, as Qwen3: every answer starts with a
   think block, whose parser starts in reasoning and leaves it at
@@ -27,6 +29,18 @@ output (structured_output.follow):
   block already (the chat template with `enable_thinking` false) gets none.
   The answer follows, and the request's length counts the block, as a real
   model's does.
+* **Reasoning with a constraint**: a thinking model stands for an engine
+  with a reasoning parser, whose structured-output manager applies the
+  grammar from the token after `</think>` (vLLM's `enable_in_reasoning`
+  false). So the block closes with `</think>` and the constrained answer
+  follows at once (no `\n\n` the grammar would not allow, which the
+  frontends' qwen3 parsers would pass on as content), and the block is
+  shortened (to an empty one at worst) so that the answer fits the
+  request's max_tokens.
+* **min_tokens**: a structured answer that would end before min_tokens
+  ends the request with an error, as vLLM's engine does: there the grammar
+  allows only EOS, which min_tokens bans, and the token sampled from
+  nothing is one the grammar rejects (FINISHED_ERROR).
 
 The ids come out as the request's recorded token source
 (tokens.RecordedTokens): the per-token path stays what it is. The choices
@@ -41,7 +55,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from gmock_engine.content import structured_output
+from gmock_engine.content import structured_output, tool_calls
 from gmock_engine.content.sampler import Sampler
 from gmock_engine.content.tokenizer import ContentUnavailable, Tokenizer, load_tokenizer
 from gmock_engine.content.tokens import RecordedTokens, request_seed
@@ -60,11 +74,13 @@ _SEED_SALT = 0xC0A7E27C0A7E27
 
 @dataclass(frozen=True)
 class ContentSettings:
-    """The shares and lengths of --tool-call-rate, --reasoning-rate, --reasoning-tokens."""
+    """The shares and lengths of --tool-call-rate, --reasoning-rate, --reasoning-tokens; the grammar limits."""
 
     tool_call_rate: float = 0.0
     reasoning_rate: float = 0.0
     reasoning_tokens: int = 0
+    #: --grammar-max-tokens, --grammar-max-rules, --grammar-max-items
+    limits: structured_output.GrammarLimits = structured_output.DEFAULT_LIMITS
 
     @property
     def active(self) -> bool:
@@ -90,6 +106,9 @@ class Markers:
         self.think_open = tokenizer.encode(THINK_OPEN + "\n")
         self.think_close = tokenizer.encode("\n" + THINK_CLOSE + "\n\n")
         self.think_empty = tokenizer.encode(THINK_OPEN + "\n\n" + THINK_CLOSE + "\n\n")
+        # before a constrained answer: the grammar starts right after </think>
+        self.think_close_bare = tokenizer.encode("\n" + THINK_CLOSE)
+        self.think_empty_bare = tokenizer.encode(THINK_OPEN + "\n\n" + THINK_CLOSE)
 
 
 _markers: Dict[str, Tuple[Tokenizer, Markers]] = {}
@@ -166,11 +185,33 @@ def shape(request: Any, core_request: EngineCoreRequest, xargs: Any, settings: A
     except ContentUnavailable as exc:
         return str(exc)
     words = (request.sampler.tokens, request.rng_state)  # before a structured answer replaces them
-    if core_request.structured_outputs is not None:
-        structured_output.follow(request, core_request, tokenizer, settings.seed, rank, cap)
-    if wants:
-        apply(request, core_request, tokenizer, settings.content, asked, settings.seed, rank, cap, words)
+    content = settings.content
+    params = core_request.structured_outputs
+    if params is not None:
+        thinks = thinking(content, asked[1], tokenizer, core_request)
+        # the empty block always fits: the answer gets the rest of the cap
+        reserve = len(markers(tokenizer).think_empty_bare) if thinks and request.pool is None else 0
+        tools = prompt_tools(tokenizer, core_request.prompt_token_ids or ())
+        params = tool_calls.pin_arguments(params, {tool.name: tool.parameters for tool in tools})
+        if tools:  # tool_choice auto under a tag: a call or text, drawn as without one
+            rng = random.Random(request_seed(settings.seed, rank, request.request_id) ^ _SEED_SALT ^ 2)
+            params = tool_calls.choose_auto(params, _flag(asked[0], content.tool_call_rate, rng))
+        structured_output.follow(request, core_request, tokenizer, settings.seed, rank, max(0, cap - reserve), content.limits, params)
+    if wants or (params is not None and reserve):
+        apply(request, core_request, tokenizer, content, asked, settings.seed, rank, cap, words)
+    if params is not None and request.finish is FinishReason.STOP and request.max_tokens - 1 < core_request.min_tokens:
+        raise structured_output.GrammarError(
+            f"the constrained answer ends after {request.max_tokens - 1} tokens, before min_tokens {core_request.min_tokens}: "
+            "its grammar then allows only EOS, which min_tokens bans (vLLM's engine ends such a request with an error)")
     return None
+
+
+def thinking(content: ContentSettings, reasoning_tokens: Optional[int], tokenizer: Tokenizer, core_request: EngineCoreRequest) -> bool:
+    """Whether the answer opens with a think block: a thinking model
+    (--reasoning-rate above 0, or vllm_xargs mock_reasoning_tokens), unless
+    the chat template closed one in the prompt already (Qwen3's
+    enable_thinking false)."""
+    return (content.reasoning_rate > 0 or reasoning_tokens is not None) and not _thinking_closed(tokenizer, core_request.prompt_token_ids)
 
 
 def _flag(value: Optional[bool], rate: float, rng: random.Random) -> bool:
@@ -201,9 +242,9 @@ def apply(
     # A thinking model closes a <think> block in every answer (an empty one
     # when it does not think), unless the chat template closed one in the
     # prompt already (Qwen3's enable_thinking false).
-    thinking = (content.reasoning_rate > 0 or reasoning_tokens is not None) and not _thinking_closed(tokenizer, core_request.prompt_token_ids)
+    thinks = thinking(content, reasoning_tokens, tokenizer, core_request)
     think = 0
-    if thinking:
+    if thinks:
         think = reasoning_tokens if reasoning_tokens is not None else (
             content.reasoning_tokens if rng.random() < content.reasoning_rate else 0)  # fmt: skip
     call: Optional[Tuple[List[int], bool]] = None
@@ -211,21 +252,26 @@ def apply(
         tools = prompt_tools(tokenizer, core_request.prompt_token_ids or ())
         if tools and _flag(tool_call, content.tool_call_rate, rng):
             call = _call(request, tokenizer, tools[rng.randrange(len(tools))], seed, rank, cap)
-    if not thinking and call is None:
+    if not thinks and call is None:
         return
     sampler = request.sampler
     source = sampler.tokens
     state = request.rng_state
     prefix: List[int] = []
+    mark = markers(tokenizer)
+    # before a constrained answer the grammar starts right after </think>
+    constrained = core_request.structured_outputs is not None and isinstance(source, RecordedTokens)
+    close, empty = (mark.think_close_bare, mark.think_empty_bare) if constrained else (mark.think_close, mark.think_empty)
+    if constrained:  # the block is cut to what the cap leaves after the answer
+        think = max(0, min(think, cap - request.max_tokens - len(mark.think_open) - len(close)))
     if think:
         base, at = words
         drawn, after = base.draw(at, think)
         if source is base:
             state = after  # the answer's ids follow the span's in the source
-        mark = markers(tokenizer)
-        prefix = mark.think_open + drawn + mark.think_close
-    elif thinking:
-        prefix = list(markers(tokenizer).think_empty)
+        prefix = mark.think_open + drawn + close
+    elif thinks:
+        prefix = list(empty)
     if call is not None:
         ids = prefix + call[0]
         ends = call[1] and core_request.eos_token_id is not None and not core_request.ignore_eos and len(ids) < cap

@@ -3,11 +3,25 @@
 Both frontends send tool_choice "required" and a named tool_choice as a
 `structural_tag` (docs/protocol.md §3.3): `{"type": "structural_tag",
 "format": {...}}`, the format of xgrammar, their default backend, which
-llguidance does not read. `to_lark` writes the same language as a Lark
-grammar llguidance compiles (`%json` for a JSON schema); it knows the
-format types a tool call is made of: `const_string`, `json_schema`,
-`regex`, `any_text`, `sequence`, `or`, `tag`, `tags_with_separator` and
-`triggered_tags`. Another type raises ValueError naming it.
+llguidance does not read. `to_lark` writes the same language (or a part
+of it: a triggered tag's free text is left out, so the answer is tags) as
+a Lark grammar llguidance compiles (`%json` for a JSON schema). It knows
+the format types the frontends send (tests/data/frontend_constraints.json
+holds what they send): `const_string`, `json_schema` (style json),
+`regex`, `any_text`, `sequence`, `or`, `tag`, `tags_with_separator`,
+`triggered_tags`, `optional`, `plus`, `star` and `repeat`. Another type
+(xgrammar's token-level `token`, `exclude_token`, `any_tokens`,
+`token_triggered_tags`, `token_dispatch`; `dispatch`, `grammar`,
+`qwen_xml_parameter`), a json_schema of another style and an `excludes`
+list the mock would not keep raise ValueError naming the part: the
+request ends with an error that names it, never with an answer outside
+the tag.
+
+vllm-rs with a reasoning parser puts the think block in the tag itself (a
+first `optional` element: `<think>`, any text, `</think>`, then `\n\n`);
+`to_lark` leaves that element out (`reasoning_prefix`): the engine writes
+the think block before the grammar starts, as vLLM's structured-output
+manager does with a reasoning parser (answer.py).
 
 JSON inside comes out compact (the schema's `x-guidance` options), as every
 structured answer of the mock.
@@ -17,7 +31,7 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 #: What a JSON schema inside a tag compiles with: no whitespace between tokens.
 COMPACT = {"whitespace_flexible": False}
@@ -45,6 +59,7 @@ class _Writer:
             schema = node.get("json_schema", True)
             if node.get("style", "json") != "json":
                 raise ValueError(f"json_schema style {node.get('style')!r} is not supported (only json)")
+            _no_excludes(node, kind)
             # any JSON (`true`: a tool the frontend does not pin) is written
             # as an object, what a tool call's arguments are
             schema = copy.deepcopy(schema) if isinstance(schema, dict) else {"type": "object"} if schema is True else schema
@@ -56,7 +71,16 @@ class _Writer:
         if kind == "regex":
             return self.rule("/" + str(node["pattern"]).replace("/", "\\/") + "/")
         if kind == "any_text":
-            return self.rule("/(.|\\n)*/")
+            _no_excludes(node, kind)
+            most = node.get("max_chars")
+            return self.rule("/(.|\\n)" + ("*" if most is None else "{0,%d}" % int(most)) + "/")
+        if kind in ("optional", "plus", "star"):
+            return "(" + self.format(node["content"]) + ")" + {"optional": "?", "plus": "+", "star": "*"}[kind]
+        if kind == "repeat":
+            least, most = int(node["min"]), int(node["max"])
+            if least < 0 or (most >= 0 and most < least):
+                raise ValueError(f"repeat min {least} max {most} is no range")
+            return "(" + self.format(node["content"]) + ")" + "{%d,%s}" % (least, "" if most < 0 else most)
         if kind in ("sequence", "or"):
             parts = [self.format(element) for element in node["elements"]]
             if not parts:
@@ -78,9 +102,17 @@ class _Writer:
     def _tag(self, tag: Dict[str, Any]) -> str:
         if not isinstance(tag, dict):
             raise ValueError("a tag is a map with begin, content and end")
+        if isinstance(tag.get("begin"), dict) or isinstance(tag.get("end"), dict):
+            raise ValueError("structural tag format type 'token' (a tag's begin or end as a token) is not supported")
         end = tag["end"]
         ends = "(" + " | ".join(_literal(e) for e in end) + ")" if isinstance(end, list) else _literal(end)
         return f"({_literal(tag['begin'])} {self.format(tag['content'])} {ends})"
+
+
+def _no_excludes(node: Dict[str, Any], kind: str) -> None:
+    """An `excludes` list on free text the mock generates would not be kept: refused."""
+    if node.get("excludes"):
+        raise ValueError(f"{kind} excludes {node['excludes']!r:.80} is not supported")
 
 
 def _literal(text: Any) -> str:
@@ -99,8 +131,32 @@ def to_lark(tag: Dict[str, Any]) -> str:
     """The Lark grammar of an xgrammar structural tag; ValueError (or
     KeyError, TypeError) for one it cannot write."""
     writer = _Writer()
-    top = writer.format(tag["format"])
+    top = writer.format(reasoning_prefix(tag["format"])[1])
     return "\n".join([f"start: {top}"] + writer.rules)
+
+
+def _is_think_tag(node: Any) -> bool:
+    return isinstance(node, dict) and node.get("type") == "tag" and str(node.get("begin", "")).startswith("<think>")
+
+
+def reasoning_prefix(node: Any) -> Tuple[Optional[Dict[str, Any]], Any]:
+    """(the think block a format opens with, the format after it): vllm-rs
+    with a reasoning parser sends `sequence[optional(sequence[tag <think>…
+    </think>, const "\\n\\n"]), ANSWER]`; (None, node) for any other format."""
+    if not isinstance(node, dict) or node.get("type") != "sequence":
+        return None, node
+    elements = node.get("elements")
+    if not isinstance(elements, list) or len(elements) < 2:
+        return None, node
+    first = elements[0]
+    if not isinstance(first, dict) or first.get("type") != "optional":
+        return None, node
+    inner = first.get("content")
+    parts = inner.get("elements") if isinstance(inner, dict) and inner.get("type") == "sequence" else [inner]
+    if not parts or not _is_think_tag(parts[0]):
+        return None, node
+    rest = elements[1:]
+    return first, rest[0] if len(rest) == 1 else dict(node, elements=rest)
 
 
 def no_additional_properties(schema: Any) -> None:

@@ -43,10 +43,24 @@ from gmock_engine.wire.types import BadValue, FinishReason
 
 #: Compiled matchers kept per tokenizer (one per constraint); the least recently used goes first.
 GRAMMAR_CACHE = 256
-#: At most this many tokens are generated for one answer: past them a
-#: request's tokens come from its token source (the answer is cut there; a
-#: request that long ends by LENGTH anyway).
+#: At most this many tokens are generated for one answer (--grammar-max-tokens):
+#: an answer whose grammar has not ended by then, and whose request may run
+#: longer, ends the request with an error naming the limit.
 MAX_GENERATED = 4096
+#: Rules a grammar (a Lark or GBNF text) may have (--grammar-max-rules): a
+#: deep chain of a few thousand rules overflows llguidance's stack while it
+#: compiles (the whole process dies), so a longer grammar is refused first.
+MAX_RULES = 2000
+#: Schema nodes on one path of a JSON schema, its local `$ref`s followed
+#: (--grammar-max-depth): llguidance overflows its stack on a chain of about
+#: two thousand (the process dies); the frontends bound only the nesting of
+#: the text, which a `$ref` chain does not have.
+MAX_DEPTH = 500
+#: llguidance's max_items_in_row (--grammar-max-items): alternatives a parser
+#: row may hold (a `choice` of that many items); past it the matcher stops.
+#: llguidance's own default is 2000; vLLM's default backend, xgrammar, has no
+#: such limit, so the mock allows more.
+MAX_ITEMS = 10000
 #: The probability of closing is CLOSE_BASE + (ids chosen so far) / CLOSE_SCALE.
 CLOSE_BASE = 0.04
 CLOSE_SCALE = 48.0
@@ -77,6 +91,106 @@ class GrammarError(BadValue):
 
 
 @dataclass(frozen=True)
+class GrammarLimits:
+    """What the engine compiles and generates at most (--grammar-max-tokens,
+    --grammar-max-rules, --grammar-max-items): a constraint past one ends
+    its request with an error naming it, never with an answer outside it."""
+
+    max_tokens: int = MAX_GENERATED
+    max_rules: int = MAX_RULES
+    max_items: int = MAX_ITEMS
+    max_depth: int = MAX_DEPTH
+
+
+DEFAULT_LIMITS = GrammarLimits()
+#: A Lark rule (`name:`, `?name:`, `name.2:`) or a GBNF one (`name ::=`) at a line's start.
+_RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w-]*(?:\.-?\d+)?[ \t]*(?::(?!:)|::=)", re.M)
+
+
+def _check_rules(text: str, limits: GrammarLimits) -> None:
+    rules = len(_RULE.findall(text))
+    if rules > limits.max_rules:
+        raise GrammarError(f"the grammar has {rules} rules, more than the engine's limit of {limits.max_rules} (--grammar-max-rules)")
+
+
+class _TooDeep(Exception):
+    pass
+
+
+def _check_depth(schema: Any, limits: GrammarLimits) -> None:
+    """GrammarError when a path through `schema`, its local `$ref`s followed
+    (a ref back to a schema on the path counts nothing: recursion is fine),
+    holds more than limits.max_depth schema nodes."""
+    root = schema
+    memo: Dict[str, int] = {}
+    on_path: set = set()
+    most = limits.max_depth
+
+    def resolve(ref: str) -> Any:
+        node = root
+        for part in ref[2:].split("/") if ref.startswith("#/") else ():
+            node = node.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(node, dict) else None
+        return node if ref.startswith("#") else None
+
+    def depth(node: Any, at: int) -> int:
+        if at > most:
+            raise _TooDeep
+        if isinstance(node, list):
+            return max((depth(item, at) for item in node), default=0)
+        if not isinstance(node, dict):
+            return 0
+        deepest = 0
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref not in on_path:
+            if ref not in memo:
+                on_path.add(ref)
+                memo[ref] = depth(resolve(ref), at + 1)
+                on_path.discard(ref)
+            deepest = memo[ref]
+            if at + deepest > most:
+                raise _TooDeep
+        for key, value in node.items():
+            if key not in ("$ref", "enum", "const", "required", "examples", "default") and isinstance(value, (dict, list)):
+                deepest = max(deepest, depth(value, at + 1))
+        return deepest + 1
+
+    try:
+        depth(schema, 0)
+    except (_TooDeep, RecursionError):
+        raise GrammarError(f"the JSON schema nests (through its $refs) deeper than the engine's limit of {most} "
+                           "(--grammar-max-depth)") from None  # fmt: skip
+
+
+def _schemas_in(tag: Any) -> List[Any]:
+    """The JSON schemas of a structural tag (`json_schema` of a format, `schema` of the older form)."""
+    found: List[Any] = []
+    stack = [tag]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in ("json_schema", "schema") and isinstance(value, dict):
+                    found.append(value)
+                elif isinstance(value, (dict, list)):
+                    stack.append(value)
+        elif isinstance(node, list):
+            stack.extend(node)
+    return found
+
+
+def _failure(matcher: Any, limits: GrammarLimits) -> str:
+    """Why a matcher stopped in error, in a line that names the limit it hit."""
+    lines = matcher.get_error().splitlines()
+    stop = next((line[5:].strip() for line in lines if line.startswith("Stop:")), "")
+    error = next((line[6:].strip() for line in lines if line.startswith("Error:")), "")
+    if stop == "NoExtensionBias" and not matcher.is_accepting():
+        return "the constraint accepts no answer: its language is empty (vLLM's engine ends such a request with an error)"
+    if stop == "ParserTooComplex" or "max is" in error:
+        return f"the constraint is too large for the grammar backend ({error[:200]}; --grammar-max-items is {limits.max_items})"
+    return f"the grammar backend stopped: {stop} {error}"[:300]
+
+
+@dataclass(frozen=True)
 class Answer:
     """A generated answer: its ids (with the EOS id last when `ended` and an
     EOS was given) and whether the grammar ended within the limit."""
@@ -85,16 +199,19 @@ class Answer:
     ended: bool
 
 
-def grammar_text(params: StructuredOutputsParams) -> str:
+def grammar_text(params: StructuredOutputsParams, limits: GrammarLimits = DEFAULT_LIMITS) -> str:
     """The llguidance grammar of a constraint, as vLLM's
     serialize_guidance_grammar makes it (compact JSON whitespace);
     GrammarError for a spec llguidance cannot read."""
     llguidance = require("llguidance", "structured outputs")
     kind, spec = params.kind, params.spec
     compact = {"whitespace_flexible": False}
+    if kind == "grammar":
+        _check_rules(spec, limits)
     try:
         if kind == "json":
             schema: Any = json.loads(spec)
+            _check_depth(schema, limits)
             # none but the properties a schema names (vLLM's disable_additional_properties)
             structural_tag.no_additional_properties(schema)
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=compact)
@@ -102,6 +219,8 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=compact)
         if kind == "structural_tag":
             tag = json.loads(spec)
+            for schema in _schemas_in(tag):
+                _check_depth(schema, limits)
             if structural_tag.is_xgrammar_format(tag):
                 return llguidance.LLMatcher.grammar_from_lark(structural_tag.to_lark(tag))
             return _structural_tag(llguidance, tag, compact)
@@ -171,8 +290,8 @@ class StructuredOutputs:
         self.openers = _openers(tokenizer.json_text)
         #: `"` and `,` (-1: not one token): both allowed means inside a string
         self.quote, self.comma = self._single(tokenizer, '"'), self._single(tokenizer, ",")
-        #: (grammar spec) -> a compiled matcher, deep-copied per request
-        self._matchers: "OrderedDict[StructuredOutputsParams, Any]" = OrderedDict()
+        #: (grammar spec, limits) -> a compiled matcher, deep-copied per request
+        self._matchers: "OrderedDict[Tuple[StructuredOutputsParams, GrammarLimits], Any]" = OrderedDict()
 
     @staticmethod
     def _single(tokenizer: Tokenizer, text: str) -> int:
@@ -185,18 +304,21 @@ class StructuredOutputs:
         quote, comma = self.quote, self.comma
         return quote >= 0 and comma >= 0 and bool(mask[quote >> 3] >> (quote & 7) & 1) and bool(mask[comma >> 3] >> (comma & 7) & 1)
 
-    def matcher(self, params: StructuredOutputsParams) -> Any:
+    def matcher(self, params: StructuredOutputsParams, limits: GrammarLimits = DEFAULT_LIMITS) -> Any:
         """A fresh matcher for `params` (its compiled template cached); GrammarError when it does not compile."""
-        template = self._matchers.get(params)
+        key = (params, limits)
+        template = self._matchers.get(key)
         if template is None:
-            template = self._llguidance.LLMatcher(self.ll_tokenizer, grammar_text(params), log_level=0)
+            llguidance = self._llguidance
+            template = llguidance.LLMatcher(self.ll_tokenizer, grammar_text(params, limits), log_level=0,
+                                            limits=llguidance.LLParserLimits(max_items_in_row=limits.max_items))  # fmt: skip
             if template.is_error():
                 raise GrammarError(f"Grammar error: {template.get_error()[:300]}")
             if len(self._matchers) >= GRAMMAR_CACHE:
                 self._matchers.popitem(last=False)
-            self._matchers[params] = template
+            self._matchers[key] = template
         else:
-            self._matchers.move_to_end(params)
+            self._matchers.move_to_end(key)
         return template.deep_copy()
 
     @staticmethod
@@ -232,19 +354,22 @@ class StructuredOutputs:
         limit: int,
         eos: Optional[int],
         prefer: Optional[Callable[[], int]] = None,
+        limits: GrammarLimits = DEFAULT_LIMITS,
     ) -> Answer:
         """An answer of at most `limit` ids (MAX_GENERATED at most) that the
         constraint accepts: `ended` when the grammar came to its end within
         the limit (then the last id is `eos` when given). `prefer()` gives
         the request's token source's next id, taken when the matcher allows
-        it. GrammarError when the constraint does not compile."""
-        matcher = self.matcher(params)
+        it. GrammarError when the constraint does not compile, accepts no
+        answer, or stops the backend (a limit), and when the answer reaches
+        `limits.max_tokens` (below `limit`) before its grammar ends."""
+        matcher = self.matcher(params, limits)
         rng = random.Random(seed)
         chance = rng.random
         closers, quote, in_string, openers = self.closers, self.quote, self._in_string, self.openers
         ids: List[int] = []
         chosen = 0  # ids chosen, not forced: what the closing probability grows with
-        limit = min(limit, MAX_GENERATED)
+        asked, limit = limit, min(limit, limits.max_tokens)
         ended = False
         while len(ids) < limit:
             if matcher.is_stopped():
@@ -294,6 +419,13 @@ class StructuredOutputs:
             if not matcher.consume_token(token):
                 break  # (an allowed id is always consumed; a matcher error ends the answer)
             ids.append(token)
+        if matcher.is_error():
+            # a stopped matcher's mask allows only EOS: without this, a
+            # constraint past a backend limit would end as an empty answer
+            raise GrammarError(_failure(matcher, limits))
+        if not ended and len(ids) >= limit and asked > limit:
+            raise GrammarError(f"the structured answer reached the engine's limit of {limits.max_tokens} generated tokens "
+                               "(--grammar-max-tokens) before its grammar ended")  # fmt: skip
         if ended and eos is not None:
             if len(ids) < limit:
                 ids.append(eos)
@@ -342,7 +474,7 @@ _SEED_SALT = 0x5EED5EED5EED5EED
 
 
 def answer_for(request: Any, generator: StructuredOutputs, params: StructuredOutputsParams, seed: int, limit: int,
-               eos: Optional[int]) -> Tuple[Answer, Any]:  # fmt: skip
+               eos: Optional[int], limits: GrammarLimits = DEFAULT_LIMITS) -> Tuple[Answer, Any]:  # fmt: skip
     """`generator.generate` for a planned request, preferring its token
     source's ids from its position on; the answer, and the source's state
     after the ids it drew."""
@@ -353,11 +485,12 @@ def answer_for(request: Any, generator: StructuredOutputs, params: StructuredOut
         ids, state[0] = draw(state[0], 1)
         return ids[0]
 
-    answer = generator.generate(params, seed, limit, eos, prefer)
+    answer = generator.generate(params, seed, limit, eos, prefer, limits)
     return answer, state[0]
 
 
-def follow(request: Any, core_request: EngineCoreRequest, tokenizer: Tokenizer, seed: int, rank: int, cap: int) -> None:
+def follow(request: Any, core_request: EngineCoreRequest, tokenizer: Tokenizer, seed: int, rank: int, cap: int,
+           limits: GrammarLimits = DEFAULT_LIMITS, params: Optional[StructuredOutputsParams] = None) -> None:  # fmt: skip
     """Make a planned request (request.plan) answer its structured-output
     constraint: its whole answer generated now (at most `cap` ids: its
     max_tokens cut to max_model_len) becomes its recorded token source. The
@@ -366,15 +499,17 @@ def follow(request: Any, core_request: EngineCoreRequest, tokenizer: Tokenizer, 
     answer cut there (past an ended grammar: the EOS id repeated, as a real
     engine's bitmask allows nothing else). An ERROR end the plan chose
     (vllm_xargs mock_fail_after) stays. GrammarError when the constraint
-    does not compile: the request is to be answered with ERROR."""
-    params = core_request.structured_outputs
+    does not compile, or past a limit: the request is to be answered with
+    ERROR. `params`: the constraint to follow, when not the request's own
+    (its tool calls' arguments pinned, tool_calls.py)."""
+    params = params or core_request.structured_outputs
     generator = for_tokenizer(tokenizer)
     eos = core_request.eos_token_id
     stops = eos is not None and not core_request.ignore_eos
     sampler = request.sampler
     source = sampler.tokens
     answer, after = answer_for(request, generator, params, request_seed(seed, rank, request.request_id) ^ _SEED_SALT, cap,
-                               eos if stops else None)  # fmt: skip
+                               eos if stops else None, limits)  # fmt: skip
     ids = answer.token_ids
     fallback: Any = source
     if answer.ended and stops:

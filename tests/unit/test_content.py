@@ -132,8 +132,9 @@ def test_reasoning_spans_come_first_and_count_in_the_length(model, tokenizer):
     assert tokens[2:12] == tokens[2:12] and text.count("<think>") == 1
     assert tokenizer.decode(tokens_of(sent, "none"), skip_special_tokens=False).startswith("<think>\n\n</think>\n\n")
     structured = tokenizer.decode(tokens_of(sent, "s"))
-    reasoning, answer = structured.split("</think>\n\n")
-    assert reasoning.startswith("<think>\n")
+    # the grammar starts right after </think>: nothing but the answer follows it
+    reasoning, answer = structured.split("</think>")
+    assert reasoning.startswith("<think>\n") and answer.startswith("{"), structured
     jsonschema.validate(json.loads(answer), WEATHER)
 
 

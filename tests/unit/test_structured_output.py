@@ -324,7 +324,7 @@ def test_compiled_grammars_are_cached_and_bounded(generator, monkeypatch):
     for n in range(5):
         generator.matcher(params("regex", f"a{{{n + 1}}}"))
     assert len(generator._matchers) == 3
-    template = generator._matchers[params("regex", "a{5}")]
+    template = generator._matchers[params("regex", "a{5}"), structured_output.DEFAULT_LIMITS]
     assert generator.matcher(params("regex", "a{5}")) is not template  # a copy per request
 
 
