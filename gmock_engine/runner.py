@@ -37,7 +37,7 @@ import gevent.event
 import gevent.queue
 from loguru import logger
 
-from . import fault_injection, frontend_watch, kv_event_publisher, kv_events, tokens, transport
+from . import fault_injection, frontend_watch, grammar_pool, kv_event_publisher, kv_events, tokens, transport
 from .wire.eras import Wire
 from .wire.handshake import engine_ready_message, engine_ready_response, InitMessage
 from .wire.inputs import decode_coordinator, decode_input
@@ -196,6 +196,8 @@ class EngineRunner:
         # From here to the end no greenlet runs in between: a reload meanwhile
         # found this engine not joined and changed `config` and the injector.
         self.engine = EngineCore(self.engine_settings(self.config, len(init.outputs), init.has_coordinator))
+        # structured answers are made off the loop (grammar_wait.py), their outcomes come back as input
+        self.engine.grammar_executor = grammar_pool.ThreadedExecutor(self.supervisor.spawn, self.links.deliver, self.links.wake)
         self.engine.stats_provider = self.runtime_stats
         self.links.engine = self.engine  # `paced` reads its latency model as it is now
         spawn = self.supervisor.spawn

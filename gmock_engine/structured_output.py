@@ -173,6 +173,8 @@ class StructuredOutputs:
         self.quote, self.comma = self._single(tokenizer, '"'), self._single(tokenizer, ",")
         #: (grammar spec) -> a compiled matcher, deep-copied per request
         self._matchers: "OrderedDict[StructuredOutputsParams, Any]" = OrderedDict()
+        #: grammars compiled so far (the cache's misses; a hit leaves it as it is)
+        self.compiles = 0
 
     @staticmethod
     def _single(tokenizer: Tokenizer, text: str) -> int:
@@ -189,6 +191,7 @@ class StructuredOutputs:
         """A fresh matcher for `params` (its compiled template cached); GrammarError when it does not compile."""
         template = self._matchers.get(params)
         if template is None:
+            self.compiles += 1
             template = self._llguidance.LLMatcher(self.ll_tokenizer, grammar_text(params), log_level=0)
             if template.is_error():
                 raise GrammarError(f"Grammar error: {template.get_error()[:300]}")

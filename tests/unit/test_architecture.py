@@ -53,6 +53,7 @@ PURE = [
     "tokenizer",
     "corpus",
     "content",
+    "grammar_wait",
     "frontend_link",
 ]
 

@@ -1,0 +1,66 @@
+"""The runtime's GrammarExecutor: jobs in a native thread, outcomes back on the loop.
+
+A request's structured answer (grammar_wait.py) is made in a native
+thread of one process-wide gevent ThreadPool, so the engine's loop, and
+every stream of the process, goes on meanwhile. A thread is enough:
+llguidance releases the GIL while it compiles and computes masks (a
+greenlet ticking every millisecond saw at most 30 ms between ticks while a
+1 MB regex compiled in a thread, a whole second inline), and the answer's
+walk is short Python between those calls, which the interpreter's switch
+interval (5 ms) shares with the loop. vLLM compiles in a thread pool too
+(StructuredOutputManager: (CPUs + 1) // 2 threads).
+
+One thread for the process, as vLLM's pool on a 2-core machine: the
+generator's caches (structured_output.py: its compiled matchers; content.py
+its markers) then have one owner, and jobs run in arrival order. Each job
+has a greenlet of the runner's supervisor that waits for it without
+blocking the loop, with the time limit, then hands the engine its outcome
+(`deliver`, then `wake`: the stepper applies it as the next input, in order
+with the ABORTs and ADDs that came before it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import gevent
+import gevent.threadpool
+
+from .grammar_wait import GrammarExecutor, GrammarReady, Job
+
+#: Threads that make structured answers, for the whole process.
+THREADS = 1
+
+_pool: Optional[gevent.threadpool.ThreadPool] = None
+
+
+def thread_pool() -> gevent.threadpool.ThreadPool:
+    """The process's pool, made on first use (a process that serves no
+    constraint starts no thread)."""
+    global _pool
+    if _pool is None:
+        _pool = gevent.threadpool.ThreadPool(THREADS)
+    return _pool
+
+
+class ThreadedExecutor(GrammarExecutor):
+    """Jobs of one engine in the process's thread pool; each outcome
+    delivered to that engine's stepper as an input."""
+
+    def __init__(self, spawn: Callable[..., Any], deliver: Callable[[Any], None], wake: Callable[[], None]) -> None:
+        self._spawn = spawn
+        self._deliver = deliver
+        self._wake = wake
+
+    def submit(self, job: Job, timed_out: GrammarReady, timeout_s: Optional[float]) -> Optional[GrammarReady]:
+        self._spawn(f"grammar-{timed_out.request_id[:40]}", self._await, job, timed_out, timeout_s)
+        return None
+
+    def _await(self, job: Job, timed_out: GrammarReady, timeout_s: Optional[float]) -> None:
+        result = thread_pool().spawn(job)
+        # (a job that passes the limit runs on in its thread, which cannot
+        # be stopped; its outcome is dropped: the engine holds it no longer)
+        result.wait(timeout_s)
+        ready = result.get(block=False) if result.ready() else timed_out
+        self._deliver(ready)
+        self._wake()
