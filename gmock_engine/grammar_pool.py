@@ -26,7 +26,9 @@ from typing import Any, Callable, Optional
 import gevent
 import gevent.threadpool
 
+from . import content, structured_output
 from .grammar_wait import GrammarExecutor, GrammarReady, Job
+from .tokenizer import ContentUnavailable, load_tokenizer
 
 #: Threads that make structured answers, for the whole process.
 THREADS = 1
@@ -41,6 +43,23 @@ def thread_pool() -> gevent.threadpool.ThreadPool:
     if _pool is None:
         _pool = gevent.threadpool.ThreadPool(THREADS)
     return _pool
+
+
+def warm(tokenizer_path: str) -> None:
+    """Build the generator of the served tokenizer in the pool now, at the
+    engine's start: llguidance holds the GIL while it reads a tokenizer
+    (about a third of a second for a 32 000-id vocabulary), which the first
+    structured request would otherwise cost every stream then running."""
+
+    def build() -> None:
+        try:
+            tokenizer = load_tokenizer(tokenizer_path)
+            structured_output.for_tokenizer(tokenizer)
+            content.markers(tokenizer)
+        except (ContentUnavailable, ValueError):
+            pass  # the first request that needs it says why (content.shape)
+
+    thread_pool().spawn(build)
 
 
 class ThreadedExecutor(GrammarExecutor):

@@ -198,6 +198,8 @@ class EngineRunner:
         self.engine = EngineCore(self.engine_settings(self.config, len(init.outputs), init.has_coordinator))
         # structured answers are made off the loop (grammar_wait.py), their outcomes come back as input
         self.engine.grammar_executor = grammar_pool.ThreadedExecutor(self.supervisor.spawn, self.links.deliver, self.links.wake)
+        if self.engine.settings.tokenizer is not None:
+            grammar_pool.warm(self.engine.settings.tokenizer)
         self.engine.stats_provider = self.runtime_stats
         self.links.engine = self.engine  # `paced` reads its latency model as it is now
         spawn = self.supervisor.spawn
