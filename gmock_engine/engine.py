@@ -373,11 +373,11 @@ class EngineCore:
         plan(entry, request, xargs, sampler.tokens, settings.max_model_len, settings.output_lengths, settings.seed, self.rank)
         if recorded is not None:
             follow(entry, recorded, request.eos_token_id, min(max_tokens, max(0, settings.max_model_len - request.prompt_len)))
-        cap = min(max_tokens, max(0, settings.max_model_len - request.prompt_len))
         if recorded is None and settings.tokenizer is not None and grammar_wait.needs_grammar(request, xargs, settings):
             # a grammar to compile and walk: off the loop, the request held until it is done
             self.scheduler.hold(entry)
             held = grammar_wait.GrammarReady(rid, entry, request, xargs, self.clock())
+            cap = min(max_tokens, max(0, settings.max_model_len - request.prompt_len))
             job = grammar_wait.shaping_job(held, settings, self.rank, cap)
             ready = self.grammar_executor.submit(job, dataclasses.replace(held, timed_out=True), settings.grammar_timeout_s or None)
             return self.grammar_ready(ready) if ready is not None else []
@@ -385,7 +385,7 @@ class EngineCore:
             # tool calls without tools in the prompt, reasoning spans (content.py): most requests ask for none
             if recorded is None and (request.structured_outputs is not None or xargs is not NO_XARGS
                                      or (settings.content.active and settings.tokenizer is not None)):
-                why = content.shape(entry, request, xargs, settings, self.rank, cap)
+                why = content.shape(entry, request, xargs, settings, self.rank, min(max_tokens, max(0, settings.max_model_len - request.prompt_len)))
                 if why is not None:
                     self.throttle.warning("content", "ADD {}: {}", short(rid), why)
         except BadValue as exc:
@@ -429,11 +429,13 @@ class EngineCore:
         rid, client, settings = entry.request_id, entry.client_index, self.settings
         max_tokens = request.max_tokens or 0
         lora_request = entry.lora_request
-        try:
-            # (P/D params ride in extra_args: most requests carry none)
-            entry.kv = self._plan_kv_transfer(entry, request, xargs) if request.extra_args else None
-        except BadValue as exc:
-            return self._invalid(client, rid, exc)
+        if request.extra_args:  # P/D params ride in extra_args: most requests carry none
+            try:
+                entry.kv = self._plan_kv_transfer(entry, request, xargs)
+            except BadValue as exc:
+                return self._invalid(client, rid, exc)
+        else:
+            entry.kv = None
         if settings.log_requests:
             self.log.info(
                 "mock request started engine={} request_id={} prompt_len={} max_tokens={} chunk={}{}",
