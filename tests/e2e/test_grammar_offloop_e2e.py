@@ -4,10 +4,11 @@ was seen: a plain stream runs at --itl-ms 20 while a 1 MB regex and a 2 000
 property schema compile; its longest gap between chunks then is printed
 beside the same stream's longest gap with nothing compiling.
 
-The bound asserted is loose (the machine is shared): under the time one
-inline compile holds the loop (a 1 MB regex: about a second), so a
-compile on the engine's loop fails it. The figures themselves are the
-report (run with `-s`)."""
+The bounds asserted are loose (the machine is shared): against the same
+stream with nothing compiling, the engine's time for the stream's tokens
+may grow by under a second, and vllm-rs's longest gap by under half a
+second; compiles on the engine's loop (about 2 s for both) fail them. The
+figures themselves are the report (run with `-s`)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ jsonschema = pytest.importorskip("jsonschema")
 ITL_MS = 20
 #: chunks of the plain stream: long enough to span both compiles
 STREAM_TOKENS = 150
-#: the longest gap allowed while the constraints compile (an inline compile holds the loop longer)
+#: what the longest gap may grow by while the constraints compile (compiles on the loop hold it longer)
 GAP_BOUND_S = 0.5
 
 
@@ -88,7 +89,9 @@ def engine_span(stack, offset: int, max_tokens: int) -> float:
 
 
 def test_a_plain_stream_goes_on_while_big_constraints_compile(stack, client):
+    offset = stack.engine_log_size()
     baseline = max(stream_gaps(client, threading.Event()))
+    baseline_span = engine_span(stack, offset, STREAM_TOKENS)
     regex, schema = big_regex(), big_schema()
     started, results, gaps = threading.Event(), {}, []
 
@@ -118,15 +121,15 @@ def test_a_plain_stream_goes_on_while_big_constraints_compile(stack, client):
     assert choice_s.finish_reason == "length" and choice_s.text.startswith('{"p0":'), choice_s  # 40 tokens of 2 000 properties
     span = engine_span(stack, offset, STREAM_TOKENS)
     print(f"\n{stack.topology.id}: plain stream at --itl-ms {ITL_MS}: longest gap {max(gaps) * 1e3:.1f} ms while a "
-          f"{len(regex) / 1e6:.2f} MB regex ({took:.2f} s to its answer) and a 2000-property schema ({took_s:.2f} s) compiled; "
+          f"{len(regex) / 1e6:.2f} MB regex ({took:.2f} s to its answer) and a 2000-property schema ({took_s:.2f} s) compiled, "
           f"{baseline * 1e3:.1f} ms with nothing compiling; {len(gaps) + 1} chunks; the engine made its {STREAM_TOKENS} tokens "
-          f"in {span:.2f} s ({STREAM_TOKENS * ITL_MS / 1000:.2f} s of steps)")  # fmt: skip
-    # the engine's pace: an inline compile (about a second for the regex) would add its time
-    assert span < STREAM_TOKENS * ITL_MS / 1000 + GAP_BOUND_S, span
+          f"in {span:.2f} s, {baseline_span:.2f} s with nothing compiling ({STREAM_TOKENS * ITL_MS / 1000:.2f} s of steps)")  # fmt: skip
+    # the engine's pace: compiles on its loop would add their time (about 2 s)
+    assert span < baseline_span + 2 * GAP_BOUND_S, (span, baseline_span)
     if stack.topology.frontend == "python":
         # vllm serve checks each constraint on its own event loop (its
         # structured-output validation, before the ADD): its streams stall
         # meanwhile whatever the engine does; the engine's pace is the check
         return
     assert len(gaps) + 1 >= STREAM_TOKENS // 2
-    assert max(gaps) < GAP_BOUND_S, f"the plain stream stalled {max(gaps):.2f} s while constraints compiled"
+    assert max(gaps) < baseline + GAP_BOUND_S, f"the plain stream stalled {max(gaps):.2f} s while constraints compiled"
