@@ -257,7 +257,9 @@ class Scheduler:
         if self.async_scheduling and self.running:
             request.first_call = self._calls + 2  # vLLM planned the next step while this one ran: it joins the one after
         self.waiting.add_request(request)
-        if request.pending_events:
+        if request.status is _WAITING_FOR_FSM:
+            request.status = _WAITING  # released: its QUEUED event has the time it was held
+        elif request.pending_events:
             self._arrived.append(request)
 
     def _queue_arrivals(self, now: float) -> None:
@@ -280,18 +282,20 @@ class Scheduler:
 
     def hold(self, request: Request) -> None:
         """A new request waits for its structured answer (WAITING_FOR_FSM),
-        out of the waiting queue until `release`."""
+        out of the waiting queue until `release`. Its QUEUED event keeps
+        the time of its ADD (`add_request` does not restamp it): vLLM
+        records QUEUED before the grammar compiles, so the queue time it
+        shows includes the compile."""
         request.status = _WAITING_FOR_FSM
         self.waiting_for_fsm[request.request_id] = request
 
     def release(self, request: Request) -> bool:
         """Its structured answer is ready: the held `request` leaves
-        WAITING_FOR_FSM (to be queued with `add_request`); False when it is
-        no longer held (aborted meanwhile, or another request's id)."""
+        WAITING_FOR_FSM, to be queued with `add_request` (or ended); False
+        when it is no longer held (aborted meanwhile, or another request's id)."""
         if self.waiting_for_fsm.get(request.request_id) is not request:
             return False
         del self.waiting_for_fsm[request.request_id]
-        request.status = _WAITING
         return True
 
     def remove(self, request_id: str, status: RequestStatus = _ABORTED) -> Optional[Request]:

@@ -89,6 +89,18 @@ def test_a_held_request_is_not_scheduled_until_its_answer_is_ready(model, tokeni
     jsonschema.validate(json.loads(text), SCHEMA)
 
 
+def test_the_queued_event_has_the_time_of_the_add_and_scheduled_that_of_the_step(model):
+    clock = Clock()
+    e = engine(model, clock=clock)
+    e.apply(add("s"))
+    clock.now += 5.0  # the compile took 5 s
+    e.apply(e.grammar_executor.jobs.pop()[0]())
+    first = outputs_of(run(e), "s")[0]
+    queued, scheduled = first[7]
+    assert (queued["type"], queued["timestamp"]) == (1, 100.0)  # vLLM's queue time includes the compile
+    assert (scheduled["type"], scheduled["timestamp"]) == (2, 105.0)
+
+
 def test_an_abort_while_held_ends_it_and_the_late_answer_is_dropped(model):
     e = engine(model)
     e.apply(add("s"))
