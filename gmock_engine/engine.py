@@ -345,9 +345,7 @@ class EngineCore:
             try:
                 lora_request = decode_lora_request(request.lora_request)
             except BadValue as exc:
-                reason = f"{str(exc):.200}"
-                self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
-                return self._answer_now(client, rid, FinishReason.ERROR, request_error("validation_error", reason))
+                return self._invalid(client, rid, exc)
             if self.lora is None:
                 reason = f"Got lora_request {lora_request.lora_name!r} but LoRA is not enabled!"
                 self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
@@ -367,9 +365,7 @@ class EngineCore:
             self.throttle.warning("invalid request", "ADD {}: bad vllm_xargs ({}); answered with ERROR", short(rid), reason)
             return self._answer_now(client, rid, FinishReason.ERROR, request_error("validation_error", f"bad vllm_xargs: {reason}"))
         except BadValue as exc:
-            reason = f"{str(exc):.200}"
-            self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
-            return self._answer_now(client, rid, FinishReason.ERROR, request_error("validation_error", reason))
+            return self._invalid(client, rid, exc)
         plan(entry, request, xargs, sampler.tokens, settings.max_model_len, settings.output_lengths, settings.seed, self.rank)
         if recorded is not None:
             follow(entry, recorded, request.eos_token_id, min(max_tokens, max(0, settings.max_model_len - request.prompt_len)))
@@ -471,9 +467,7 @@ class EngineCore:
         try:
             entry = pooling.make_request(request, self.settings, self.clock())
         except BadValue as exc:
-            reason = f"{str(exc):.200}"
-            self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(request.request_id), reason)
-            return self._answer_now(request.client_index, request.request_id, FinishReason.ERROR, request_error("validation_error", reason))
+            return self._invalid(request.client_index, request.request_id, exc)
         self.kv.track(entry, request.prompt_token_ids)
         self.scheduler.add_request(entry)
         return []
