@@ -105,6 +105,8 @@ class EngineSettings:
     tokenizer: Optional[str] = None
     #: Tool calls and reasoning spans (content/answer.py): their shares and lengths.
     content: ContentSettings = field(default_factory=ContentSettings)
+    #: --grammar-timeout-ms in seconds: the most a request waits for its structured answer (core/grammar_wait.py); 0: no limit
+    grammar_timeout_s: float = 30.0
     #: speculative decoding (content/spec_decode.py): the K per-position acceptance rates; (): off
     spec_acceptance: Tuple[float, ...] = ()
     #: pooling requests (content/pooling.py): the sizes of their tensors
@@ -134,6 +136,8 @@ class GenerationSettings:
     tokenizer: Optional[str]
     #: --tool-call-rate, --reasoning-rate, --reasoning-tokens
     content: ContentSettings
+    #: --grammar-timeout-ms, in seconds (0: no limit)
+    grammar_timeout_s: float
     #: tokens until EOS; None: requests end by max_tokens only
     output_lengths: Optional[lengths.OutputLengths]
     logprobs_top1: float
@@ -240,6 +244,7 @@ def from_config(c: Any) -> Settings:
             tokenizer=getattr(c, "tokenizer", None),
             content=ContentSettings(c.tool_call_rate, c.reasoning_rate, c.reasoning_tokens,
                                     GrammarLimits(c.grammar_max_tokens, c.grammar_max_rules, c.grammar_max_items, c.grammar_max_depth)),
+            grammar_timeout_s=c.grammar_timeout_ms / 1000.0,
             output_lengths=lengths.from_config(c.output_len_dist, c.eos_probability),
             logprobs_top1=c.logprobs_top1,
             logprobs_sampled_top1=c.logprobs_sampled_top1,
@@ -336,6 +341,7 @@ def engine_settings(
         replay=parts.replay,
         tokenizer=gen.tokenizer,
         content=gen.content,
+        grammar_timeout_s=gen.grammar_timeout_s,
         spec_acceptance=gen.spec_acceptance,
         pooling=gen.pooling,
     )

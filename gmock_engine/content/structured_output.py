@@ -292,6 +292,8 @@ class StructuredOutputs:
         self.quote, self.comma = self._single(tokenizer, '"'), self._single(tokenizer, ",")
         #: (grammar spec, limits) -> a compiled matcher, deep-copied per request
         self._matchers: "OrderedDict[Tuple[StructuredOutputsParams, GrammarLimits], Any]" = OrderedDict()
+        #: grammars compiled so far (the cache's misses; a hit leaves it as it is)
+        self.compiles = 0
 
     @staticmethod
     def _single(tokenizer: Tokenizer, text: str) -> int:
@@ -309,6 +311,7 @@ class StructuredOutputs:
         key = (params, limits)
         template = self._matchers.get(key)
         if template is None:
+            self.compiles += 1
             llguidance = self._llguidance
             template = llguidance.LLMatcher(self.ll_tokenizer, grammar_text(params, limits), log_level=0,
                                             limits=llguidance.LLParserLimits(max_items_in_row=limits.max_items))  # fmt: skip

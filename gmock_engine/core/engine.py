@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from loguru import logger
 
 from gmock_engine.content import answer as content, pooling
+from gmock_engine.core import grammar_wait
 from gmock_engine.kv import transfer as kv_transfer
 from gmock_engine.core.kv_cache_manager import KVCacheManager
 from gmock_engine.core.ledger import CHECKED_MEMORY, Ledger
@@ -157,6 +158,9 @@ class EngineCore:
         )
         self.utilities.lora = self.lora
         self.shutting_down = False
+        #: Where a request's structured answer is made (grammar_wait.py): the
+        #: runtime's runs it off the loop; this one at once.
+        self.grammar_executor: grammar_wait.GrammarExecutor = grammar_wait.InlineExecutor()
         #: Only what the ledger cannot know: steps, tokens, preemptions (the
         #: scheduler's), utility calls, inputs dropped for a bad client index.
         self.counters = self.scheduler.counters
@@ -223,7 +227,7 @@ class EngineCore:
     @property
     def num_active(self) -> int:
         """Requests not finished yet: running and waiting."""
-        return len(self.scheduler.running) + len(self.scheduler.waiting)
+        return len(self.scheduler.running) + len(self.scheduler.waiting) + len(self.scheduler.waiting_for_fsm)
 
     @property
     def used_blocks(self) -> int:
@@ -273,6 +277,8 @@ class EngineCore:
         """Apply one decoded input message; return what to send at once."""
         if isinstance(message, EngineCoreRequest):
             return self.add_request(message)
+        if isinstance(message, grammar_wait.GrammarReady):
+            return self.grammar_ready(message)
         if isinstance(message, InvalidRequest):
             return self.reject_request(message.request_id, message.client_index, message.reason)
         if isinstance(message, AbortRequests):
@@ -310,7 +316,7 @@ class EngineCore:
         # --replay: every ADD takes its turn, as each was recorded (timing/replay.py)
         recorded = self.settings.replay.take(self.rank, rid) if self.settings.replay is not None else None
         # A duplicate first: even an abort_immediately ADD must not end the original.
-        if rid in self.scheduler.running or rid in self.scheduler.waiting:
+        if rid in self.scheduler.running or rid in self.scheduler.waiting or rid in self.scheduler.waiting_for_fsm:
             self.throttle.warning("duplicate request id", "ADD {}: duplicate of an active request id; answered with ERROR", short(rid))
             error = request_error("duplicate_request_id", f"request id {short(rid)} is already active")
             return self._answer_now(client, rid, FinishReason.ERROR, error)
@@ -341,9 +347,7 @@ class EngineCore:
             try:
                 lora_request = decode_lora_request(request.lora_request)
             except BadValue as exc:
-                reason = f"{str(exc):.200}"
-                self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
-                return self._answer_now(client, rid, FinishReason.ERROR, request_error("validation_error", reason))
+                return self._invalid(client, rid, exc)
             if self.lora is None:
                 reason = f"Got lora_request {lora_request.lora_name!r} but LoRA is not enabled!"
                 self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
@@ -363,25 +367,73 @@ class EngineCore:
             self.throttle.warning("invalid request", "ADD {}: bad vllm_xargs ({}); answered with ERROR", short(rid), reason)
             return self._answer_now(client, rid, FinishReason.ERROR, request_error("validation_error", f"bad vllm_xargs: {reason}"))
         except BadValue as exc:
-            reason = f"{str(exc):.200}"
-            self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
-            return self._answer_now(client, rid, FinishReason.ERROR, request_error("validation_error", reason))
+            return self._invalid(client, rid, exc)
         plan(entry, request, xargs, sampler.tokens, settings.max_model_len, settings.output_lengths, settings.seed, self.rank)
         if recorded is not None:
             follow(entry, recorded, request.eos_token_id, min(max_tokens, max(0, settings.max_model_len - request.prompt_len)))
+        if recorded is None and settings.tokenizer is not None and grammar_wait.needs_grammar(request, xargs, settings):
+            # a grammar to compile and walk: off the loop, the request held until it is done
+            self.scheduler.hold(entry)
+            held = grammar_wait.GrammarReady(rid, entry, request, xargs, self.clock())
+            cap = min(max_tokens, max(0, settings.max_model_len - request.prompt_len))
+            job = grammar_wait.shaping_job(held, settings, self.rank, cap)
+            ready = self.grammar_executor.submit(job, dataclasses.replace(held, timed_out=True), settings.grammar_timeout_s or None)
+            return self.grammar_ready(ready) if ready is not None else []
         try:
-            # structured outputs, tool calls, reasoning spans (content/answer.py): most requests ask for none
+            # tool calls without tools in the prompt, reasoning spans (content/answer.py): most requests ask for none
             if recorded is None and (request.structured_outputs is not None or xargs is not NO_XARGS
                                      or (settings.content.active and settings.tokenizer is not None)):
                 why = content.shape(entry, request, xargs, settings, self.rank, min(max_tokens, max(0, settings.max_model_len - request.prompt_len)))
                 if why is not None:
                     self.throttle.warning("content", "ADD {}: {}", short(rid), why)
-            # (P/D params ride in extra_args: most requests carry none)
-            entry.kv = self._plan_kv_transfer(entry, request, xargs) if request.extra_args else None
         except BadValue as exc:
-            reason = f"{str(exc):.200}"
-            self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
+            return self._invalid(client, rid, exc)
+        return self._queue(entry, request, xargs)
+
+    def grammar_ready(self, ready: grammar_wait.GrammarReady) -> List[Outbound]:
+        """A held request's structured answer is made (or failed, or its
+        time limit passed): queued for scheduling as vLLM's WAITING_FOR_FSM
+        request whose grammar is ready, or ended with ERROR. An outcome for
+        a request no longer held (aborted meanwhile) is dropped."""
+        entry = ready.request
+        if not self.scheduler.release(entry):
+            return []
+        request, xargs = ready.core_request, ready.xargs
+        client, rid = entry.client_index, entry.request_id
+        timeout = self.settings.grammar_timeout_s
+        if ready.timed_out or (timeout and self.clock() - ready.since > timeout):
+            reason = grammar_wait.timeout_message(timeout)
+            self.throttle.warning("grammar timeout", "ADD {}: {}; answered with ERROR", short(rid), reason)
             return self._answer_now(client, rid, FinishReason.ERROR, request_error("validation_error", reason))
+        if ready.error is not None:
+            if not isinstance(ready.error, BadValue):
+                # a bug the request's content found: that request ends, as one in add_request would
+                self.throttle.warning("contained failure", "ADD {}: shaping failed ({!r}); answered with ERROR", short(rid), ready.error)
+                return self.answer_failure(request, ready.error)
+            return self._invalid(client, rid, ready.error)
+        if ready.why is not None:
+            self.throttle.warning("content", "ADD {}: {}", short(rid), ready.why)
+        return self._queue(entry, request, xargs)
+
+    def _invalid(self, client: int, rid: str, exc: BaseException) -> List[Outbound]:
+        """A value the request cannot be served with: ERROR naming it."""
+        reason = f"{str(exc):.200}"
+        self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
+        return self._answer_now(client, rid, FinishReason.ERROR, request_error("validation_error", reason))
+
+    def _queue(self, entry: Request, request: EngineCoreRequest, xargs: Xargs) -> List[Outbound]:
+        """The last of an ADD, once its content is shaped: its P/D plan,
+        the log line, its KV and logprobs, and the waiting queue."""
+        rid, client, settings = entry.request_id, entry.client_index, self.settings
+        max_tokens = request.max_tokens or 0
+        lora_request = entry.lora_request
+        if request.extra_args:  # P/D params ride in extra_args: most requests carry none
+            try:
+                entry.kv = self._plan_kv_transfer(entry, request, xargs)
+            except BadValue as exc:
+                return self._invalid(client, rid, exc)
+        else:
+            entry.kv = None
         if settings.log_requests:
             self.log.info(
                 "mock request started engine={} request_id={} prompt_len={} max_tokens={} chunk={}{}",
@@ -417,9 +469,7 @@ class EngineCore:
         try:
             pooled = pooling.request_tensor(request, self.settings)
         except BadValue as exc:
-            reason = f"{str(exc):.200}"
-            self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(request.request_id), reason)
-            return self._answer_now(request.client_index, request.request_id, FinishReason.ERROR, request_error("validation_error", reason))
+            return self._invalid(request.client_index, request.request_id, exc)
         # one "token" to go (its prefill), no token source
         entry = Request(request.request_id, request.client_index, 1, None, request.prompt_len, self.clock())
         entry.pooling, entry.priority = pooled, request.priority

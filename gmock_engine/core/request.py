@@ -33,6 +33,10 @@ class RequestStatus(enum.IntEnum):
     waiting for their KV); every status after PREEMPTED is a finished one."""
 
     WAITING = enum.auto()
+    #: its structured answer is being made off the engine's loop (grammar
+    #: compile and answer, grammar_wait.py): held out of the waiting queue
+    #: until it is ready, counted as waiting, as vLLM counts it
+    WAITING_FOR_FSM = enum.auto()
     #: a P/D consumer whose prompt's KV is on its way (in the running batch
     #: here, holding its blocks; counted as waiting, as vLLM counts it)
     WAITING_FOR_REMOTE_KVS = enum.auto()

@@ -62,6 +62,7 @@ _QUEUED_TYPE = int(EngineCoreEventType.QUEUED)
 _WAITING, _PREEMPTED = RequestStatus.WAITING, RequestStatus.PREEMPTED
 _RUNNING, _REMOTE_KVS = RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KVS
 _ABORTED = RequestStatus.FINISHED_ABORTED
+_WAITING_FOR_FSM = RequestStatus.WAITING_FOR_FSM
 #: nothing admitted, preempted or rejected in a step (most steps)
 _NONE: Tuple[Any, ...] = ()
 
@@ -112,6 +113,11 @@ class Scheduler:
         #: request that leaves the batch, and of a new sampler. Set by it.
         self.output_processor: Optional[BatchObserver] = None
         self.waiting = create_request_queue(policy)
+        #: Requests whose structured answer is being made off the engine's
+        #: loop (status WAITING_FOR_FSM): not in the waiting queue, so no
+        #: step looks at them (vLLM skips them in its waiting queue) until
+        #: `release` queues them; counted as waiting, ended by `remove`.
+        self.waiting_for_fsm: Dict[str, Request] = {}
         #: Running requests whose prefill is not done: id -> ready_at (inf: chunks left).
         self.prefilling: Dict[str, float] = {}
         #: Running requests with prompt tokens still to prefill (token budget).
@@ -251,7 +257,9 @@ class Scheduler:
         if self.async_scheduling and self.running:
             request.first_call = self._calls + 2  # vLLM planned the next step while this one ran: it joins the one after
         self.waiting.add_request(request)
-        if request.pending_events:
+        if request.status is _WAITING_FOR_FSM:
+            request.status = _WAITING  # released: its QUEUED event has the time it was held
+        elif request.pending_events:
             self._arrived.append(request)
 
     def _queue_arrivals(self, now: float) -> None:
@@ -272,14 +280,34 @@ class Scheduler:
                 events[0]["timestamp"] = now
         self._arrived = later
 
+    def hold(self, request: Request) -> None:
+        """A new request waits for its structured answer (WAITING_FOR_FSM),
+        out of the waiting queue until `release`. Its QUEUED event keeps
+        the time of its ADD (`add_request` does not restamp it): vLLM
+        records QUEUED before the grammar compiles, so the queue time it
+        shows includes the compile."""
+        request.status = _WAITING_FOR_FSM
+        self.waiting_for_fsm[request.request_id] = request
+
+    def release(self, request: Request) -> bool:
+        """Its structured answer is ready: the held `request` leaves
+        WAITING_FOR_FSM, to be queued with `add_request` (or ended); False
+        when it is no longer held (aborted meanwhile, or another request's id)."""
+        if self.waiting_for_fsm.get(request.request_id) is not request:
+            return False
+        del self.waiting_for_fsm[request.request_id]
+        return True
+
     def remove(self, request_id: str, status: RequestStatus = _ABORTED) -> Optional[Request]:
-        """Take a running or waiting request out (ABORT; `status`: how it
-        ended); its KV is freed."""
+        """Take a running, waiting or held request out (ABORT; `status`:
+        how it ended); its KV is freed."""
         request = self.running.pop(request_id, None)
         if request is not None:
             self._release(request)
         else:
             request = self.waiting.remove_request(request_id)
+            if request is None:
+                request = self.waiting_for_fsm.pop(request_id, None)
             if request is None:
                 return None
         request.status = status
@@ -287,7 +315,8 @@ class Scheduler:
 
     def remove_all(self, status: RequestStatus = _ABORTED) -> List[Request]:
         """Every running and waiting request, taken out (running first)."""
-        out = [*self.running.values(), *self.waiting.requests()]
+        out = [*self.running.values(), *self.waiting.requests(), *self.waiting_for_fsm.values()]
+        self.waiting_for_fsm.clear()
         self.kv.free_all(list(self.running.values()))
         if self.output_processor is not None:
             self.output_processor.clear(self.running.values())
@@ -640,7 +669,7 @@ class Scheduler:
         """(running, waiting) as SchedulerStats show them (vLLM's
         get_request_counts): a consumer waiting for its KV is waiting."""
         transferring = len(self.transferring)
-        return len(self.running) - transferring, len(self.waiting) + transferring
+        return len(self.running) - transferring, len(self.waiting) + transferring + len(self.waiting_for_fsm)
 
     def scheduler_stats(
         self, prefix_cache_stats: Optional[Dict[str, Any]] = None, spec_decoding_stats: Optional[Dict[str, Any]] = None

@@ -222,7 +222,7 @@ def _u_gmock_stats(u: Utilities, call: UtilityCall) -> List[Outbound]:
     stats: Dict[str, Any] = {
         "rank": u.rank,
         "active": len(u.scheduler.running),
-        "waiting": len(u.scheduler.waiting),
+        "waiting": len(u.scheduler.waiting) + len(u.scheduler.waiting_for_fsm),
         "counters": dict(u.scheduler.counters),
         "ledger": u.ledger.summary(),
     }

@@ -37,7 +37,7 @@ import gevent.event
 import gevent.queue
 from loguru import logger
 
-from gmock_engine.runtime import fault_injection, frontend_watch, kv_publisher as kv_event_publisher, transport
+from gmock_engine.runtime import fault_injection, frontend_watch, grammar_pool, kv_publisher as kv_event_publisher, transport
 from gmock_engine.kv import events as kv_events
 from gmock_engine.content import tokens
 from gmock_engine.wire.eras import Wire
@@ -201,6 +201,10 @@ class EngineRunner:
         # From here to the end no greenlet runs in between: a reload meanwhile
         # found this engine not joined and changed `config`, `parts` and the injector.
         self.engine = EngineCore(self.engine_settings(self.parts, len(init.outputs), init.has_coordinator))
+        # structured answers are made off the loop (core/grammar_wait.py), their outcomes come back as input
+        self.engine.grammar_executor = grammar_pool.ThreadedExecutor(self.supervisor.spawn, self.links.deliver, self.links.wake)
+        if self.engine.settings.tokenizer is not None:
+            grammar_pool.warm(self.engine.settings.tokenizer)
         self.engine.stats_provider = self.runtime_stats
         self.links.engine = self.engine  # `paced` reads its latency model as it is now
         spawn = self.supervisor.spawn

@@ -64,6 +64,7 @@ PURE = [
     "timing.trace",
     "utils.logs",
     "utils.stats",
+    "core.grammar_wait",
 ]
 
 #: The folders, bottom first (docs/architecture.md#folders): each imports only those before it.
