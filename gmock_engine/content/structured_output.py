@@ -68,6 +68,11 @@ CLOSE_SCALE = 48.0
 #: probability than it closes a structure (a model that may stop mostly
 #: does: one tool call, not a chain of them).
 ACCEPT_BONUS = 0.5
+#: Ids left before the limit, beyond two per open structure, at which the
+#: answer closes for certain: an answer that may not end by `max_tokens`
+#: (a think block before it takes its share) winds down in time, as a
+#: model told its budget does, instead of ending cut off with LENGTH.
+WIND_DOWN = 12
 #: Random bytes of a bitmask probed for an allowed id before its nonzero bytes are listed.
 PROBES = 8
 #: At most this many nonzero bytes are listed to pick one uniformly.
@@ -288,6 +293,9 @@ class StructuredOutputs:
         self.closers = tuple(closers)
         #: ids whose text opens a nesting (`(`, `[`, `{` first), avoided when closing
         self.openers = _openers(tokenizer.json_text)
+        #: the closers, then one-digit ids: what winding down takes where it can
+        #: (a digit is the shortest value; a word such as `false` commits to more ids)
+        self.finishers = self.closers + tuple(t for t in (self._single(tokenizer, str(d)) for d in range(10)) if t >= 0)
         #: `"` and `,` (-1: not one token): both allowed means inside a string
         self.quote, self.comma = self._single(tokenizer, '"'), self._single(tokenizer, ",")
         #: (grammar spec, limits) -> a compiled matcher, deep-copied per request
@@ -372,6 +380,8 @@ class StructuredOutputs:
         closers, quote, in_string, openers = self.closers, self.quote, self._in_string, self.openers
         ids: List[int] = []
         chosen = 0  # ids chosen, not forced: what the closing probability grows with
+        depth = 0  # structures opened and not closed, counted by their opening and closing ids
+        closer_ids = frozenset(closers)
         asked, limit = limit, min(limit, limits.max_tokens)
         ended = False
         while len(ids) < limit:
@@ -390,6 +400,10 @@ class StructuredOutputs:
             chosen += 1
             roll = chance()
             closing = CLOSE_BASE + chosen / CLOSE_SCALE
+            # the limit is near (an id kept for EOS): end where the grammar may, else close
+            winding = limit - len(ids) <= WIND_DOWN + 2 * depth
+            if winding:
+                closing = 1.0
             if roll < closing + ACCEPT_BONUS and matcher.is_accepting():
                 ended = True
                 break
@@ -397,7 +411,7 @@ class StructuredOutputs:
                 if in_string(mask):
                     token = quote
                 else:
-                    for closer in closers:
+                    for closer in self.finishers if winding else closers:
                         if mask[closer >> 3] >> (closer & 7) & 1:
                             token = closer
                             break
@@ -422,6 +436,10 @@ class StructuredOutputs:
             if not matcher.consume_token(token):
                 break  # (an allowed id is always consumed; a matcher error ends the answer)
             ids.append(token)
+            if token in openers:
+                depth += 1
+            elif token in closer_ids and depth:
+                depth -= 1
         if matcher.is_error():
             # a stopped matcher's mask allows only EOS: without this, a
             # constraint past a backend limit would end as an empty answer

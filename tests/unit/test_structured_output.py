@@ -417,3 +417,21 @@ def test_without_tokenizer_the_tokens_stay_random_and_a_warning_says_why(caplog_
     sent = run(engine)
     assert len(tokens_of(sent, "s")) == 9 and finish_of(sent, "s") == FinishReason.LENGTH
     assert any("--tokenizer" in w for w in warnings)
+
+
+BOOKING = {  # strict: every property required, bounded, patterned
+    "type": "object",
+    "properties": {"people": {"type": "integer", "minimum": 1, "maximum": 12},
+                   "time": {"type": "string", "pattern": "^([01][0-9]|2[0-3]):[0-5][0-9]$"}},
+    "required": ["people", "time"], "additionalProperties": False,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind, spec, budget", [("json_object", "", 24), ("json", {"type": "object"}, 24), ("json", BOOKING, 32)])
+def test_an_answer_that_may_end_within_a_small_budget_does(generator, kind, spec, budget):
+    # a small max_tokens, a think block before it or not: an answer whose
+    # grammar can end that soon winds down as the budget runs out, not cut by
+    # LENGTH (BOOKING's shortest answer is 24 ids with this tokenizer, so it
+    # gets 32; an answer its grammar makes longer is cut: test_a_limit_cuts_the_answer)
+    cut = [seed for seed in range(200) if not generator.generate(params(kind, spec), seed, budget, EOS).ended]
+    assert not cut, f"{len(cut)} of 200 answers cut at {budget} ids (seeds {cut[:5]})"
