@@ -34,6 +34,7 @@ from gmock_engine import __version__
 from gmock_engine.runtime import kv_publisher as kv_event_publisher
 from gmock_engine.runtime.app import App
 from gmock_engine.config.loader import format_config, parse_config, reader
+from gmock_engine.config.settings import from_config
 from gmock_engine.utils.logs import setup_logging
 from gmock_engine.config.parsed import ConfigError
 from gmock_engine.wire.handshake import COORDINATOR_WAIT_HINT, reach_hint, tcp_host_port
@@ -170,7 +171,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # collect rarely.
     gc.freeze()
     gc.set_threshold(GC_THRESHOLD, 50, 100)
-    app = App(config, load=read)  # the parsed options -> the settings -> the app
+    settings = from_config(config)  # the parsed options -> the settings
+    app = App(settings, config, load=read)  # the settings -> the app
     signals_seen = []
 
     def on_signal(signum: int) -> None:
