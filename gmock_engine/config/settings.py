@@ -5,7 +5,9 @@ The second stage of start-up (argv -> parsed options -> settings -> app,
 runtime/cli.py): `from_config(c)` reads the parsed options (parsed.py: of
 config.parse_config at start, of a reload's reading, reload.py) once and
 returns `Settings`: the latency model, generation, the
-scheduler's limits, the KV cache, LoRA, P/D, faults and logging, each typed.
+scheduler's limits, the KV cache, LoRA, P/D, faults, logging and the
+process around the engines, each typed. runtime/cli.py makes them at start
+and hands them to the App; the App makes them anew for each reload.
 `engine_settings` gives one engine its EngineSettings from those parts (at
 the handshake and for a reload: runner.EngineRunner.engine_settings). This
 module never calls the loader.

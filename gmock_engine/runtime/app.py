@@ -7,14 +7,15 @@ them (and the metrics endpoint, the summary line, the heap trim), the
 and the ordered, bounded shutdown.
 
 The App is the last stage of start-up (argv -> parsed options -> settings
--> app, cli.py): it takes the parsed options, makes the settings from them
-(settings.from_config; the one place that does, at start and for each
-reload), and each engine's EngineSettings from those at its handshake.
+-> app, cli.py): it takes the settings made from the parsed options and
+runs by them (the process's part: ranks, metrics, the drain, the shutdown),
+and each engine's EngineSettings are made from them at its handshake.
 
 A reload (SIGHUP: cli.py sets `App.request_reload`; config/reload.py decides
 what changed) runs in the App's `config-reloader` greenlet. It re-enters
 the pipeline at the parsed options, read again by the loader stage that
-cli.py handed over (`load`), and builds the settings and every
+cli.py handed over (`load`), and builds the settings anew
+(settings.from_config) and every
 engine's new EngineSettings first (so a token file that cannot be read refuses
 the reload before anything changed), then hands each runner a
 `Reconfiguration`, which its stepper takes between two steps: the engine's

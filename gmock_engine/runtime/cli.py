@@ -1,13 +1,14 @@
 """The program: configuration -> logging -> engines -> signals -> exit status.
 
-Start-up is a pipeline, and this module wires its stages: argv -> the
-parsed options (the loader, config.parse_config: command line > environment
-> config file > default) -> the settings (settings.from_config, made by the
-App) -> the app (app.App; with --processes, processes.run_workers starts
-one process per slice of ranks, each running this pipeline). The loader
-bound to this command line (config.reader) is handed on: a reload (SIGHUP)
-reads the parsed options again with it and goes on from there (config/reload.py)
-without starting over.
+Start-up is a pipeline, and `main` runs its stages in order, each once:
+argv -> the parsed options (the loader, config.parse_config: command line >
+environment > config file > default) -> logging -> the settings
+(settings.from_config) -> the app (app.App, which runs by the settings).
+With --processes the parsed options go to a pipeline of their own instead:
+processes.run_workers starts one process per slice of ranks, each running
+this one. The loader bound to this command line (config.reader) is handed
+on: a reload (SIGHUP) reads the parsed options again with it and goes on
+from there (config/reload.py) without starting over.
 
 Exit status: 0 after SIGINT/SIGTERM (or --exit-when-frontend-gone), 1 when any
 greenlet failed, 2 for a bad configuration (nothing was connected then). A
