@@ -5,7 +5,9 @@ The second stage of start-up (argv -> parsed options -> settings -> app,
 runtime/cli.py): `from_config(c)` reads the parsed options (parsed.py: of
 config.parse_config at start, of a reload's reading, reload.py) once and
 returns `Settings`: the latency model, generation, the
-scheduler's limits, the KV cache, LoRA, P/D, faults and logging, each typed.
+scheduler's limits, the KV cache, LoRA, P/D, faults, logging and the
+process around the engines, each typed. runtime/cli.py makes them at start
+and hands them to the App; the App makes them anew for each reload.
 `engine_settings` gives one engine its EngineSettings from those parts (at
 the handshake and for a reload: runner.EngineRunner.engine_settings). This
 module never calls the loader.
@@ -196,6 +198,38 @@ class LoggingSettings:
 
 
 @dataclass(frozen=True)
+class ProcessSettings:
+    """The process around the engines (runtime/app.py, runtime/runner.py):
+    which ranks it serves and where, the frontend watch, the metrics
+    endpoint, how it stops."""
+
+    handshake_address: str
+    #: the first DP rank of this process and how many engines it runs
+    first_rank: int
+    engine_count: int
+    data_parallel_size: int
+    #: --protocol-version as given: the wire layout, or auto (detected from the first ADD)
+    protocol_version: Any
+    frontend_heartbeat: float
+    #: seconds; None: never
+    exit_when_frontend_gone: Optional[float]
+    #: --kv-events-config (kv_publisher.py); None: off
+    kv_events_config: Any
+    #: None: no metrics endpoint
+    metrics_port: Optional[int]
+    metrics_host: str
+    #: --on-stop: exit | abort | finish
+    on_stop: str
+    drain_timeout: float
+    send_dead_on_exit: bool
+
+    @property
+    def ranks(self) -> range:
+        """The DP ranks of this process's engines."""
+        return range(self.first_rank, self.first_rank + self.engine_count)
+
+
+@dataclass(frozen=True)
 class Settings:
     """Every part's settings, from one parsed configuration."""
 
@@ -209,6 +243,8 @@ class Settings:
     #: every configured --fault-*, in faults.KINDS order
     faults: Tuple[FaultSpec, ...]
     logging: LoggingSettings
+    #: the process around the engines
+    process: ProcessSettings
     #: --replay, --replay-match; None: off
     replay: Optional[replay.ReplaySettings] = None
 
@@ -287,6 +323,21 @@ def from_config(c: Any) -> Settings:
             c.replay_match,
             range(c.data_parallel_start_rank, c.data_parallel_start_rank + c.engine_count),
             c.data_parallel_size or c.data_parallel_start_rank + c.engine_count,
+        ),
+        process=ProcessSettings(
+            handshake_address=c.handshake_address,
+            first_rank=c.data_parallel_start_rank,
+            engine_count=c.engine_count,
+            data_parallel_size=c.data_parallel_size,
+            protocol_version=c.protocol_version,
+            frontend_heartbeat=c.frontend_heartbeat,
+            exit_when_frontend_gone=c.exit_when_frontend_gone,
+            kv_events_config=events,
+            metrics_port=c.metrics_port,
+            metrics_host=c.metrics_host,
+            on_stop=c.on_stop,
+            drain_timeout=c.drain_timeout,
+            send_dead_on_exit=c.send_dead_on_exit,
         ),
     )
 

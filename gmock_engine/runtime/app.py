@@ -7,14 +7,15 @@ them (and the metrics endpoint, the summary line, the heap trim), the
 and the ordered, bounded shutdown.
 
 The App is the last stage of start-up (argv -> parsed options -> settings
--> app, cli.py): it takes the parsed options, makes the settings from them
-(settings.from_config; the one place that does, at start and for each
-reload), and each engine's EngineSettings from those at its handshake.
+-> app, cli.py): it takes the settings made from the parsed options and
+runs by them (the process's part: ranks, metrics, the drain, the shutdown),
+and each engine's EngineSettings are made from them at its handshake.
 
 A reload (SIGHUP: cli.py sets `App.request_reload`; config/reload.py decides
 what changed) runs in the App's `config-reloader` greenlet. It re-enters
 the pipeline at the parsed options, read again by the loader stage that
-cli.py handed over (`load`), and builds the settings and every
+cli.py handed over (`load`), and builds the settings anew
+(settings.from_config) and every
 engine's new EngineSettings first (so a token file that cannot be read refuses
 the reload before anything changed), then hands each runner a
 `Reconfiguration`, which its stepper takes between two steps: the engine's
@@ -53,17 +54,22 @@ HEAP_TRIM_INTERVAL_S = 60.0
 class App:
     """All engines of this process, their supervisor and the ZMQ context.
 
-    `config` are the parsed options (config/parsed.py); `load` reads them again
-    for a reload (SIGHUP): cli.py gives the loader bound to the process's
-    command line (config.reader)."""
+    `settings` are what the settings stage made of `config`, the parsed
+    options (config/parsed.py): the App runs by them. It keeps `config`
+    only for what goes on from the parsed options: a reload compares what
+    `load` reads again with them (cli.py gives the loader bound to the
+    process's command line, config.reader), and READY reports them as
+    configured (runner.py)."""
 
-    def __init__(self, config: Any, load: Optional[Callable[[], Any]] = None) -> None:
+    def __init__(self, settings: Settings, config: Any, load: Optional[Callable[[], Any]] = None) -> None:
+        #: The parsed options in force (a reload compares with them).
         self.config = config
         self.load = load
-        #: The settings stage: the engines' typed parts from `config`; a reload makes them anew.
-        self.settings = from_config(config)
+        #: The settings in force: the engines' typed parts and the process's; a reload makes them anew.
+        self.settings = settings
+        process = settings.process
         #: One layout for all engines of the process: they serve one frontend (§8.2).
-        self.wire = Wire.from_setting(config.protocol_version, logger.info)
+        self.wire = Wire.from_setting(process.protocol_version, logger.info)
         self.ctx = zmq.Context()
         self.supervisor = Supervisor()
         self.metrics_server: Optional[Any] = None
@@ -75,10 +81,9 @@ class App:
         self.reloads: Counter = Counter()
         self._reload_wanted = gevent.event.Event()
         self.summary: Optional[gevent.Greenlet] = None
-        first = config.data_parallel_start_rank
         self.runners = [
-            EngineRunner(self.ctx, self.supervisor, rank, config, self.settings, self.wire, self._on_crash, self._on_frontend_gone)
-            for rank in range(first, first + config.engine_count)
+            EngineRunner(self.ctx, self.supervisor, rank, config, settings, self.wire, self._on_crash, self._on_frontend_gone)
+            for rank in process.ranks
         ]
 
     def _on_crash(self, runner: EngineRunner) -> None:
@@ -92,7 +97,7 @@ class App:
         """--exit-when-frontend-gone: an engine's frontend has been gone that
         long; once every joined engine's has (crashed ones aside), stop as
         SIGTERM does: the ordinary ordered shutdown, exit status 0."""
-        limit = self.config.exit_when_frontend_gone
+        limit = self.settings.process.exit_when_frontend_gone
         links = [r.watch.link for r in self.runners if not r.crashed]
         if limit is not None and frontend_link.expired(links, limit, time.monotonic()):
             logger.warning("the frontend has been gone for {:g} s or more (--exit-when-frontend-gone); stopping", limit)
@@ -100,7 +105,7 @@ class App:
 
     def start(self) -> None:
         """Bind the metrics endpoint (OSError if it cannot), then start every engine."""
-        c = self.config
+        c = self.settings.process
         if c.metrics_port is not None:
             from gmock_engine.runtime import metrics  # prometheus_client only when asked for
 
@@ -108,7 +113,7 @@ class App:
             self.supervisor.spawn("metrics-server", self.metrics_server.serve_forever)
         for runner in self.runners:
             runner.start()
-        self._start_summary(c.summary_interval)
+        self._start_summary(self.settings.logging.summary_interval)
         self.supervisor.spawn("config-reloader", self._reloader)
         trim = _malloc_trim()
         if trim is not None:
@@ -151,8 +156,8 @@ class App:
                 plans = self._plan(found, parts)
             except (OSError, ValueError) as exc:  # e.g. a token file gone since the check
                 found = reload.refused(f"{type(exc).__name__}: {exc}")
-        first = self.config.data_parallel_start_rank
-        engines = f"engines {first}..{first + self.config.engine_count - 1}"
+        process = self.settings.process
+        engines = f"engines {process.first_rank}..{process.first_rank + process.engine_count - 1}"
         if found.error is not None:
             self.reloads["refused"] += 1
             logger.error(found.refused_line(self.generation, engines))
@@ -163,18 +168,18 @@ class App:
             logger.warning(reload.fixed_line(found.fixed))
         new = found.config
         if found.changed(("log_level", "log_json")):
-            logs.set_level(new.log_level, new.log_json)
+            logs.set_level(parts.logging.log_level, parts.logging.log_json)
         if found.changed(("summary_interval",)):
             if self.summary is not None:
                 self.summary.kill(block=False)
                 self.summary = None
-            self._start_summary(new.summary_interval)
+            self._start_summary(parts.logging.summary_interval)
         self.config = new
         self.settings = parts
         self.generation = generation
         self.loaded_at = time.time()
         self.reloads["applied"] += 1
-        specs = list(new.faults) if found.changed(reload.FAULTS) else None
+        specs = list(parts.faults) if found.changed(reload.FAULTS) else None
         for runner, engine in plans:
             runner.reconfigure(Reconfiguration(generation, new, engine, specs, parts))
         return True
@@ -212,7 +217,7 @@ class App:
         """Block until stop() or a failure; drain if configured; shut down in
         order; exit status."""
         self.supervisor.stop_event.wait()
-        if self.supervisor.failure is None and self.config.on_stop != "exit":
+        if self.supervisor.failure is None and self.settings.process.on_stop != "exit":
             self.drain()
         self.shutdown()
         return 1 if self.supervisor.failure else 0
@@ -224,12 +229,13 @@ class App:
         aborts the rest; abort ends them all at once. The frontends get an
         output for every request either way, so no stream is left hanging.
         """
-        finish = self.config.on_stop == "finish"
+        process = self.settings.process
+        finish = process.on_stop == "finish"
         logger.info("draining: {} in-flight requests", "finishing" if finish else "aborting")
         for runner in self.runners:
             runner.request_drain(finish)
-        if finish and not self._wait_drained(self.config.drain_timeout):
-            logger.warning("drain timeout ({} s) reached; aborting what is left", self.config.drain_timeout)
+        if finish and not self._wait_drained(process.drain_timeout):
+            logger.warning("drain timeout ({} s) reached; aborting what is left", process.drain_timeout)
             for runner in self.runners:
                 runner.request_drain(False)
         if not self._wait_drained(DRAIN_ABORT_TIMEOUT_S):
@@ -252,7 +258,7 @@ class App:
             self.metrics_server.stop(timeout=KILL_TIMEOUT_S)
         inputs = [g for r in self.runners for g in r.input_greenlets()]
         gevent.killall(inputs, block=True, timeout=KILL_TIMEOUT_S)
-        flushers = [gevent.spawn(r.flush_output, self.config.send_dead_on_exit) for r in self.runners]
+        flushers = [gevent.spawn(r.flush_output, self.settings.process.send_dead_on_exit) for r in self.runners]
         gevent.joinall(flushers, timeout=SENDER_FLUSH_TIMEOUT_S + 2 * KILL_TIMEOUT_S)
         # No sender may still be in `send` when its socket closes (a ZMQError
         # there would turn a clean stop into a failure).

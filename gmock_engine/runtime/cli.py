@@ -1,13 +1,14 @@
 """The program: configuration -> logging -> engines -> signals -> exit status.
 
-Start-up is a pipeline, and this module wires its stages: argv -> the
-parsed options (the loader, config.parse_config: command line > environment
-> config file > default) -> the settings (settings.from_config, made by the
-App) -> the app (app.App; with --processes, processes.run_workers starts
-one process per slice of ranks, each running this pipeline). The loader
-bound to this command line (config.reader) is handed on: a reload (SIGHUP)
-reads the parsed options again with it and goes on from there (config/reload.py)
-without starting over.
+Start-up is a pipeline, and `main` runs its stages in order, each once:
+argv -> the parsed options (the loader, config.parse_config: command line >
+environment > config file > default) -> logging -> the settings
+(settings.from_config) -> the app (app.App, which runs by the settings).
+With --processes the parsed options go to a pipeline of their own instead:
+processes.run_workers starts one process per slice of ranks, each running
+this one. The loader bound to this command line (config.reader) is handed
+on: a reload (SIGHUP) reads the parsed options again with it and goes on
+from there (config/reload.py) without starting over.
 
 Exit status: 0 after SIGINT/SIGTERM (or --exit-when-frontend-gone), 1 when any
 greenlet failed, 2 for a bad configuration (nothing was connected then). A
@@ -34,6 +35,7 @@ from gmock_engine import __version__
 from gmock_engine.runtime import kv_publisher as kv_event_publisher
 from gmock_engine.runtime.app import App
 from gmock_engine.config.loader import format_config, parse_config, reader
+from gmock_engine.config.settings import from_config
 from gmock_engine.utils.logs import setup_logging
 from gmock_engine.config.parsed import ConfigError
 from gmock_engine.wire.handshake import COORDINATOR_WAIT_HINT, reach_hint, tcp_host_port
@@ -170,7 +172,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # collect rarely.
     gc.freeze()
     gc.set_threshold(GC_THRESHOLD, 50, 100)
-    app = App(config, load=read)  # the parsed options -> the settings -> the app
+    settings = from_config(config)  # the parsed options -> the settings
+    app = App(settings, config, load=read)  # the settings -> the app
     signals_seen = []
 
     def on_signal(signum: int) -> None:

@@ -101,6 +101,22 @@ def reload_workers(config: Any, read: Callable[[], Any], workers: Sequence[Any])
     return found.config
 
 
+def _reloader(config: Any, read: Callable[[], Any], workers: Sequence[Any], wanted: Any, stop: Any) -> None:
+    """The supervisor's reloads, one at a time: each SIGHUP (`wanted`) re-enters
+    at the parsed options (reload_workers), until the run stops; `config`
+    is the configuration in force at start."""
+    current = config
+    while True:
+        wanted.wait()
+        wanted.clear()
+        if stop.is_set():
+            continue
+        try:
+            current = reload_workers(current, read, workers)
+        except Exception:  # noqa: BLE001 - a reload must not end the run; say why
+            logger.exception("config reload failed in the supervisor; the workers go on as they are")
+
+
 def run_workers(config: Any, argv: Sequence[str], read: Callable[[], Any]) -> int:
     """Start and supervise the workers (each runs this command line `argv`
     with its slice of ranks); `read` reads the parsed options again for a
@@ -158,20 +174,7 @@ def run_workers(config: Any, argv: Sequence[str], read: Callable[[], Any]) -> in
     reload_wanted = gevent.event.Event()
     # The handler only asks; the check and the passing on run in a greenlet.
     handlers.append(gevent.signal_handler(signal.SIGHUP, reload_wanted.set))
-
-    def reloader() -> None:
-        current = config
-        while True:
-            reload_wanted.wait()
-            reload_wanted.clear()
-            if stop.is_set():
-                continue
-            try:
-                current = reload_workers(current, read, workers)
-            except Exception:  # noqa: BLE001 - a reload must not end the run; say why
-                logger.exception("config reload failed in the supervisor; the workers go on as they are")
-
-    watchers.append(gevent.spawn(reloader))
+    watchers.append(gevent.spawn(_reloader, config, read, workers, reload_wanted, stop))
     try:
         stop.wait()
         for worker in workers:

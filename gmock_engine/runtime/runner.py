@@ -100,9 +100,11 @@ class EngineRunner:
         self.ctx = ctx
         self.supervisor = supervisor
         self.rank = rank
+        #: The parsed options in force: READY reports them as configured (wire/handshake.py).
         self.config = config
-        #: The settings stage's parts (App.settings): the handshake builds the EngineSettings from them.
+        #: The settings stage's parts (App.settings): the engine runs by them; the handshake builds the EngineSettings from them.
         self.parts = settings
+        process = settings.process
         self.wire = wire
         self.log = logger.bind(engine=rank)
         self.sockets: Optional[transport.EngineSockets] = None
@@ -118,7 +120,7 @@ class EngineRunner:
         self.joined = gevent.event.Event()
         #: The watch of the frontend (frontend_watch.py) and its greenlet, once joined.
         self.watch = frontend_watch.FrontendWatch(
-            rank, self.log, config.frontend_heartbeat, config.exit_when_frontend_gone, on_frontend_gone,
+            rank, self.log, process.frontend_heartbeat, process.exit_when_frontend_gone, on_frontend_gone,
             busy=lambda: self.engine is not None and self.engine.has_work,
         )
         self.watcher: Optional[gevent.Greenlet] = None
@@ -134,7 +136,7 @@ class EngineRunner:
         self._fault_hooks = fault_injection.RuntimeHooks(rank, self.log, supervisor.spawn, self.links.queue_output, self._vanish)
         #: The fault layer (fault_injection.py): NoFaults unless a --fault-*
         #: applies to this rank. Its gates stay the same across reloads.
-        self.injector, _ = fault_injection.build(getattr(config, "faults", ()), config.seed, self._fault_hooks)
+        self.injector, _ = fault_injection.build(settings.faults, settings.generation.seed, self._fault_hooks)
         self.links.set_gates(self.injector.flowing, self.injector.outputs_flowing)
         #: Which faults fired, by kind (faults.Faults; the `fault_*` counters).
         self.faults = self.injector.faults
@@ -147,11 +149,11 @@ class EngineRunner:
         self._pending: Optional[Reconfiguration] = None
         # -- KV-cache events (kv_publisher.py): None unless --kv-events-config enables them --
         self.kv_events: Optional[kv_event_publisher.KVEventPublisher] = None
-        events_config = getattr(config, "kv_events_config", None)
+        events_config = process.kv_events_config
         if events_config is not None and events_config.enabled:
             # the format of the frontend's era, read per batch: `auto` learns it from the first ADD
             self.kv_events = kv_event_publisher.KVEventPublisher(
-                ctx, events_config, rank, config.block_size, self.log, self.throttle, lambda: self.faults,
+                ctx, events_config, rank, settings.kv.block_size, self.log, self.throttle, lambda: self.faults,
                 lambda: kv_events.EventFormat.of(self.wire.layout),
             )
 
@@ -195,7 +197,7 @@ class EngineRunner:
 
     def _handshake(self) -> None:
         self.sockets, init = transport.join_frontend(
-            self.watch.context(self.ctx), self.rank, self.config.handshake_address, self.ready_response, self.ready_message,
+            self.watch.context(self.ctx), self.rank, self.parts.process.handshake_address, self.ready_response, self.ready_message,
             on_init=lambda init: self.got_init.set(),
         )
         # From here to the end no greenlet runs in between: a reload meanwhile
@@ -402,7 +404,7 @@ class EngineRunner:
         """The fault layer in place of the current one, with the specs
         `change` brings (the engine's, when joined); its timer loop or None."""
         self.injector, fire_timed = fault_injection.build(
-            change.faults, change.config.seed, self._fault_hooks, previous=self.injector, now=time.monotonic(), engine=self.engine
+            change.faults, self.parts.generation.seed, self._fault_hooks, previous=self.injector, now=time.monotonic(), engine=self.engine
         )
         self.faults = self.injector.faults
         return fire_timed

@@ -182,10 +182,12 @@ def test_a_running_engine_survives_a_flood_of_fuzzed_frames():
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from fake_frontend import FakeFrontend
     from gmock_engine.config.loader import parse_config
+    from gmock_engine.config.settings import from_config
     from gmock_engine.runtime.app import App
 
     frontend = FakeFrontend(num_clients=1, dp=1)
-    app = App(parse_config(["--handshake-address", frontend.handshake_address, "--log-level", "ERROR"], env={}))
+    config = parse_config(["--handshake-address", frontend.handshake_address, "--log-level", "ERROR"], env={})
+    app = App(from_config(config), config)
     app.start()
     waiter = gevent.spawn(app.run_until_stopped)
     try:

@@ -18,12 +18,13 @@ from gmock_engine.config.loader import parse_config
 from gmock_engine.wire.eras import WIRE_LAYOUTS
 from gmock_engine.wire.types import FinishReason
 from gmock_engine.runtime.app import App
+from gmock_engine.config.settings import from_config
 from gmock_engine.tools import frontend as frontend_tools
 
 
 def start_app(frontend, *extra):
     config = parse_config(["--handshake-address", frontend.handshake_address, *extra], env={})
-    app = App(config)
+    app = App(from_config(config), config)
     app.start()
     waiter = gevent.spawn(app.run_until_stopped)
     return app, waiter

@@ -16,11 +16,13 @@ from loguru import logger
 from fake_frontend import FakeFrontend
 from gmock_engine.runtime import metrics
 from gmock_engine.runtime.app import App
+from gmock_engine.config.settings import from_config
 from gmock_engine.config.loader import parse_config
 
 
 def _start(frontend, *flags):
-    app = App(parse_config(["--handshake-address", frontend.handshake_address, "--summary-interval", "0", *flags], env={}))
+    config = parse_config(["--handshake-address", frontend.handshake_address, "--summary-interval", "0", *flags], env={})
+    app = App(from_config(config), config)
     app.start()
     waiter = gevent.spawn(app.run_until_stopped)
     frontend.accept_engines()
@@ -208,7 +210,8 @@ def test_heartbeats_notice_a_frontend_that_answers_nothing_and_its_return():
     try:
         address = proc.stdout.readline().strip()  # blocks the hub, but nothing runs in it yet
         argv = ["--handshake-address", address, "--summary-interval", "0", "--frontend-heartbeat", "0.2"]
-        app = App(parse_config(argv, env={}))
+        config = parse_config(argv, env={})
+        app = App(from_config(config), config)
         app.start()
         waiter = gevent.spawn(app.run_until_stopped)
         assert app.wait_joined(10)

@@ -18,6 +18,7 @@ from gmock_engine.config.loader import parse_config
 from gmock_engine.kv.events import END_SEQ
 from gmock_engine.core.prefix_cache import block_hashes
 from gmock_engine.runtime.app import App
+from gmock_engine.config.settings import from_config
 from gmock_engine.tools.procgroup import free_ports
 
 EVENTS = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0", "topic": "kv@mock"}'
@@ -58,7 +59,7 @@ def serving(*flags, dp=1, events=EVENTS, before_start=lambda frontend: None):
          "--block-size", str(BS), "--kv-events-config", events, *flags], env={},
     )  # fmt: skip
     before_start(frontend)
-    app = App(config)
+    app = App(from_config(config), config)
     app.start()
     waiter = gevent.spawn(app.run_until_stopped)
     frontend.accept_engines()

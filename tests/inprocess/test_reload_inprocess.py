@@ -17,6 +17,7 @@ from gmock_engine.config.loader import parse_config
 from gmock_engine.wire.eras import WIRE_LAYOUTS
 from gmock_engine.wire.types import FinishReason
 from gmock_engine.runtime.app import App
+from gmock_engine.config.settings import from_config
 from gmock_engine.content.tokens import RandomTokens
 
 ERROR_POSITION = WIRE_LAYOUTS["0.33"].output_position("error")
@@ -36,7 +37,8 @@ class LiveConfig:
 @contextlib.contextmanager
 def reloadable(frontend, live, *flags, dp=1):
     argv = ["--handshake-address", frontend.handshake_address, "--config", str(live.path), *flags]
-    app = App(parse_config(argv, env={}), load=lambda: parse_config(argv, env={}))
+    config = parse_config(argv, env={})
+    app = App(from_config(config), config, load=lambda: parse_config(argv, env={}))
     lines = []
     sink = logger.add(lambda message: lines.append(str(message)), level="INFO")
     app.start()
@@ -220,7 +222,8 @@ def test_a_reload_during_the_handshake_is_what_the_engine_starts_with(tmp_path):
     live = LiveConfig(tmp_path, "")
     frontend = FakeFrontend(num_clients=1, dp=1)
     argv = ["--handshake-address", frontend.handshake_address, "--config", str(live.path)]
-    app = App(parse_config(argv, env={}), load=lambda: parse_config(argv, env={}))
+    config = parse_config(argv, env={})
+    app = App(from_config(config), config, load=lambda: parse_config(argv, env={}))
     app.start()
     waiter = gevent.spawn(app.run_until_stopped)
     try:

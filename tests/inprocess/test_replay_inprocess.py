@@ -16,6 +16,7 @@ import gevent
 from fake_frontend import FakeFrontend
 from gmock_engine.timing import trace
 from gmock_engine.runtime.app import App
+from gmock_engine.config.settings import from_config
 from gmock_engine.config.loader import parse_config
 from gmock_engine.wire.types import FinishReason
 
@@ -61,7 +62,7 @@ def write_trace(path):
 def test_a_recorded_run_comes_back_with_its_ids_counts_finishes_and_times(tmp_path):
     frontend = FakeFrontend(num_clients=1, dp=1)
     config = parse_config(["--handshake-address", frontend.handshake_address, "--replay", write_trace(tmp_path / "t.jsonl")], env={})
-    app = App(config)
+    app = App(from_config(config), config)
     app.start()
     waiter = gevent.spawn(app.run_until_stopped)
     try:

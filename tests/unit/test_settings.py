@@ -41,6 +41,27 @@ def test_each_part_gets_its_flags():
     assert parts().pd is None and parts().generation.output_lengths is None
 
 
+def test_the_process_part_carries_what_the_app_and_its_runners_run_by():
+    p = parts(
+        "--handshake-address", "tcp://10.0.0.5:29999", "--data-parallel-start-rank", "2", "--engine-count", "3",
+        "--data-parallel-size", "8", "--frontend-heartbeat", "0.5", "--exit-when-frontend-gone", "9",
+        "--metrics-port", "9100", "--metrics-host", "0.0.0.0", "--on-stop", "finish", "--drain-timeout", "4",
+        "--send-dead-on-exit", "--prefix-caching", "--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "zmq"}',
+    )  # fmt: skip
+    assert p.process == settings.ProcessSettings(
+        handshake_address="tcp://10.0.0.5:29999", first_rank=2, engine_count=3, data_parallel_size=8,
+        protocol_version=p.process.protocol_version, frontend_heartbeat=0.5, exit_when_frontend_gone=9.0,
+        kv_events_config=p.process.kv_events_config, metrics_port=9100, metrics_host="0.0.0.0", on_stop="finish",
+        drain_timeout=4.0, send_dead_on_exit=True,
+    )  # fmt: skip
+    assert p.process.ranks == range(2, 5) and p.process.kv_events_config.enabled and p.kv.kv_events
+    default = parts().process
+    assert (default.first_rank, default.engine_count, default.data_parallel_size, default.metrics_port) == (0, 1, 1, None)
+    assert (default.on_stop, default.exit_when_frontend_gone, default.kv_events_config) == ("exit", None, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        default.on_stop = "abort"
+
+
 def test_the_parts_are_frozen():
     p = parts()
     for part in (p, p.generation, p.scheduler, p.kv, p.lora, p.logging, p.latency):
