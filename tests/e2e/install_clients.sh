@@ -3,8 +3,16 @@
 # clients"), each in a venv of its own under the frontends' cache, for the docs
 # test's slow step (tests/e2e/test_docs_commands.py, GMOCK_DOCS_SLOW=1):
 #
-#   $GMOCK_FRONTENDS_HOME/clients/guidellm/   guidellm==$GUIDELLM_VERSION (brings torch)
+#   $GMOCK_FRONTENDS_HOME/clients/guidellm/   guidellm==$GUIDELLM_VERSION
 #   $GMOCK_FRONTENDS_HOME/clients/aiperf/     aiperf==$AIPERF_VERSION
+#
+# GuideLLM requires torch (and transformers), which pip takes from PyPI as the
+# CUDA build: about 6 GB and many minutes. The Python frontend's venv
+# (tests/e2e/install_frontends.sh, installed first) holds a CPU torch and
+# transformers: when it is there, GuideLLM's venv is made from that venv's
+# interpreter and a .pth file appends its site-packages, so pip finds both
+# installed (GuideLLM's own venv goes first on sys.path: what pip installs
+# there wins). About 0.35 GB then.
 #
 # Idempotent: a venv whose mark names its version is kept (a rerun costs a file
 # test); an interrupted install is redone (the venv's mark is written last, after
@@ -27,7 +35,15 @@ install_client() {
   t0=$(date +%s)
   echo "install_clients: installing $name==$version into $dest (GuideLLM brings torch: a few GB, minutes)" >&2
   rm -rf "$dest"
-  "${PYTHON:-python3}" -m venv "$dest"
+  local base="$HOME_DIR/venv"
+  if [[ "$name" == guidellm && -x "$base/bin/python" ]]; then
+    "$base/bin/python" -m venv "$dest"
+    local site
+    site="$("$dest/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    "$base/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' >"$site/gmock-clients-shared-torch.pth"
+  else
+    "${PYTHON:-python3}" -m venv "$dest"
+  fi
   if ! "$dest/bin/python" -m pip install -q --disable-pip-version-check "$name==$version" >&2; then
     echo "install_clients: installing $name==$version failed (pip's error above); run this script again to retry" >&2
     exit 1
