@@ -33,7 +33,7 @@ install_client() {
   fi
   local t0
   t0=$(date +%s)
-  echo "install_clients: installing $name==$version into $dest (GuideLLM brings torch: a few GB, minutes)" >&2
+  echo "install_clients: installing $name==$version into $dest (minutes)" >&2
   rm -rf "$dest"
   local base="$HOME_DIR/venv"
   if [[ "$name" == guidellm && -x "$base/bin/python" ]]; then
