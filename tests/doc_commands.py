@@ -182,3 +182,35 @@ def documented_commands(repo: Path) -> List[DocCommand]:
     for path in documented_pages(repo):
         out.extend(commands_in(path.read_text(encoding="utf-8"), path.relative_to(repo).as_posix()))
     return out
+
+
+# -- what the load clients report (their own output formats) --------------------------------
+
+_GUIDELLM_DONE = re.compile(r"\): completed \|.*?successful=(\d+) errored=(\d+)")
+_AIPERF_ROW = re.compile(r"^\s*│\s*([^│]*?)\s*│\s*([\d,.]+)\s*│")
+
+
+def guidellm_counts(out: str) -> Optional[Tuple[int, int]]:
+    """(successful, errored) requests of GuideLLM 0.8's last completed benchmark, from
+    its progress log line ("Benchmark 1 (constant@10.00): completed | ... successful=50
+    errored=0 ..."); None when no benchmark completed."""
+    found = _GUIDELLM_DONE.findall(out)
+    return (int(found[-1][0]), int(found[-1][1])) if found else None
+
+
+def aiperf_counts(out: str) -> Tuple[Optional[float], List[str]]:
+    """(the "Request Count" of aiperf's summary table or None, the error rows whose
+    value is not 0: "Request Error Rate (%)", an "Error Request Count"; not "Completed
+    Requests (Success + Error)", which counts every request)."""
+    count: Optional[float] = None
+    errors: List[str] = []
+    for line in out.splitlines():
+        m = _AIPERF_ROW.match(line)
+        if not m:
+            continue
+        label, value = m.group(1), float(m.group(2).replace(",", ""))
+        if label.startswith("Request Count"):
+            count = value
+        elif "Error" in label and "Success" not in label and value != 0:
+            errors.append(line.strip())
+    return count, errors

@@ -265,18 +265,14 @@ def check_output(text: str, row: table.Run, out: str, v: Values) -> None:
 
 def assert_guidellm_ok(text: str, out: str) -> None:
     """GuideLLM 0.8's progress log: the benchmark completed, some requests succeeded, none errored."""
-    m = re.search(r"\): completed \|.*?successful=(\d+) errored=(\d+)", out)
-    assert m, f"{text}: no completed benchmark in its log\n{out[-4000:]}"
-    assert int(m.group(1)) > 0 and int(m.group(2)) == 0, f"{text}: {m.group(0)}\n{out[-4000:]}"
+    counts = dc.guidellm_counts(out)
+    assert counts and counts[0] > 0 and counts[1] == 0, f"{text}: (successful, errored) {counts}\n{out[-4000:]}"
 
 
 def assert_aiperf_ok(text: str, out: str) -> None:
     """aiperf's summary table: a request count, and every error row at 0."""
-    m = re.search(r"Request Count \(requests\) *│ *([\d,.]+)", out)
-    assert m and float(m.group(1).replace(",", "")) > 0, f"{text}: no requests counted\n{out[-4000:]}"
-    errors = [line for line in out.splitlines()
-              if "Error" in line and re.search(r"│ *([\d,.]+) *│", line)
-              and float(re.search(r"│ *([\d,.]+) *│", line).group(1).replace(",", "")) != 0]  # fmt: skip
+    count, errors = dc.aiperf_counts(out)
+    assert count, f"{text}: no requests counted\n{out[-4000:]}"
     assert not errors, f"{text}: errors\n" + "\n".join(errors)
 
 

@@ -89,6 +89,34 @@ def test_pages_include_every_doc_page_even_an_unknown_one(tmp_path):
     assert {c.page for c in dc.documented_commands(tmp_path)} == set(pages)
 
 
+# -- what the load clients report --------------------------------------------------------
+
+#: Lines of real runs against ./run.sh serve (GuideLLM 0.8.1, aiperf 0.13.0).
+GUIDELLM_LOG = (
+    "26-12-07 02:58:13|INFO |guidellm.benchmark.progress:_log_update:420 - Benchmark 1 (constant@10.00): pending | "
+    "elapsed=40.3s | successful=0 errored=0 incomplete=0 | requests/s=0.00 output_tokens/s=0.00\n"
+    "26-12-07 02:58:30|INFO |guidellm.benchmark.progress:_log_update:420 - Benchmark 1 (constant@10.00): completed | "
+    "elapsed=56.9s | successful=50 errored=0 incomplete=1 | requests/s=10.00 output_tokens/s=1280.00\n")
+AIPERF_TABLE = (
+    "│          Completed Requests (Success + Error) │      20.00 │      N/A │        N/A │\n"
+    "│                                    (requests) │            │          │            │\n"
+    "│                        Request Error Rate (%) │       0.00 │      N/A │        N/A │\n"
+    "│                      Request Count (requests) │      20.00 │      N/A │        N/A │\n")
+
+
+def test_guidellm_counts_come_from_its_completed_line():
+    assert dc.guidellm_counts(GUIDELLM_LOG) == (50, 0)
+    assert dc.guidellm_counts(GUIDELLM_LOG.replace("successful=50 errored=0", "successful=47 errored=3")) == (47, 3)
+    assert dc.guidellm_counts(GUIDELLM_LOG.split("\n")[0]) is None  # never completed
+
+
+def test_aiperf_counts_read_the_summary_table():
+    assert dc.aiperf_counts(AIPERF_TABLE) == (20.0, [])
+    count, errors = dc.aiperf_counts(AIPERF_TABLE.replace("Error Rate (%) │       0.00", "Error Rate (%) │      15.00"))
+    assert count == 20.0 and len(errors) == 1 and "Request Error Rate" in errors[0]
+    assert dc.aiperf_counts("Error: HookError")[0] is None
+
+
 # -- the docs against the table -------------------------------------------------------------
 
 
