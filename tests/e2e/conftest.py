@@ -43,11 +43,18 @@ def pytest_collection_modifyitems(config, items):
         reason="compares timing with a real engine core, which another test's load would distort: "
         "run alone with GMOCK_SOLO=1 GMOCK_TEST_WORKERS=0 ./run.sh test -m solo (.ci/run does, after the suite)"
     )
+    docs_slow = os.environ.get("GMOCK_DOCS_SLOW") == "1"
+    skip_docs_slow = pytest.mark.skip(
+        reason="a documented command with a heavy client (GuideLLM, aiperf) or the Python frontend: "
+        "GMOCK_DOCS_SLOW=1 ./run.sh test -m docs_slow tests/e2e/test_docs_commands.py (.ci/run does, after the suite)"
+    )
     for item in items:
         if Path(str(item.path)).resolve().parent == E2E_DIR:
             item.add_marker(pytest.mark.e2e)
         if item.get_closest_marker("solo") is not None and not solo:
             item.add_marker(skip_solo)
+        if item.get_closest_marker("docs_slow") is not None and not docs_slow:
+            item.add_marker(skip_docs_slow)
 
 
 def _selected_topologies():

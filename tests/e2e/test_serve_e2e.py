@@ -347,7 +347,7 @@ def test_tools_and_reasoning_answer_tool_requests_and_plain_ones_with_200(run_se
                      "--", "--max-logprobs", "30"], linked_home)  # fmt: skip
     url = run.ready(timeout=(240 if kind == "python" else 60) * h.TIMEOUT_SCALE)[1]
     model = linked_home / "models" / "mock-vocab32000-len1048576"
-    assert f"model dir {model}: the served tokenizer, for clients (GuideLLM --processor {model}" in run.stderr()
+    assert f"model dir {model}: the served tokenizer, for clients (./run.sh vllm bench serve --tokenizer {model};" in run.stderr()
     needle = "vllm_cli.py" if kind == "python" else "vllm-rs-0.33.0"
     with open(f"/proc/{run.child(needle)}/cmdline", "rb") as f:
         frontend_argv = f.read().decode().split("\0")

@@ -329,8 +329,13 @@ def test_the_engine_loads_the_written_model_dir_as_serve_starts_it(env):
 def test_the_model_dir_is_named_for_clients_tokenizers(env):
     p = serve.plan(["--port", "0"], env)
     line = serve.Serve(p, None, None, env).tokenizer_line()
-    assert line == (f"model dir {p.model}: the served tokenizer, for clients (GuideLLM --processor {p.model}, "
-                    f"vllm bench serve --tokenizer {p.model})")  # fmt: skip
+    assert line == (f"model dir {p.model}: the served tokenizer, for clients (./run.sh vllm bench serve --tokenizer "
+                    f"{p.model}; guidellm run --tokenizer kind=huggingface_auto,model={p.model}; aiperf profile "
+                    f"--tokenizer {p.model}, with HF_HUB_OFFLINE unset; docs/quickstart.md#benchmark-clients)")  # fmt: skip
+    # the page and the section it names exist (the docs test runs the commands there)
+    page, anchor = serve.CLIENTS_DOC.split("#")
+    text = (Path(__file__).resolve().parents[2] / page).read_text()
+    assert re.search(r"^## Benchmark clients$", text, re.M) and anchor == "benchmark-clients"
 
 
 @pytest.mark.parametrize("kind", ["rust", "python"])
