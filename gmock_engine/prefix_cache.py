@@ -60,6 +60,22 @@ def block_hash(parent: int, block_token_ids: Sequence[int]) -> int:
     return hash((parent, tuple(block_token_ids))) & HASH_MASK
 
 
+def mm_block_hashes(token_ids: Sequence[int], block_size: int, previous: int, features: Sequence[Any]) -> Tuple[int, ...]:
+    """`block_hashes` of a prompt with multimodal items: a block that holds
+    any of an item's placeholder tokens is hashed with the items'
+    identifiers as extra keys, as vLLM's `_gen_mm_extra_hash_keys`: the
+    placeholder ids are alike for every image, so the same text with
+    another image shares only the blocks before that image."""
+    hashes = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        end = start + block_size
+        extra = tuple(f.identifier for f in features if f.offset < end and f.offset + f.length > start)
+        block = tuple(token_ids[start:end])
+        previous = hash((previous, block, extra) if extra else (previous, block)) & HASH_MASK
+        hashes.append(previous)
+    return tuple(hashes)
+
+
 class Block:
     """One physical KV block: its hash once cached, and how many running
     requests hold it."""
@@ -111,7 +127,11 @@ class PrefixCache:
         # under another adapter shares no block. A root per adapter does that.
         lora = getattr(request, "lora_request", None)
         root = 0 if lora is None else hash(("lora", lora.lora_name)) & HASH_MASK
-        request.block_hashes = list(block_hashes(token_ids, self.block_size, root))
+        features = getattr(request, "mm_features", ())
+        if features:
+            request.block_hashes = list(mm_block_hashes(token_ids, self.block_size, root, features))
+        else:
+            request.block_hashes = list(block_hashes(token_ids, self.block_size, root))
 
     def admit(self, request: Any, resumed: bool = False) -> int:
         """A request joins the running batch (`resumed`: back after a

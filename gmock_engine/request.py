@@ -112,6 +112,8 @@ class Request:
         "lora_request",
         # P/D disaggregation (kv_transfer.py)
         "kv",
+        # multimodal items (wire/mm_features.py): the encoder cache and the prefix cache's block keys read them
+        "mm_features",
         "status",
         # --replay (replay.py)
         "replay",
@@ -128,6 +130,7 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.client_index = client_index
+        self.mm_features: Tuple[Any, ...] = ()
         self.max_tokens = max_tokens
         self.num_output_tokens = 0
         self.rng_state = rng_state

@@ -101,6 +101,9 @@ class EngineSettings:
     spec_acceptance: Tuple[float, ...] = ()
     #: pooling requests (pooling.py): the sizes of their tensors
     pooling: pooling.PoolingSettings = field(default_factory=pooling.PoolingSettings)
+    #: multimodal caches (mm_cache.py): the receiver cache in bytes, the encoder cache in tokens
+    mm_processor_cache_bytes: int = 4 << 30
+    encoder_cache_tokens: int = 8192
 
 
 #: The EngineSettings a reload (SIGHUP, reload.py) may change while requests
@@ -158,6 +161,9 @@ class KVSettings:
     prefix_caching: bool
     #: --kv-events-config enables them: the prefix cache records its events
     kv_events: bool
+    #: multimodal caches (mm_cache.py): the receiver cache in bytes, the encoder cache in tokens
+    mm_processor_cache_bytes: int = 4 << 30
+    encoder_cache_tokens: int = 8192
 
 
 @dataclass(frozen=True)
@@ -225,6 +231,7 @@ def from_config(c: Any) -> Settings:
             itl_ms_per_request=c.itl_ms_per_request,
             ttft_ms=c.ttft_ms,
             prefill_ms_per_token=c.prefill_ms_per_token,
+            encoder_ms_per_token=c.encoder_ms_per_token,
             jitter=c.jitter,
             time_scale=c.time_scale,
             lora_load_ms=c.lora_load_ms,
@@ -258,6 +265,8 @@ def from_config(c: Any) -> Settings:
             kv_blocks=effective(c, "num_gpu_blocks"),
             prefix_caching=c.prefix_caching,
             kv_events=events is not None and events.enabled,
+            mm_processor_cache_bytes=int(c.mm_processor_cache_gb * (1 << 30)),
+            encoder_cache_tokens=c.encoder_cache_size or c.max_num_batched_tokens,
         ),
         lora=LoRASettings(
             enable_lora=c.enable_lora,
@@ -318,6 +327,8 @@ def engine_settings(
         async_scheduling=sched.async_scheduling,
         prefix_caching=kv.prefix_caching,
         kv_events=kv.kv_events,
+        mm_processor_cache_bytes=kv.mm_processor_cache_bytes,
+        encoder_cache_tokens=kv.encoder_cache_tokens,
         reuse_outputs=True,  # the runtime encodes each message as it is made
         kv_transfer=parts.pd,
         strict_ledger=parts.logging.strict_ledger,
