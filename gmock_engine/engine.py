@@ -409,7 +409,10 @@ class EngineCore:
                 max_tokens,
                 self.chunk,
                 # the adapter it names, for per-adapter counts from the log (docs/lora.md)
-                "" if lora_request is None else f" lora={short(lora_request.lora_name, 60)}",
+                ("" if lora_request is None else f" lora={short(lora_request.lora_name, 60)}")
+                # its multimodal items, and how many came without data (served from the receiver cache)
+                + ("" if not request.mm_features else
+                   f" mm_items={len(request.mm_features)} mm_stripped={sum(f.data_bytes is None for f in request.mm_features)}"),
             )
         if max_tokens == 0:
             return self._answer_now(client, rid, FinishReason.LENGTH)
