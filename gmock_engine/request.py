@@ -114,6 +114,7 @@ class Request:
         "kv",
         # multimodal items (wire/mm_features.py): the encoder cache and the prefix cache's block keys read them
         "mm_features",
+        "block_extra_keys",
         "status",
         # --replay (replay.py)
         "replay",
@@ -131,6 +132,8 @@ class Request:
         self.request_id = request_id
         self.client_index = client_index
         self.mm_features: Tuple[Any, ...] = ()
+        #: each prompt block's extra keys for BlockStored (prefix_cache.mm_block_hashes); None: no image
+        self.block_extra_keys: Optional[List[Any]] = None
         self.max_tokens = max_tokens
         self.num_output_tokens = 0
         self.rng_state = rng_state

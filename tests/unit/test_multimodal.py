@@ -175,7 +175,41 @@ def test_prefix_blocks_include_the_images_identifiers():
     image = [feature("img-a", offset=40, length=30)]
     other = [feature("img-b", offset=40, length=30)]
     plain = prefix_cache.block_hashes(tokens, 16)
-    a, b = hashes(image, tokens), hashes(other, tokens)
+    a, b = hashes(image, tokens)[0], hashes(other, tokens)[0]
     assert a[:2] == b[:2] == plain[:2]  # blocks 0-1 (tokens 0..31) hold no placeholder
     assert all(x != y for x, y in zip(a[2:], b[2:]))  # from the block holding token 40 on, they differ
-    assert hashes(image, tokens) == a  # the same image: the same blocks
+    assert hashes(image, tokens)[0] == a  # the same image: the same blocks
+
+
+def test_block_stored_events_carry_the_images_extra_keys():
+    engine = engine_with(TickClock(), prefix_caching=True, kv_events=True)
+    engine.apply(decoded(0))  # the image's placeholders: tokens 15..2242 of 2252
+    run(engine)
+    stored = [e for e in engine.kv.take_events() if e[0] == prefix_cache.STORED]
+    keys = [k for e in stored for k in e[6]]
+    hashes = [h for e in stored for h in e[1]]
+    assert len(keys) == len(hashes) == 141  # 2252 prompt and 7 generated tokens
+    assert keys[0] == ((FIRST, 15),) and keys[1] == ((FIRST, -1),)  # offsets from each block's start, as vLLM's
+    assert keys[140] == ((FIRST, 15 - 140 * 16),)  # the image's last token, 2242, is in block 140
+    from gmock_engine.kv_events import EventFormat, encode_events
+
+    (event,) = encode_events(stored[:1], 16, EventFormat())
+    assert event["extra_keys"][:2] == [[[FIRST, 15]], [[FIRST, -1]]]
+
+
+@pytest.mark.parametrize("chunk", [1, 40])  # a block at a time; three blocks in one step (the general path)
+def test_an_image_in_the_prompts_last_partial_block_keys_it_when_generated_tokens_fill_it(chunk):
+    def last_block_hash(identifier):
+        engine = engine_with(TickClock(), prefix_caching=True, kv_events=True, output_token_chunk_size=chunk)
+        image = feature(identifier, offset=36, length=4, num_embeds=4)  # tokens 36..39 of 40: in block 2, not full yet
+        engine.apply(EngineCoreRequest("r", prompt_len=40, max_tokens=44, has_sampling_params=True,
+                                       prompt_token_ids=list(range(40)), allowed_token_ids=(5,), mm_features=(image,)))  # fmt: skip
+        run(engine)
+        stored = [e for e in engine.kv.take_events() if e[0] == prefix_cache.STORED]
+        hashes = [h for e in stored for h in e[1]]
+        keys = [k for e in stored for k in (e[6] if len(e) > 6 else [None] * len(e[1]))]
+        assert len(hashes) == 5 and keys == [None, None, ((identifier, 4),), None, None]
+        return hashes
+
+    a, b = last_block_hash("img-a"), last_block_hash("img-b")
+    assert a[:2] == b[:2] and a[2] != b[2]
