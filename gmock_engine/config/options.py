@@ -254,6 +254,11 @@ LATENCY = Group(
             "prefill cost per prompt token, ms: delays the first token and lengthens the step that prefills",
         ),
         _latency(
+            "--encoder-ms-per-token",
+            "vision encoder cost per image token (the positions an image's encoder output fills), ms: lengthens "
+            "the step that prefills the image's placeholder unless the encoder cache holds it",
+        ),
+        _latency(
             "--jitter",
             "each step time and fixed TTFT is scaled by a factor from [1-jitter, 1+jitter] (seeded by --seed)",
             type=float_in(0.0, 1.0),
@@ -460,6 +465,21 @@ READY = Group(
             type=int_at_least(1),
             reload=NEXT_STEP,
             setting="max_num_batched_tokens",
+        ),
+        Option(
+            "--mm-processor-cache-gb",
+            "multimodal receiver cache, GiB: the images (and other items) whose data the frontend's processor cache "
+            "strips are served from it; keep it the frontend's --mm-processor-cache-gb (vLLM's default 4), as a "
+            "smaller one misses (that request ends with a retryable error; docs/multimodal.md)",
+            default=4.0,
+            type=float_at_least(0.0),
+        ),
+        Option(
+            "--encoder-cache-size",
+            "encoder cache, in encoder tokens: an image whose encoder output it holds costs no --encoder-ms-per-token "
+            "again (0: --max-num-batched-tokens, as vLLM sizes it)",
+            default=0,
+            type=int_at_least(0),
         ),
         Option("--vllm-version", "reported vLLM version string (informational)", default="0.33.0"),
     ),

@@ -113,6 +113,9 @@ class EngineSettings:
     spec_acceptance: Tuple[float, ...] = ()
     #: pooling requests (content/pooling.py): the sizes of their tensors
     pooling: pooling.PoolingSettings = field(default_factory=pooling.PoolingSettings)
+    #: multimodal caches (core/mm_cache.py): the receiver cache in bytes, the encoder cache in tokens
+    mm_processor_cache_bytes: int = 4 << 30
+    encoder_cache_tokens: int = 8192
 
 
 #: The EngineSettings a reload (SIGHUP, reload.py) may change while requests
@@ -172,6 +175,9 @@ class KVSettings:
     prefix_caching: bool
     #: --kv-events-config enables them: the prefix cache records its events
     kv_events: bool
+    #: multimodal caches (core/mm_cache.py): the receiver cache in bytes, the encoder cache in tokens
+    mm_processor_cache_bytes: int = 4 << 30
+    encoder_cache_tokens: int = 8192
 
 
 @dataclass(frozen=True)
@@ -264,6 +270,7 @@ def from_config(c: Any) -> Settings:
             itl_ms_per_request=c.itl_ms_per_request,
             ttft_ms=c.ttft_ms,
             prefill_ms_per_token=c.prefill_ms_per_token,
+            encoder_ms_per_token=c.encoder_ms_per_token,
             jitter=c.jitter,
             time_scale=c.time_scale,
             lora_load_ms=c.lora_load_ms,
@@ -299,6 +306,8 @@ def from_config(c: Any) -> Settings:
             kv_blocks=kv_blocks,
             prefix_caching=c.prefix_caching,
             kv_events=events is not None and events.enabled,
+            mm_processor_cache_bytes=int(c.mm_processor_cache_gb * (1 << 30)),
+            encoder_cache_tokens=c.encoder_cache_size or c.max_num_batched_tokens,
         ),
         lora=LoRASettings(
             enable_lora=c.enable_lora,
@@ -374,6 +383,8 @@ def engine_settings(
         async_scheduling=sched.async_scheduling,
         prefix_caching=kv.prefix_caching,
         kv_events=kv.kv_events,
+        mm_processor_cache_bytes=kv.mm_processor_cache_bytes,
+        encoder_cache_tokens=kv.encoder_cache_tokens,
         reuse_outputs=True,  # the runtime encodes each message as it is made
         kv_transfer=parts.pd,
         strict_ledger=parts.logging.strict_ledger,

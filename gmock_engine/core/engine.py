@@ -48,6 +48,7 @@ from gmock_engine.core.ledger import CHECKED_MEMORY, Ledger
 from gmock_engine.content.logprobs import LogprobModel
 from gmock_engine.utils.logs import Throttle, short
 from gmock_engine.core.lora import AdapterRegistry, decode_lora_request
+from gmock_engine.core.mm_cache import EncoderCache, ReceiverCache
 from gmock_engine.core.outbox import COORDINATOR, STATS_INTERVAL_S, LedgerViolation, Outbound, Outbox, StatsCadence
 from gmock_engine.core.prefix_cache import PrefixCache
 from gmock_engine.timing.replay import follow
@@ -64,7 +65,7 @@ from gmock_engine.core.utilities import PAUSE_MODES, SUPPORTED_UTILITIES, Utilit
 from gmock_engine.wire.checks import MAX_XARGS_TTFT_MS, MOCK_XARGS, NO_XARGS, BadXargs, Xargs, check_xargs
 from gmock_engine.wire.eras import WireLayout
 from gmock_engine.wire.inputs import AbortRequests, EngineCoreRequest, InputMessage, InvalidRequest, StartDPWave, UtilityCall
-from gmock_engine.wire.outputs import engine_core_event, engine_core_output, request_error
+from gmock_engine.wire.outputs import engine_core_event, engine_core_output, mm_cache_miss_output, request_error
 from gmock_engine.wire.types import BadValue, EngineCoreEventType, FinishReason
 from gmock_engine.config.settings import RELOADABLE_SETTINGS, EngineSettings
 
@@ -147,6 +148,11 @@ class EngineCore:
             lora=self.lora,
             kv_transfer=self.kv_transfer,
         )
+        #: multimodal (core/mm_cache.py): the items the frontend strips are served from
+        #: the receiver cache; the scheduler charges the encoder for what its cache lacks
+        self.mm_cache = ReceiverCache(settings.mm_processor_cache_bytes)
+        self.scheduler.encoder_cache = EncoderCache(settings.encoder_cache_tokens)
+        self.scheduler.encoder_budget = settings.encoder_cache_tokens
         if settings.spec_acceptance:  # speculative decoding: a verifier's outcome per step (content/spec_decode.py)
             self.scheduler.spec = SpecDecode(settings.spec_acceptance, settings.seed, settings.rank)
         #: makes each step's tokens and outputs from the scheduler's plan
@@ -157,6 +163,7 @@ class EngineCore:
             self.rank, clock, self.scheduler, self.kv, self.ledger, self.throttle, self.log, settings.supported_tasks, self.abort_all
         )
         self.utilities.lora = self.lora
+        self.utilities.mm_caches = (self.mm_cache, self.scheduler.encoder_cache)
         self.shutting_down = False
         #: Where a request's structured answer is made (grammar_wait.py): the
         #: runtime's runs it off the loop; this one at once.
@@ -337,6 +344,17 @@ class EngineCore:
             reason = f"the prompt has {request.prompt_len} tokens, more than max_model_len {self.settings.max_model_len}"
             self.throttle.warning("invalid request", "ADD {}: {}; answered with ERROR", short(rid), reason)
             return self._answer_now(client, rid, FinishReason.ERROR, request_error("validation_error", reason))
+        if request.mm_features:
+            missing = self.mm_cache.receive(request.mm_features)
+            if missing:
+                # the frontend stripped items this engine does not hold: vLLM's
+                # _handle_mm_cache_miss, a retryable ERROR naming them
+                self.throttle.warning("mm cache miss", "ADD {}: {} multimodal item(s) not in the engine's cache; answered with ERROR",
+                                      short(rid), len(missing))  # fmt: skip
+                error = request_error("multimodal_cache_miss", "Multi-modal processor cache miss.", retryable=True)
+                self.outbox.end(client, rid, mm_cache_miss_output(rid, missing, error, self.layout))
+                self._log_end(rid, 0, FinishReason.ERROR)
+                return self._flush()
         if not request.has_sampling_params:
             return self._add_pooling(request)
         lora_request = None
@@ -357,6 +375,7 @@ class EngineCore:
         entry = Request(rid, client, max_tokens, sampler.tokens.initial_state(rid, request.prompt_token_ids), request.prompt_len, self.clock())
         entry.sampler = sampler
         entry.lora_request = lora_request
+        entry.mm_features = request.mm_features
         entry.pending_events = [engine_core_event(_QUEUED, entry.queued_at)]
         settings = self.settings
         try:
@@ -443,7 +462,10 @@ class EngineCore:
                 max_tokens,
                 self.chunk,
                 # the adapter it names, for per-adapter counts from the log (docs/lora.md)
-                "" if lora_request is None else f" lora={short(lora_request.lora_name, 60)}",
+                ("" if lora_request is None else f" lora={short(lora_request.lora_name, 60)}")
+                # its multimodal items, and how many came without data (served from the receiver cache)
+                + ("" if not request.mm_features else
+                   f" mm_items={len(request.mm_features)} mm_stripped={sum(f.data_bytes is None for f in request.mm_features)}"),
             )
         if max_tokens == 0:
             return self._answer_now(client, rid, FinishReason.LENGTH)

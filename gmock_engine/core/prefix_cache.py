@@ -60,6 +60,36 @@ def block_hash(parent: int, block_token_ids: Sequence[int]) -> int:
     return hash((parent, tuple(block_token_ids))) & HASH_MASK
 
 
+def mm_block_hashes(token_ids: Sequence[int], block_size: int, previous: int, features: Sequence[Any]
+                    ) -> Tuple[Tuple[int, ...], List[Optional[Tuple[Any, ...]]]]:
+    """`block_hashes` of a prompt with multimodal items, and the extra keys
+    of each block the prompt reaches (its last, partial one too: generated
+    tokens fill it) as BlockStored publishes them (None: none). A block that
+    holds any of an item's placeholder tokens is hashed with ("mm",
+    identifier, the item's offset from the block's start) for each such
+    item, as vLLM's `_gen_mm_extra_hash_keys`; its event keys are the
+    (identifier, offset) pairs (`to_event_extra_keys`). The placeholder ids
+    are alike for every image, so the same text with another image shares
+    only the blocks before that image."""
+    hashes = []
+    extras: List[Optional[Tuple[Any, ...]]] = []
+    for start in range(0, len(token_ids), block_size):
+        end = start + block_size
+        keys = tuple((f.identifier, f.offset - start) for f in features if f.offset < end and f.offset + f.length > start)
+        extras.append(keys or None)
+        if end <= len(token_ids):
+            previous = keyed_block_hash(previous, token_ids[start:end], extras[-1])
+            hashes.append(previous)
+    return tuple(hashes), extras
+
+
+def keyed_block_hash(parent: int, block_token_ids: Sequence[int], keys: Optional[Tuple[Any, ...]]) -> int:
+    """`block_hash` with a block's image keys ((identifier, offset) pairs, None: none)."""
+    if not keys:
+        return block_hash(parent, block_token_ids)
+    return hash((parent, tuple(block_token_ids), tuple(("mm", *pair) for pair in keys))) & HASH_MASK
+
+
 class Block:
     """One physical KV block: its hash once cached, and how many running
     requests hold it."""
@@ -111,7 +141,12 @@ class PrefixCache:
         # under another adapter shares no block. A root per adapter does that.
         lora = getattr(request, "lora_request", None)
         root = 0 if lora is None else hash(("lora", lora.lora_name)) & HASH_MASK
-        request.block_hashes = list(block_hashes(token_ids, self.block_size, root))
+        features = getattr(request, "mm_features", ())
+        if features:
+            hashes, request.block_extra_keys = mm_block_hashes(token_ids, self.block_size, root, features)
+            request.block_hashes = list(hashes)
+        else:
+            request.block_hashes = list(block_hashes(token_ids, self.block_size, root))
 
     def admit(self, request: Any, resumed: bool = False) -> int:
         """A request joins the running batch (`resumed`: back after a
@@ -187,6 +222,12 @@ class PrefixCache:
             return
         if len(hashes) < full:  # the generated tokens' blocks
             first = len(hashes)
+            extra = getattr(request, "block_extra_keys", None)
+            if extra is not None and first < len(extra) and extra[first] is not None:
+                # the prompt's last block, filled by generated tokens, holds an image's placeholders
+                ids = request.all_token_ids
+                hashes.append(keyed_block_hash(hashes[-1] if hashes else 0, ids[first * size : (first + 1) * size], extra[first]))
+                first += 1
             hashes.extend(block_hashes(request.all_token_ids[first * size : full * size], size, hashes[-1] if hashes else 0))
         cached = self._cached
         blocks = request.kv_blocks
@@ -197,7 +238,7 @@ class PrefixCache:
         request.num_cached_blocks = full
         if self.events is not None:
             parent = hashes[start - 1] if start else None
-            self._stored(request, hashes[start:full], parent, request.all_token_ids[start * size : full * size])
+            self._stored(request, hashes[start:full], parent, request.all_token_ids[start * size : full * size], start)
 
     def _cache_generated_block(self, request: Any, index: int) -> None:
         """`cache` for the case of every decode step that fills a block: one
@@ -209,18 +250,31 @@ class PrefixCache:
         size = self.block_size
         tokens = request.all_token_ids[index * size : (index + 1) * size]
         parent = hashes[index - 1] if index else None
-        value = block_hash(parent or 0, tokens)
+        extra = getattr(request, "block_extra_keys", None)
+        if extra is not None and index < len(extra):
+            value = keyed_block_hash(parent or 0, tokens, extra[index])  # the prompt's last block may hold an image
+        else:
+            value = block_hash(parent or 0, tokens)
         hashes.append(value)
         block = request.kv_blocks[index]
         block.hash = value
         self._cached.setdefault(value, []).append(block)
         request.num_cached_blocks = index + 1
         if self.events is not None:
-            self._stored(request, [value], parent, tokens)
+            self._stored(request, [value], parent, tokens, index)
 
-    def _stored(self, request: Any, hashes: List[int], parent: Optional[int], tokens: List[int]) -> None:
-        """One BlockStored for blocks `cache` just hashed (events on)."""
+    def _stored(self, request: Any, hashes: List[int], parent: Optional[int], tokens: List[int], first: int = 0) -> None:
+        """One BlockStored for blocks `cache` just hashed (events on), the
+        first of them block `first` of the request: with the blocks' extra
+        keys when an image's placeholders are in any of them."""
         lora = getattr(request, "lora_request", None)
+        extra = getattr(request, "block_extra_keys", None)
+        if extra is not None:
+            keys = list(extra[first : first + len(hashes)])
+            if any(key is not None for key in keys):
+                keys += [None] * (len(hashes) - len(keys))  # generated blocks past the prompt: none
+                self.events.append((STORED, hashes, parent, tokens, lora and lora.lora_int_id, lora and lora.lora_name, keys))  # type: ignore[union-attr]
+                return
         if lora is None:
             self.events.append((STORED, hashes, parent, tokens))  # type: ignore[union-attr]
         else:  # BlockStored's lora_id / lora_name (Appendix D)

@@ -116,6 +116,9 @@ class Request:
         "lora_request",
         # P/D disaggregation (kv/transfer.py)
         "kv",
+        # multimodal items (wire/mm_features.py): the encoder cache and the prefix cache's block keys read them
+        "mm_features",
+        "block_extra_keys",
         "status",
         # --replay (timing/replay.py)
         "replay",
@@ -132,6 +135,9 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.client_index = client_index
+        self.mm_features: Tuple[Any, ...] = ()
+        #: each prompt block's extra keys for BlockStored (prefix_cache.mm_block_hashes); None: no image
+        self.block_extra_keys: Optional[List[Any]] = None
         self.max_tokens = max_tokens
         self.num_output_tokens = 0
         self.rng_state = rng_state

@@ -39,6 +39,7 @@ from gmock_engine.kv.transfer import KVTransfer
 from gmock_engine.timing.latency import LatencyModel
 from gmock_engine.timing.profile import StepSizes
 from gmock_engine.core.lora import AdapterRegistry, LoRAError
+from gmock_engine.core.mm_cache import EncoderCache
 from gmock_engine.wire.eras import Wire
 from gmock_engine.wire.outputs import engine_core_event, request_error, scheduler_stats
 from gmock_engine.wire.types import EngineCoreEventType, FinishReason
@@ -126,6 +127,12 @@ class Scheduler:
         self._prefill_attention = 0.0
         #: requests that compute a prompt chunk in the step being planned
         self._prefill_reqs = 0
+        #: multimodal: the encoder outputs cached (mm_cache.EncoderCache,
+        #: EngineCore sets it), the encoder tokens one step may compute
+        #: (vLLM's max_num_encoder_input_tokens) and those the step being planned computes
+        self.encoder_cache: Optional[EncoderCache] = None
+        self.encoder_budget = 0
+        self._encoder_tokens = 0
         self.pause_state = PauseState.UNPAUSED
         #: Engine time the last step asked its successor to wait (latency model).
         self.step_delay = 0.0
@@ -361,6 +368,7 @@ class Scheduler:
         prefill_tokens = 0
         self._prefill_attention = 0.0
         self._prefill_reqs = 0
+        self._encoder_tokens = 0
         preempted = self._reserve_decode_blocks(self._scheduled_stamp) if self.kv.enforced and running else _NONE
         prefilling = self.prefilling
         # a request whose prefill ended in the last step has its first token
@@ -406,6 +414,8 @@ class Scheduler:
         if self.latency.paced:
             scheduler_output.num_running_reqs = len(self.running)
             self.step_delay = self.latency.step_time(scheduler_output, self.rng, self.kv.tokens, self.step_sizes)
+            if self._encoder_tokens:
+                self.step_delay += self.latency.encoder_seconds(self._encoder_tokens)
 
     def remote_kvs_arrived(self, request: Request) -> None:
         """A running P/D request's prefill wait is over (its KV is here):
@@ -472,6 +482,13 @@ class Scheduler:
                 if adapter.lora_int_id not in running_loras and len(running_loras) >= lora.max_loras:
                     skipped.append(waiting.pop_request())
                     continue
+            encoder_cache = self.encoder_cache
+            if request.mm_features and encoder_cache is not None and self._encoder_tokens:
+                # the step's encoder budget: a request whose images it cannot
+                # encode now waits for the next step (vLLM cuts the prefill
+                # before the image instead; the mock's prefill is whole)
+                if self._encoder_tokens + encoder_cache.cost(request.mm_features) > self.encoder_budget:
+                    break
             need = 0
             if kv.enforced:
                 need = kv.blocks_to_admit(request)
@@ -534,6 +551,10 @@ class Scheduler:
                 request.ready_at = now
             if loaded:
                 request.ready_at += latency.lora_load_seconds()
+            if request.mm_features and encoder_cache is not None:
+                encoded = encoder_cache.encode(request.mm_features)
+                self._encoder_tokens += encoded
+                request.ready_at += latency.encoder_seconds(encoded)
             if latency.profile is not None and request.ready_at <= now:
                 request.ready_at = math.nextafter(now, math.inf)  # at the end of this step, which computes the prompt
             if request.prefill_left or request.ready_at > now:

@@ -68,6 +68,8 @@ class Utilities:
         self.weight_version: Optional[str] = None
         #: The engine's LoRA adapter registry (None: LoRA not enabled; set by the engine).
         self.lora: Optional[AdapterRegistry] = None
+        #: (receiver cache, encoder cache) of mm_cache.py, set by EngineCore: reset_mm_cache / reset_encoder_cache clear them
+        self.mm_caches: Optional[Tuple[Any, Any]] = None
         #: Utility calls answered when the engine has drained (pause mode "wait").
         self._replies_when_drained: List[Tuple[int, int]] = []
 
@@ -288,6 +290,19 @@ def _u_list_loras(u: Utilities, call: UtilityCall) -> List[Outbound]:
     return [u.reply(call, [] if u.lora is None else u.lora.list())]
 
 
+def _u_reset_mm_cache(u: Utilities, call: UtilityCall) -> List[Outbound]:
+    # the frontend clears its processor cache at the same call (vLLM's reset_mm_cache)
+    if u.mm_caches is not None:
+        u.mm_caches[0].clear()
+    return [u.reply(call, None)]
+
+
+def _u_reset_encoder_cache(u: Utilities, call: UtilityCall) -> List[Outbound]:
+    if u.mm_caches is not None and u.mm_caches[1] is not None:
+        u.mm_caches[1].clear()
+    return [u.reply(call, None)]
+
+
 #: Utility methods and their answers (docs/protocol.md §5, "recommended mock answer").
 _UTILITIES: Dict[str, Handler] = {
     "get_supported_tasks": _u_supported_tasks,
@@ -299,8 +314,8 @@ _UTILITIES: Dict[str, Handler] = {
     "pause_scheduler": _u_pause_scheduler,
     "resume_scheduler": _u_resume_scheduler,
     "reset_prefix_cache": _u_reset_prefix_cache,
-    "reset_mm_cache": _u_value(None),
-    "reset_encoder_cache": _u_value(None),
+    "reset_mm_cache": _u_reset_mm_cache,
+    "reset_encoder_cache": _u_reset_encoder_cache,
     "profile": _u_value(None),
     "execute_dummy_batch": _u_value(None),
     "get_weight_version": _u_get_weight_version,

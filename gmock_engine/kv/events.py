@@ -170,14 +170,15 @@ class EventFormat:
 def encode_events(events: Sequence[Tuple[Any, ...]], block_size: int, fmt: EventFormat) -> List[Any]:
     """prefix_cache.py's event tuples as vLLM's msgspec structs encode them
     (omit_defaults: lora_id/lora_name/parent are always there, maybe nil;
-    extra_keys and the later optional fields only when set: never here)."""
+    extra_keys, a request's blocks with image placeholders, only when set)."""
     out: List[Any] = []
     for event in events:
         tag = event[0]
         if tag == STORED:
             _, hashes, parent, token_ids = event[:4]
             lora_id, lora_name = (event[4], event[5]) if len(event) > 5 else (None, None)
-            out.append(block_stored(hashes, parent, token_ids, block_size, fmt, lora_id, lora_name))
+            extra_keys = event[6] if len(event) > 6 else None
+            out.append(block_stored(hashes, parent, token_ids, block_size, fmt, lora_id, lora_name, extra_keys))
         elif tag == REMOVED:
             out.append(block_removed(event[1], fmt))
         elif tag == CLEARED:
@@ -189,9 +190,11 @@ def encode_events(events: Sequence[Tuple[Any, ...]], block_size: int, fmt: Event
 
 def block_stored(
     hashes: List[int], parent: Optional[int], token_ids: List[int], block_size: int, fmt: EventFormat,
-    lora_id: Optional[int] = None, lora_name: Optional[str] = None,
+    lora_id: Optional[int] = None, lora_name: Optional[str] = None, extra_keys: Optional[List[Any]] = None,
 ) -> Any:
-    """One BlockStored as `fmt`'s vLLM encodes it (the floor, reference_emitter.py, makes its events with it too)."""
+    """One BlockStored as `fmt`'s vLLM encodes it (the floor, reference_emitter.py, makes its events with it too).
+    `extra_keys`: one entry per block, (identifier, offset) pairs of the images in it or None; eras
+    before group_idx get none (their struct is not read here)."""
     if fmt.tagged_maps:
         item: Any = {
             "type": STORED,
@@ -203,12 +206,15 @@ def block_stored(
             "medium": MEDIUM_GPU,
             "lora_name": lora_name,
         }
+        if extra_keys is not None and fmt.group_idx:
+            item["extra_keys"] = [None if keys is None else [list(pair) for pair in keys] for keys in extra_keys]
         if fmt.group_idx:
             item["group_idx"] = 0
         return item
     item = [STORED, hashes, parent, token_ids, block_size, lora_id, MEDIUM_GPU, lora_name]
     if fmt.group_idx:
-        item += [None, 0]  # extra_keys (default, but not trailing), group_idx
+        keys = None if extra_keys is None else [None if k is None else [list(pair) for pair in k] for k in extra_keys]
+        item += [keys, 0]  # extra_keys (default, but not trailing), group_idx
     return item
 
 

@@ -59,6 +59,8 @@ class LatencyModel:
     itl_ms_per_request: float = 0.0
     ttft_ms: float = 0.0
     prefill_ms_per_token: float = 0.0
+    #: The vision encoder's cost per image token it computes (mm_cache.EncoderCache.encode).
+    encoder_ms_per_token: float = 0.0
     jitter: float = 0.0
     time_scale: float = 1.0
     lora_load_ms: float = 0.0
@@ -73,7 +75,8 @@ class LatencyModel:
     prices_new_sizes: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "paced", bool(self.itl_ms or self.itl_ms_per_request or self.ttft_ms or self.prefill_ms_per_token or self.profile))
+        object.__setattr__(self, "paced", bool(self.itl_ms or self.itl_ms_per_request or self.ttft_ms or self.prefill_ms_per_token
+                                              or self.encoder_ms_per_token or self.profile))
         object.__setattr__(self, "prices_new_sizes", self.profile is not None and self.profile.prices_new_sizes)
 
     def _jitter(self, rng: random.Random) -> float:
@@ -141,6 +144,11 @@ class LatencyModel:
         if self.profile is None:
             ms += self.prefill_ms_per_token * prompt_len
         return ms * self.time_scale / 1000.0
+
+    def encoder_seconds(self, encoder_tokens: int) -> float:
+        """The encoder's time for `encoder_tokens` image tokens: it delays
+        their request's first token and lengthens the step that runs it."""
+        return self.encoder_ms_per_token * encoder_tokens * self.time_scale / 1000.0
 
     def input_delay_seconds(self, rng: random.Random) -> float:
         """With a profile, a request's input delay: the time a real engine

@@ -7,6 +7,7 @@ engines behind it, one command.
     ./run.sh serve --tools --reasoning -- --max-logprobs 30   # tool calls, reasoning; after --: the frontend's
     ./run.sh serve --task embed --embedding-dim 384   # an embedding model: /v1/embeddings (Python frontend)
     ./run.sh serve --task classify --num-labels 3     # a classifier: /classify (Python frontend)
+    ./run.sh serve --multimodal             # a vision-language model: chats with images (Python frontend)
 
 What it does, in order:
   1. parses its own options ([serve], GMOCK_SERVE_*, serve_config.parse_serve_config)
@@ -58,7 +59,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 from gmock_engine.config import loader as cfg
 from gmock_engine.content import pooling
-from gmock_engine.tools import frontends, model_dir, procgroup
+from gmock_engine.tools import frontends, mm_model_dir, model_dir, procgroup
 from gmock_engine.tools.serve_config import SERVE_ENV_PREFIX, build_serve_parser, format_serve_config, frontend_arg_list, parse_serve_config
 
 EXIT_STOPPED = 0
@@ -254,6 +255,8 @@ def plan(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
     num_labels = engine.num_labels if embedding_dim is not None else None
     if embedding_dim is not None:
         model = model.with_name(f"{model.name}-pooling-d{embedding_dim}-l{num_labels}")
+    if _multimodal(options, embedding_dim):
+        model = model.with_name(f"{model.name}-idefics3")
     # The engine knows the tokenizer the frontend serves (written by prepare, so
     # the engine's parse, which loads it, comes only when the engine starts).
     engine_argv += ["--tokenizer", str(model)]
@@ -293,6 +296,22 @@ def _pooling_task(options: object, engine: object, engine_argv: List[str]) -> Op
     return engine.embedding_dim or pooling.DEFAULT_EMBEDDING_DIM
 
 
+def _multimodal(options: object, embedding_dim: Optional[int]) -> bool:
+    """--multimodal: the Python frontend unless --frontend names one
+    (ConfigError for rust, which answers image parts with 400, or with a pooling --task)."""
+    if not options.multimodal:
+        return False
+    if embedding_dim is not None:
+        raise cfg.ConfigError(f"argument --multimodal: the vision-language model generates; drop --task {options.task}")
+    if options.sources["frontend"].kind == "default":
+        options.frontend = "python"
+        options.sources["frontend"] = cfg.Source("command line", "(set by serve --multimodal: the frontend that takes images)")
+    elif options.frontend != "python":
+        raise cfg.ConfigError(f"argument --multimodal: needs --frontend python (vllm-rs {frontends.RUST_VERSION} answers "
+                              "image_url parts with 400 'unsupported multimodal content': docs/multimodal.md)")  # fmt: skip
+    return True
+
+
 def prepare(p: Plan) -> frontends.Frontends:
     """Install the chosen frontend (first use) and write the model dir; InstallError."""
     if p.options.frontend == "python":
@@ -300,8 +319,11 @@ def prepare(p: Plan) -> frontends.Frontends:
     else:
         fe = frontends.Frontends(venv=frontends.venv_path(p.home), vllm_rs=frontends.install_rust(p.home, say=_say))
     try:
-        model_dir.ensure_model_dir(p.model, vocab_size=p.engine.vocab_size, max_model_len=p.engine.max_model_len,
-                                   embedding_dim=p.embedding_dim, num_labels=p.num_labels)  # fmt: skip
+        if p.options.multimodal:
+            mm_model_dir.ensure_mm_model_dir(p.model, vocab_size=p.engine.vocab_size, max_model_len=p.engine.max_model_len)
+        else:
+            model_dir.ensure_model_dir(p.model, vocab_size=p.engine.vocab_size, max_model_len=p.engine.max_model_len,
+                                       embedding_dim=p.embedding_dim, num_labels=p.num_labels)  # fmt: skip
     except OSError as exc:
         raise frontends.InstallError(f"writing the model dir {p.model} failed: {exc}. Check the disk and run again.") from None
     return fe

@@ -103,6 +103,14 @@ GROUPS: Tuple[Group, ...] = (
                 type=choice(TASKS),
             ),
             Option(
+                "--multimodal",
+                "serve a vision-language model (an Idefics3 model dir, no weights: docs/multimodal.md): chats take "
+                "image_url parts, which the Python frontend processes and sends to the engine; vllm-rs answers them "
+                "with 400, so this picks --frontend python",
+                default=False,
+                boolean=True,
+            ),
+            Option(
                 "--frontend-args",
                 "more arguments for the frontend, verbatim, split as a shell would (e.g. '--max-logprobs 30'); "
                 "on the command line: everything after --",

@@ -99,6 +99,7 @@ _ABSENT = 1 << 30
 _REQUEST_FIELDS_READ = (
     "request_id",
     "prompt_token_ids",
+    "mm_features",
     "sampling_params",
     "pooling_params",
     "eos_token_id",

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import msgpack
 
 from gmock_engine.wire.eras import Wire, WireLayout
+from gmock_engine.wire.mm_features import MultiModalFeature, decode_mm_features
 from gmock_engine.wire.types import (
     COORDINATOR_READY,
     DEFAULT_MAX_TOKENS,
@@ -71,6 +72,9 @@ class EngineCoreRequest:
     #: `pooling_params` (index 4) as decoded by msgpack, read only when
     #: sampling_params is nil; content/pooling.py checks it (§3.7).
     pooling_params: Any = None
+    #: `mm_features` (index 2): the request's images and other items, checked
+    #: (wire/mm_features.py), their tensors in the payload or in aux frames.
+    mm_features: Tuple[MultiModalFeature, ...] = ()
 
 
 #: The constraint keys of StructuredOutputsParams (§3.3): exactly one is set.
@@ -172,7 +176,7 @@ def _field(array: Sequence[Any], index: int, default: Any = None) -> Any:
     return array[index] if index < len(array) else default
 
 
-def decode_add(payload: Any, layout: Union[WireLayout, Wire]) -> Union[EngineCoreRequest, "InvalidRequest"]:
+def decode_add(payload: Any, layout: Union[WireLayout, Wire], aux: Sequence[bytes] = ()) -> Union[EngineCoreRequest, "InvalidRequest"]:
     """Decode an already-unpacked EngineCoreRequest array (§3.2, §8.2) by
     `layout`, or by the layout a `Wire` takes for it (detected from it with
     `auto`).
@@ -180,7 +184,11 @@ def decode_add(payload: Any, layout: Union[WireLayout, Wire]) -> Union[EngineCor
     Short arrays take defaults for missing trailing fields; longer ones
     (future appended fields) are accepted. What cannot be answered (no
     readable request id, no output socket to answer on) raises
-    ProtocolError: the frame is dropped. A bad value in an ADD whose id and
+    ProtocolError: the frame is dropped. `aux` are the message's frames
+    from the payload on: vLLM's encoder numbers them so (aux[0] is the
+    payload), and its mm_features' tensors that did not go inline name theirs
+    by that index.
+    A bad value in an ADD whose id and
     client are known gives an `InvalidRequest`, which the engine answers with
     an ERROR output for that request only, so its client is not left waiting.
     """
@@ -198,7 +206,11 @@ def decode_add(payload: Any, layout: Union[WireLayout, Wire]) -> Union[EngineCor
     if not is_int(client_index) or not 0 <= client_index < MAX_CLIENTS:
         raise ProtocolError(f"ADD {_cut(request_id)}: client_index {_cut(client_index)} is not an output socket index")
     try:
-        return _decode_add_fields(payload, ix, request_id, client_index)
+        request = _decode_add_fields(payload, ix, request_id, client_index)
+        position = ix["mm_features"]
+        if position < len(payload) and payload[position] is not None:
+            request.mm_features = decode_mm_features(payload[position], aux, request.prompt_len)
+        return request
     except BadValue as exc:
         return InvalidRequest(request_id, client_index, str(exc))
 
@@ -501,8 +513,8 @@ _DECODERS: Dict[bytes, Callable[..., InputMessage]] = {
 def decode_input(frames: Sequence[bytes], layout: Union[WireLayout, Wire]) -> InputMessage:
     """Decode one message from an input DEALER: `[type, payload, aux...]` (§3.1).
 
-    Aux frames (out-of-band tensors of multimodal ADDs) are accepted and
-    ignored. Raises ProtocolError for anything else.
+    Aux frames carry the tensors of a multimodal ADD (its mm_features name
+    them by index). Raises ProtocolError for anything else.
     """
     if len(frames) < 2:
         raise ProtocolError(f"expected at least 2 frames [type, payload], got {len(frames)}")
@@ -512,7 +524,7 @@ def decode_input(frames: Sequence[bytes], layout: Union[WireLayout, Wire]) -> In
         raise ProtocolError(f"unknown request type byte {kind.hex() or '(empty)'}")
     payload = unpack(frames[1])
     if decode is decode_add:
-        return decode_add(payload, layout)
+        return decode_add(payload, layout, frames[1:])
     return decode(payload)
 
 

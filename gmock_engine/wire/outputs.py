@@ -221,6 +221,20 @@ def scheduler_stats(
     }
 
 
+def mm_cache_miss_output(request_id: str, hashes: List[str], error: Dict[str, Any], layout: WireLayout = DEFAULT_LAYOUT) -> List[Any]:
+    """The ERROR output of a request whose stripped multimodal items the
+    engine's cache lacks (vLLM's _handle_mm_cache_miss): `mm_cache_miss_hashes`
+    (0.28+) names them, so the frontend drops them from its processor cache
+    and a retry sends their data again; `error` where the era has the field."""
+    out = engine_core_output(request_id, [], FinishReason.ERROR, error, layout)
+    position = layout.output_index.get("mm_cache_miss_hashes")
+    if position is not None:
+        if len(out) <= position:
+            out += layout.output_defaults[len(out) : position + 1]
+        out[position] = list(hashes)
+    return out
+
+
 def request_error(code: str, message: str, retryable: bool = False) -> Dict[str, Any]:
     """A RequestError map (0.33, sent with FinishReason.ERROR)."""
     return {"code": code, "message": message, "retryable": retryable}

@@ -356,3 +356,21 @@ def test_a_frontend_dying_at_start_with_user_args_names_the_frontend_and_the_arg
     plain = serve.Serve(serve.plan(["--port", "0", "--frontend", kind], env), fe, None, env)
     plain.report(serve.EXIT_FRONTEND_EXITED, False, [])
     assert "with the arguments" not in capsys.readouterr().err
+
+
+def test_multimodal_serves_the_vision_language_dir_on_the_python_frontend(env):
+    p = serve.plan(["--port", "0", "--multimodal"], env)
+    assert p.options.frontend == "python" and p.model.name == f"mock-vocab32000-len{p.engine.max_model_len}-idefics3"
+    assert p.engine_argv[p.engine_argv.index("--tokenizer") + 1] == str(p.model)
+
+
+@pytest.mark.parametrize(
+    "argv, pattern",
+    [
+        (["--multimodal", "--frontend", "rust"], r"argument --multimodal: needs --frontend python \(vllm-rs .* with 400"),
+        (["--multimodal", "--task", "embed"], r"argument --multimodal: the vision-language model generates; drop --task embed"),
+    ],
+)
+def test_multimodal_refuses_what_cannot_take_images(env, argv, pattern):
+    with pytest.raises(cfg.ConfigError, match=pattern):
+        serve.plan(["--port", "0", *argv], env)
