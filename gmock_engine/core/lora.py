@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Set
 
+from gmock_engine.core.request import Request, RequestStatus
+from gmock_engine.wire.outputs import request_error
 from gmock_engine.wire.types import BadValue
 
 #: LoRARequest fields in msgspec array order (vllm/lora/request.py, 0.32/0.33:
@@ -347,3 +349,35 @@ class AdapterRegistry:
 def _cut(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+class LoRAScheduling:
+    """The scheduler's LoRA slots: which adapters the running batch holds,
+    a request whose adapter cannot be loaded ended alone, and the requests
+    per adapter SchedulerStats show. A part of `Scheduler`
+    (core/scheduler.py), whose state it reads."""
+
+    def _running_lora_ids(self) -> "set[int]":
+        return {r.lora_request.lora_int_id for r in self.running.values() if r.lora_request is not None}
+
+    def _reject_lora(self, request: Request, message: str, rejected: List[Any]) -> None:
+        """An adapter that cannot be loaded or activated: where vLLM's worker
+        raises (and its engine dies), this request ends with ERROR and
+        vLLM's message; the engine goes on."""
+        request.status = RequestStatus.FINISHED_ERROR
+        rejected.append((request, request_error("lora_load_failed", message)))
+        self._on_reject(request)
+
+    def lora_adapters(self) -> "tuple[Dict[str, int], Dict[str, int]]":
+        """SchedulerStats waiting_lora_adapters / running_lora_adapters:
+        requests per adapter name (§7.1; vLLM's LoRARequestStates)."""
+        waiting: Counter = Counter()
+        running: Counter = Counter()
+        if self.lora is not None:
+            for request in self.running.values():
+                if request.lora_request is not None:
+                    running[request.lora_request.lora_name] += 1
+            for request in self.waiting.requests():
+                if request.lora_request is not None:
+                    waiting[request.lora_request.lora_name] += 1
+        return dict(waiting), dict(running)

@@ -19,6 +19,8 @@ PURE = [
     "wire.outputs",
     "wire.checks",
     "core.engine",
+    "core.intake",
+    "core.sched_kv",
     "core.request",
     "core.request_queue",
     "core.kv_cache_manager",
