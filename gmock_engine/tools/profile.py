@@ -143,6 +143,10 @@ class Deployment:
     fallbacks: List[str] = field(default_factory=list)
 
 
+#: (system, version) -> the fallback notes of its tables' first load in this process.
+_FALLBACKS: Dict[Tuple[str, str], List[str]] = {}
+
+
 class _Fallbacks(logging.Handler):
     """Collects AIConfigurator's notes of tables filled from another
     system's, framework's or version's data (its perf database logs them)."""
@@ -200,7 +204,8 @@ def compile_engine(system: str, model: str, tp: int, precision: str, backend_ver
     finally:
         root.removeHandler(notes)
     version = backend_version or (versions[-1] if versions else "?")
-    fallbacks = sorted({_short_fallback(n) for n in notes.notes})
+    # the library loads a system's tables once per process and says so only then
+    fallbacks = _FALLBACKS.setdefault((system, version), sorted({_short_fallback(n) for n in notes.notes}))
     return handle, Deployment(system, model, tp, precision, version, fallbacks)
 
 
