@@ -84,6 +84,22 @@ def row_key(row: dict) -> Tuple[str, str, int, str]:
     return model, row["system"], int(row["tp_size"]), precision
 
 
+#: The random dataset's --random-range-ratio of each source of rows, chosen on the H100 rows
+#: (the sources do not say): the benchmark runs of vllm-openai images (source files named by
+#: date) drew lengths from [0.8 x L, L], the gap-analysis runs used the lengths as given.
+RANGE_RATIOS = {"dated": 0.8, "gap-analysis": 1.0}
+
+
+def source_family(row: dict) -> str:
+    """`dated` (source_file=YYYY-MM-DD.csv, db-dump/...: benchmark runs of vllm-openai images) or `gap-analysis`."""
+    source = row["silicon_data_source"]
+    return "gap-analysis" if "gap-analysis" in source else "dated"
+
+
+def range_ratio(row: dict) -> float:
+    return RANGE_RATIOS[source_family(row)]
+
+
 class _Clock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -106,8 +122,12 @@ def engine_limits(path: str) -> dict:
     )
 
 
-def simulate(path: str, isl: int, osl: int, concurrency: int, requests: int, seed: int = 0) -> Tuple[float, float]:
-    """The mock engine's mean TTFT and TPOT, ms, for the closed loop of the row."""
+def simulate(path: str, isl: int, osl: int, concurrency: int, requests: int, range_ratio: float, seed: int = 0) -> Dict[str, float]:
+    """The mock engine's TTFT and TPOT, ms (mean and median over the
+    requests), for the closed loop of the row: `concurrency` clients that
+    start together, each request's prompt and output lengths drawn
+    uniformly from [range_ratio x ISL, ISL] and [range_ratio x OSL, OSL]
+    (vLLM's benchmark_serving random dataset with --random-range-ratio)."""
     rng = random.Random(seed)
     clock = _Clock()
     settings = EngineSettings(rank=0, num_clients=1, seed=seed, latency=LatencyModel(profile=read_profile(path)),
@@ -116,29 +136,23 @@ def simulate(path: str, isl: int, osl: int, concurrency: int, requests: int, see
     added: Dict[str, float] = {}
     first: Dict[str, float] = {}
     done: Dict[str, float] = {}
+    lengths: Dict[str, int] = {}
     issued = 0
 
     def send() -> None:
         nonlocal issued
         rid = f"r{issued}"
         issued += 1
-        ids = [rng.randrange(32000) for _ in range(isl)]
-        engine.apply(EngineCoreRequest(rid, isl, osl, True, prompt_token_ids=ids, ignore_eos=True))
+        prompt = rng.randint(max(1, int(isl * range_ratio)), isl)
+        lengths[rid] = rng.randint(max(1, int(osl * range_ratio)), osl)
+        ids = [rng.randrange(32000) for _ in range(prompt)]
+        engine.apply(EngineCoreRequest(rid, prompt, lengths[rid], True, prompt_token_ids=ids, ignore_eos=True))
         added[rid] = clock.now
 
-    # the clients start spread over one request's time, as in a benchmark's steady state: with
-    # equal lengths and ignore_eos, clients that start together stay in lockstep, every prompt
-    # of a wave in one step, which silicon's TTFT at these concurrencies rules out
-    profile = settings.latency.profile
-    span = osl * profile.predict_ms(concurrency, context_tokens=concurrency * (isl + osl // 2)) / 1000.0
-    starts = [span * i / concurrency for i in range(min(concurrency, requests))]
+    for _ in range(min(concurrency, requests)):
+        send()
     due: Optional[float] = 0.0
-    while engine.has_work or starts:
-        if starts and (not engine.has_work or starts[0] <= (due or 0.0)):
-            clock.now = max(clock.now, starts.pop(0))
-            send()
-            due = clock.now if due is None or not engine.has_work else due
-            continue
+    while engine.has_work:
         clock.now = max(clock.now, due or 0.0)
         started = clock.now
         finished = 0
@@ -154,11 +168,10 @@ def simulate(path: str, isl: int, osl: int, concurrency: int, requests: int, see
             if issued < requests:
                 send()
         due = engine.next_step_time(started) if engine.has_work else None
-    # the first wave (the clients' first requests) is the ramp, left out as a benchmark's warm-up
-    steady = [r for r in done if int(r[1:]) >= concurrency] or list(done)
-    ttft = [(first[r] - added[r]) * 1000.0 for r in steady]
-    tpot = [(done[r] - first[r]) * 1000.0 / (osl - 1) for r in steady if osl > 1]
-    return statistics.mean(ttft), statistics.mean(tpot)
+    ttft = [(first[r] - added[r]) * 1000.0 for r in done]
+    tpot = [(done[r] - first[r]) * 1000.0 / (lengths[r] - 1) for r in done if lengths[r] > 1]
+    return {"ttft_mean": statistics.mean(ttft), "ttft_median": statistics.median(ttft),
+            "tpot_mean": statistics.mean(tpot), "tpot_median": statistics.median(tpot)}  # fmt: skip
 
 
 def aic_agg(row: dict, key: Tuple[str, str, int, str]) -> Optional[Tuple[float, float]]:
@@ -189,7 +202,11 @@ def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--system", help="only this system's rows")
     parser.add_argument("--max-concurrency", type=int, default=10 ** 6, help="skip rows above this concurrency")
-    parser.add_argument("--requests-per-client", type=int, default=4)
+    parser.add_argument("--requests-per-client", type=int, default=10, help="requests per client (benchmark_serving: num_prompts = 10 x concurrency)")
+    parser.add_argument("--range-ratio", type=float, help="lengths drawn from [ratio x ISL, ISL] and [ratio x OSL, OSL] "
+                        "(default: per source of the rows, RANGE_RATIOS)")
+    parser.add_argument("--model", help="only this model's rows (silicon's name)")
+    parser.add_argument("--statistic", choices=("mean", "median"), default="mean", help="of TTFT and TPOT over the requests")
     parser.add_argument("--markdown", action="store_true", help="the table as docs/gpu-profiles.md shows it")
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)
@@ -197,7 +214,8 @@ def main(argv: Sequence[str]) -> int:
     rows = []
     for row in silicon_rows():
         key = row_key(row)
-        if key in index and (args.system is None or row["system"] == args.system) and int(row["batch_size"]) <= args.max_concurrency:
+        if (key in index and (args.system is None or row["system"] == args.system) and int(row["batch_size"]) <= args.max_concurrency
+                and (args.model is None or row["model_path"] == args.model)):
             rows.append((key, row))
     rows.sort(key=lambda kr: (kr[1]["system"] != TUNING_SYSTEM, kr[0], int(kr[1]["isl"]), int(kr[1]["osl"]), int(kr[1]["batch_size"])))
     header = "| profile | ISL/OSL | conc. | silicon TTFT / TPOT | mock TTFT / TPOT | error | AIC agg TTFT / TPOT | AIC error | tuning |"
@@ -207,7 +225,9 @@ def main(argv: Sequence[str]) -> int:
     for key, row in rows:
         isl, osl, conc = int(row["isl"]), int(row["osl"]), int(row["batch_size"])
         s_ttft, s_tpot = float(row["silicon_ttft_ms"]), float(row["silicon_tpot_ms"])
-        m_ttft, m_tpot = simulate(index[key], isl, osl, conc, args.requests_per_client * conc)
+        ratio = args.range_ratio if args.range_ratio is not None else range_ratio(row)
+        found = simulate(index[key], isl, osl, conc, args.requests_per_client * conc, ratio)
+        m_ttft, m_tpot = found[f"ttft_{args.statistic}"], found[f"tpot_{args.statistic}"]
         aic = aic_agg(row, key)
         e_ttft, e_tpot = (m_ttft / s_ttft - 1) * 100, (m_tpot / s_tpot - 1) * 100
         a_ttft = (aic[0] / s_ttft - 1) * 100 if aic else None

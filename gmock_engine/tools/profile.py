@@ -15,9 +15,15 @@ profile's terms (latency_profile.py) to its answers:
   slopes: attention reads every held token, so the step grows with their sum);
 * `step_ms(batch)`: the decode step at each batch size with that context
   taken out, at 1, 2, 4, ... max_num_seqs;
-* `prefill_ms_per_token`, `prefill_attention_ms`, `prefill_ms_per_request`:
-  non-negative least squares, on the relative error, of the prefill
-  estimates less the step of one request and its context.
+* `prefill_attention_ms`: how a chunk's estimate grows with the position
+  it starts at (the median over chunk sizes);
+* `prefill_tokens` / `prefill_ms`: a table of what a chunk of 16 to
+  max_num_batched_tokens tokens adds to a step beyond its batch, context and
+  attention, from steps that decode beside it (8 and 64 requests; chunked
+  prefill under load) and, at a quarter of their weight, steps that only
+  prefill. A table and not a price per token: a chunk of a few hundred
+  tokens costs little beyond the decode step (both read every weight once),
+  a long one is bound by its arithmetic.
 
 Beside the timing, a [gmock_engine] section with what the engine needs to
 behave like that deployment: `num-gpu-blocks` from the GPU's memory as
@@ -66,6 +72,7 @@ PREFILL_POSITIONS = (0, 2048, 8192)
 #: Mixed steps fitted beside the prefill chunks: decoding requests holding
 #: MIXED_CONTEXT tokens each, and a chunk of PREFILL_TOKENS from position 0.
 MIXED_DECODES = (8, 64)
+PREFILL_ONLY_WEIGHT = 0.25
 MIXED_CONTEXT = 1024
 #: Mixed steps (decoding requests, prompt tokens, context per request) the
 #: profile is checked against in its header, not fitted to.
@@ -268,25 +275,6 @@ def memory_budget(system: str, model_path: str, tp: int, precision: str, batched
     }
 
 
-def _nnls(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> List[float]:
-    """Non-negative least squares by coordinate descent (a few unknowns)."""
-    n = len(rows[0])
-    x = [0.0] * n
-    gram = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
-    rhs = [sum(r[i] * t for r, t in zip(rows, targets)) for i in range(n)]
-    for _ in range(5000):
-        change = 0.0
-        for i in range(n):
-            if gram[i][i] <= 0:
-                continue
-            value = max(0.0, x[i] + (rhs[i] - sum(gram[i][j] * x[j] for j in range(n))) / gram[i][i])
-            change = max(change, abs(value - x[i]))
-            x[i] = value
-        if change < 1e-12:
-            break
-    return x
-
-
 def tabulate(handle, max_num_seqs: int, max_num_batched_tokens: int) -> Tuple[StepProfile, List[str]]:
     """The profile fitted to the engine's estimates, and the header lines
     with its error against them and against mixed steps."""
@@ -302,34 +290,38 @@ def tabulate(handle, max_num_seqs: int, max_num_batched_tokens: int) -> Tuple[St
     context = max(0.0, slopes[len(slopes) // 2])
     step_ms = tuple(round(max(0.0, short[b] - context * b * lo / 1000.0), 4) for b in batches)
     base = StepProfile(tuple(batches), step_ms, context_ms_per_ktoken=context)
-    rows, targets, points = [], [], []
+    # the prompt's attention: how a chunk's estimate grows with the position it starts at
+    points = []
+    slopes = []
     for n in PREFILL_TOKENS:
         if n > max_num_batched_tokens:
             continue
+        at_start = handle.predict_prefill_latency(1, n, 0)
         for p in PREFILL_POSITIONS:
-            measured = handle.predict_prefill_latency(1, p + n, p)
-            rest = measured - base.predict_ms(1, context_tokens=p + n)
-            attention = n * (p + n / 2.0) / 1000.0
-            # on the relative error: each estimate counts by its share
-            rows.append([n / measured, attention / measured, 1.0 / measured])
-            targets.append(rest / measured)
-            points.append((n, p, attention, measured))
-    # steps that decode beside the chunk, as chunked prefill runs them under load
-    for gen in MIXED_DECODES:
-        if gen + 1 > max_num_seqs:
+            measured = at_start if p == 0 else handle.predict_prefill_latency(1, p + n, p)
+            points.append((n, p, n * (p + n / 2.0) / 1000.0, measured))
+            if p:
+                slopes.append((measured - at_start - context * p / 1000.0) / (n * p / 1000.0))
+    slopes.sort()
+    attention = max(0.0, slopes[len(slopes) // 2]) if slopes else 0.0
+    # the chunk's tokens: what a step that computes them costs beyond its batch, its context and
+    # their attention; mostly from steps that decode beside the chunk (chunked prefill under load),
+    # a step that only prefills (an idle engine's) weighing PREFILL_ONLY_WEIGHT of one of those
+    table_tokens, table_ms = [], []
+    for n in PREFILL_TOKENS:
+        if n > max_num_batched_tokens:
             continue
-        for n in PREFILL_TOKENS:
-            if n > max_num_batched_tokens:
-                continue
-            measured = handle.mixed_step_latency(n, gen, MIXED_CONTEXT, 2)
-            rest = measured - base.predict_ms(gen + 1, context_tokens=gen * MIXED_CONTEXT + n)
-            attention = n * n / 2.0 / 1000.0
-            rows.append([n / measured, attention / measured, 1.0 / measured])
-            targets.append(rest / measured)
-    per_token, per_attention, per_request = _nnls(rows, targets)
+        samples = [(PREFILL_ONLY_WEIGHT, handle.predict_prefill_latency(1, n, 0) - base.predict_ms(1, context_tokens=n))]
+        for gen in MIXED_DECODES:
+            if gen + 1 <= max_num_seqs:
+                measured = handle.mixed_step_latency(n, gen, MIXED_CONTEXT, 2)
+                samples.append((1.0, measured - base.predict_ms(gen + 1, context_tokens=gen * MIXED_CONTEXT + n)))
+        rest = sum(w * v for w, v in samples) / sum(w for w, _ in samples) - attention * n * n / 2.0 / 1000.0
+        table_tokens.append(n)
+        table_ms.append(round(max(0.0, rest), 4))
     profile = StepProfile(
-        tuple(batches), step_ms, prefill_ms_per_token=round(per_token, 7), prefill_attention_ms=round(per_attention, 9),
-        context_ms_per_ktoken=round(context, 6), prefill_ms_per_request=round(per_request, 4),
+        tuple(batches), step_ms, prefill_tokens=tuple(table_tokens), prefill_ms=tuple(table_ms),
+        prefill_attention_ms=round(attention, 9), context_ms_per_ktoken=round(context, 6),
     )  # fmt: skip
 
     def err(predicted: float, measured: float) -> float:

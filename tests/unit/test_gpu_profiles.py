@@ -37,7 +37,7 @@ def test_a_shipped_profile_is_a_profile_and_a_config_file(name, monkeypatch):
     monkeypatch.chdir(REPO)
     path = os.path.join("conf", "profiles", name)
     profile = read_profile(path)
-    assert profile.batch[0] == 1 and profile.prefill_ms_per_token > 0 and profile.context_ms_per_ktoken > 0
+    assert profile.batch[0] == 1 and profile.prefill_tokens and profile.prefill_ms[-1] > 0 and profile.context_ms_per_ktoken > 0
     args = parse_config(["--config", path], env={})
     assert args.latency_profile.path == path and args.latency_profile.profile == profile
     assert args.async_scheduling and args.sources["num_gpu_blocks"].kind == "config file"
