@@ -183,7 +183,7 @@ def aic_agg(row: dict, key: Tuple[str, str, int, str]) -> Optional[Tuple[float, 
         from aiconfigurator_core.sdk.config_builders import build_model_config
         from aiconfigurator_core.sdk.models import get_model
 
-        from gmock_engine.tools.profile import PRECISIONS, resolve_model, table_versions
+        from gmock_engine.tools.gpu_profile import PRECISIONS, resolve_model, table_versions
 
         model, system, tp, precision = key
         gemm, kv = PRECISIONS[precision]

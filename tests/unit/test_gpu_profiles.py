@@ -48,7 +48,7 @@ def test_a_shipped_profile_is_a_profile_and_a_config_file(name, monkeypatch):
 @pytest.mark.parametrize("name", PROFILES)
 def test_a_shipped_profile_is_what_the_command_writes(name, tmp_path, monkeypatch):
     pytest.importorskip("aiconfigurator_core", reason="the gpu extra (pip install 'gmock-engine[gpu]') is not installed")
-    from gmock_engine.tools import profile
+    from gmock_engine.tools import gpu_profile as profile
 
     monkeypatch.chdir(REPO)
     argv = _command(name)
@@ -73,7 +73,7 @@ def test_what_the_tables_cannot_serve_stops_with_what_they_can(argv, pattern, tm
     pytest.importorskip("aiconfigurator_core", reason="the gpu extra is not installed")
     import re
 
-    from gmock_engine.tools import profile
+    from gmock_engine.tools import gpu_profile as profile
 
     out = tmp_path / "p.ini"
     assert profile.main([*argv, "-o", str(out)]) == 2
@@ -85,7 +85,7 @@ def test_a_model_given_as_its_config_json(tmp_path):
     pytest.importorskip("aiconfigurator_core", reason="the gpu extra is not installed")
     import aiconfigurator_core
 
-    from gmock_engine.tools import profile
+    from gmock_engine.tools import gpu_profile as profile
 
     source = os.path.join(os.path.dirname(aiconfigurator_core.__file__), "model_configs", "Qwen--Qwen3-8B_config.json")
     config = tmp_path / "config.json"
