@@ -189,7 +189,9 @@ class StepProfile:
         `prefill_reqs` the requests that compute a prompt chunk."""
         return (
             self.batch_ms(batch)
-            + (self.prefill_tokens_ms(prefill_tokens) if self.prefill_tokens else self.prefill_ms_per_token * prefill_tokens)
+            # the table's lookup only for a step that prefills (a decode step: the product, 0)
+            + (self.prefill_tokens_ms(prefill_tokens) if prefill_tokens and self.prefill_tokens
+               else self.prefill_ms_per_token * prefill_tokens)
             + self.prefill_attention_ms * prefill_attention / 1000.0
             + self.prefill_ms_per_request * prefill_reqs
             + self.context_ms_per_ktoken * context_tokens / 1000.0

@@ -418,6 +418,7 @@ SILICON_ROW = {"isl": 1024, "osl": 1024, "concurrency": 8, "tpot_ms": 12.1104936
 GPU_PROFILE = "conf/profiles/h100-llama-3.1-70b-tp4.ini"
 
 
+@pytest.mark.solo  # a timing comparison: other load makes the engine's steps late
 def test_a_gpu_profile_serves_and_vllm_bench_serve_reproduces_its_silicon_row_s_tpot(run_serve, frontends):
     """`./run.sh serve --latency-profile <profile>` as docs/gpu-profiles.md writes it, and vLLM's
     own benchmark client at the silicon row's settings (one request per client: the TPOT of a
