@@ -45,7 +45,6 @@ data. The engine reads the file without the library.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import os
@@ -53,9 +52,12 @@ import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..config import ENV_PREFIX, PROFILE_SECTION, ConfigError, ini_reader, new_parser, parse_tool_config
 from ..latency_profile import StepProfile, format_profile
+from ..option import Group, Option, add_groups
+from ..validators import choice, int_at_least, nonempty
 
 #: vLLM's default KV block size on CUDA, and the share of the GPU's memory it takes.
 BLOCK_SIZE = 16
@@ -416,23 +418,51 @@ def _dist_version() -> str:
         return "?"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gmock-engine profile",
-        description="A latency profile of a GPU deployment from AIConfigurator's step estimates (docs/gpu-profiles.md).",
+PROFILE_ENV_PREFIX = ENV_PREFIX + "PROFILE_"
+GROUPS = (
+    Group(
+        None,
+        (
+            Option("--system", "AIConfigurator's system name: h100_sxm, h200_sxm, a100_sxm, b200_sxm, ... (an unknown one lists them)",
+                   type=nonempty),  # fmt: skip
+            Option("--model", "a model AIConfigurator lists (e.g. meta-llama/Llama-3.1-70B), or the path of its Hugging Face config.json",
+                   type=nonempty),  # fmt: skip
+            Option("--tp", "tensor-parallel size: the GPUs of one engine", default=1, type=int_at_least(1, 64)),
+            Option("--precision", "the weights' precision (fp8, fp4: KV cache in fp8; native: the checkpoint's own, as its config says)",
+                   default="bf16", type=choice(tuple(PRECISIONS))),  # fmt: skip
+            Option("--backend-version", "vLLM version of the tables (default: the newest the system has)"),
+            Option("--output", "the profile file to write", default="profile.ini", type=nonempty, aliases=("-o",)),
+        ),
+    ),
+)
+
+
+def build_profile_parser() -> Any:
+    """The parser of `./run.sh profile`'s options."""
+    parser = new_parser(
+        "gmock-engine profile",
+        "A latency profile of a GPU deployment from AIConfigurator's step estimates, with its vLLM limits "
+        "(docs/gpu-profiles.md).",
+        "Each option can also be set as environment variable GMOCK_PROFILE_<FLAG> or as key <flag> in section "
+        f"[{PROFILE_SECTION}] of the --config file. Precedence: command line > environment > config file > default.",
+        ini_reader(PROFILE_SECTION),
+        PROFILE_ENV_PREFIX,
+        f"INI config file with a [{PROFILE_SECTION}] section (keys = long flag names)",
     )
-    parser.add_argument("--system", required=True, help="AIConfigurator's system name, e.g. h100_sxm, h200_sxm, a100_sxm, b200_sxm")
-    parser.add_argument("--model", required=True, help="a model AIConfigurator lists (e.g. meta-llama/Llama-3.1-70B), or the path of its config.json")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per engine)")
-    parser.add_argument("--precision", default="bf16", choices=sorted(PRECISIONS), help="weights' precision (fp8 and fp4: KV cache in fp8)")
-    parser.add_argument("--backend-version", help="vLLM version of the tables (default: the newest the system has)")
-    parser.add_argument("-o", "--output", required=True, help="the profile file to write")
+    add_groups(parser, GROUPS)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`gmock-engine profile`: 0, or 2 with a message saying what the tables can serve."""
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parse_tool_config(build_profile_parser(), PROFILE_SECTION, sys.argv[1:] if argv is None else argv)
+        for name in ("system", "model"):
+            if not getattr(args, name):
+                raise ConfigError(f"argument --{name}: required (./run.sh profile --help)")
+    except ConfigError as exc:
+        print(f"gmock-engine profile: {exc}", file=sys.stderr)
+        return 2
     logging.getLogger("aiconfigurator_core").setLevel(logging.WARNING)
     logging.getLogger("aiconfigurator_core").propagate = False
     try:

@@ -52,7 +52,7 @@ def test_a_shipped_profile_is_what_the_command_writes(name, tmp_path, monkeypatc
 
     monkeypatch.chdir(REPO)
     argv = _command(name)
-    args = profile.build_parser().parse_args(argv)
+    args = profile.parse_tool_config(profile.build_profile_parser(), profile.PROFILE_SECTION, argv, env={})
     text = profile.build(args.system, args.model, args.tp, args.precision, args.backend_version, args.output)
     with open(args.output, encoding="utf-8") as f:
         assert f.read() == text, f"regenerate: ./run.sh profile {shlex.join(argv)}"
@@ -67,6 +67,8 @@ def test_a_shipped_profile_is_what_the_command_writes(name, tmp_path, monkeypatc
          r"--backend-version 0.1.0: h100_sxm has vLLM tables of 0.24.0 only"),
         (["--system", "h100_sxm", "--model", "meta-llama/Llama-3.1-8B", "--tp", "3"], r"--tp 3: the tables serve TP 1, 2, 4 or 8"),
         (["--system", "h100_sxm", "--model", "meta-llama/Llama-3.1-405B", "--tp", "1"], r"does not fit h100_sxm: weights .* try a larger --tp"),
+        (["--model", "meta-llama/Llama-3.1-8B"], r"argument --system: required"),
+        (["--system", "h100_sxm", "--model", "meta-llama/Llama-3.1-8B", "--precision", "int3"], r"argument --precision: .*int3"),
     ],
 )
 def test_what_the_tables_cannot_serve_stops_with_what_they_can(argv, pattern, tmp_path, capsys):
