@@ -1,28 +1,31 @@
-"""The shipped GPU profiles against measurements on real GPUs.
+"""The shipped GPU profiles against measurements on real GPUs (docs/gpu-profiles.md).
 
     .venv/bin/python benchmarks/silicon.py                 # every vLLM agg row a profile serves
-    .venv/bin/python benchmarks/silicon.py --system h100_sxm --max-concurrency 64
+    .venv/bin/python benchmarks/silicon.py --system h200_sxm --max-concurrency 16
+    .venv/bin/python benchmarks/silicon.py --summary-of h100.md h200.md   # the summary of printed tables
 
-AIConfigurator's core ships `systems/silicon_sample.csv`: benchmark runs of
-vLLM on real GPUs (system, model, precision, TP, ISL, OSL, concurrency ->
-TTFT and TPOT). For each vLLM agg row that a profile in conf/profiles/
-serves (the profile's header names its model, system, TP and precision),
-this drives the mock's engine (gmock_engine's own EngineCore, with the
-profile's [gmock_engine] limits and timing) with the row's workload:
-`concurrency` clients, each sending its next request of ISL prompt tokens
-and OSL output tokens (ignore_eos) when its previous one finished, as
-`vllm bench serve --max-concurrency C --random-input-len ISL
---random-output-len OSL --ignore-eos` does, 4 x C requests in all. The
-engine runs on a virtual clock: the step times are the profile's, not this
-machine's, so a row of 8 192-token prompts at concurrency 64 (minutes of
-GPU time) takes seconds, and the figures do not depend on how loaded the
-machine is. Printed per row: silicon's TTFT and TPOT, the mock's (means
-over the requests, as the silicon figures are), their errors, and
-AIConfigurator's own agg estimate for the same row beside them.
+AIConfigurator's core (the gpu extra) ships `systems/silicon_sample.csv`:
+benchmark runs of vLLM on real GPUs (system, model, precision, TP, ISL, OSL,
+concurrency -> TTFT and TPOT). For each vLLM agg row that a profile in
+conf/profiles/ serves (the profile's header names its model, system, TP and
+precision), this drives the mock's engine (gmock_engine's own EngineCore,
+with the profile's [gmock_engine] limits and timing) with the row's
+workload: `concurrency` clients that start together, each sending its next
+request when its previous one finished (ignore_eos), 10 x concurrency
+requests (benchmark_serving's num_prompts), prompt and output lengths drawn
+from [ratio x ISL, ISL] and [ratio x OSL, OSL] (its random dataset's
+--random-range-ratio; RANGE_RATIOS, per source of rows). The engine runs on
+a virtual clock: the step times are the profile's, not this machine's, so a
+row of 8 192-token prompts at concurrency 32 (minutes of GPU time) takes
+seconds, and the figures do not depend on how loaded the machine is.
+Printed per row: silicon's TTFT and TPOT, the mock's (means over the
+requests), their errors, and AIConfigurator's own agg estimate for the same
+row beside them; then per system the median |error| and on how many rows
+the mock is closer.
 
 The frontend's share (HTTP, detokenizing, a few ms per request at these
-rates) is not in the figures; the e2e test (tests/e2e/test_gpu_profile.py)
-runs one row through a real frontend.
+rates) is not in the figures; an e2e test (tests/e2e/test_serve_e2e.py,
+solo) runs one row through a real frontend with `vllm bench serve`.
 """
 
 from __future__ import annotations
@@ -208,7 +211,11 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--model", help="only this model's rows (silicon's name)")
     parser.add_argument("--statistic", choices=("mean", "median"), default="mean", help="of TTFT and TPOT over the requests")
     parser.add_argument("--markdown", action="store_true", help="the table as docs/gpu-profiles.md shows it")
+    parser.add_argument("--summary-of", nargs="+", metavar="TABLE", help="only summarize tables this script printed")
     args = parser.parse_args(argv)
+    if args.summary_of:
+        print(summary_of(args.summary_of))
+        return 0
     logging.disable(logging.WARNING)
     index = profile_index()
     rows = []
@@ -239,16 +246,48 @@ def main(argv: Sequence[str]) -> int:
               f"| {e_ttft:+.0f} % / {e_tpot:+.0f} % | {aic_text} | {aic_err} | {'yes' if row['system'] == TUNING_SYSTEM else ''} |",
               flush=True)  # fmt: skip
     print()
-    print("| system | rows | median abs. error TTFT / TPOT, mock | AIC agg | rows where the mock is closer (TPOT) |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for system, values in errors.items():
-        med = lambda xs: statistics.median(abs(x) for x in xs) if xs else float("nan")  # noqa: E731
-        aic_t = [v[2] for v in values if v[2] is not None]
-        aic_p = [v[3] for v in values if v[3] is not None]
-        closer = sum(1 for v in values if v[3] is not None and abs(v[1]) < abs(v[3]))
-        print(f"| {system} | {len(values)} | {med([v[0] for v in values]):.0f} % / {med([v[1] for v in values]):.0f} % "
-              f"| {med(aic_t):.0f} % / {med(aic_p):.0f} % | {closer} of {len(aic_p)} |")  # fmt: skip
+    print(summary(errors))
     return 0
+
+
+def summary(errors: Dict[str, List[Tuple[float, float, Optional[float], Optional[float]]]]) -> str:
+    """Per system (and the held-out rows together): the median |error| of TTFT and TPOT, the
+    mock's and AIConfigurator's agg estimate's, and on how many rows the mock is closer."""
+    lines = ["| rows | n | median abs. error TTFT / TPOT, mock | AIC agg | mock closer: TTFT / TPOT / both errors' sum |",
+             "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    groups = dict(errors)
+    held = [v for system, values in errors.items() if system != TUNING_SYSTEM for v in values]
+    if held and len(groups) > 1:
+        groups["held out (not h100_sxm)"] = held
+
+    def med(xs: List[float]) -> float:
+        return statistics.median(abs(x) for x in xs) if xs else float("nan")
+
+    for name, values in groups.items():
+        rated = [v for v in values if v[2] is not None]
+        closer_t = sum(1 for v in rated if abs(v[0]) < abs(v[2]))
+        closer_p = sum(1 for v in rated if abs(v[1]) < abs(v[3]))
+        closer_sum = sum(1 for v in rated if abs(v[0]) + abs(v[1]) < abs(v[2]) + abs(v[3]))
+        lines.append(f"| {name} | {len(values)} | {med([v[0] for v in values]):.0f} % / {med([v[1] for v in values]):.0f} % "
+                     f"| {med([v[2] for v in rated]):.0f} % / {med([v[3] for v in rated]):.0f} % "
+                     f"| {closer_t} / {closer_p} / {closer_sum} of {len(rated)} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def summary_of(paths: Sequence[str]) -> str:
+    """The summary of tables this script printed (the rows of several runs together)."""
+    errors: Dict[str, List[Tuple[float, float, Optional[float], Optional[float]]]] = {}
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                cells = [c.strip() for c in line.strip().strip("|").split("|")]
+                if len(cells) != 9 or not cells[0].endswith(".ini"):
+                    continue
+                system = {"h100": "h100_sxm", "h200": "h200_sxm", "b200": "b200_sxm", "a100": "a100_sxm"}[cells[0].split("-")[0]]
+                mock = [float(x.strip(" %")) for x in cells[5].split("/")]
+                aic = [float(x.strip(" %")) for x in cells[7].split("/")] if cells[7] != "-" else [None, None]
+                errors.setdefault(system, []).append((mock[0], mock[1], aic[0], aic[1]))
+    return summary(errors)
 
 
 if __name__ == "__main__":
