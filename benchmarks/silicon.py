@@ -14,7 +14,7 @@ workload: `concurrency` clients that start together, each sending its next
 request when its previous one finished (ignore_eos), 10 x concurrency
 requests (benchmark_serving's num_prompts), prompt and output lengths drawn
 from [ratio x ISL, ISL] and [ratio x OSL, OSL] (its random dataset's
---random-range-ratio; RANGE_RATIOS, per source of rows). The engine runs on
+--random-range-ratio; RANGE_RATIO). The engine runs on
 a virtual clock: the step times are the profile's, not this machine's, so a
 row of 8 192-token prompts at concurrency 32 (minutes of GPU time) takes
 seconds, and the figures do not depend on how loaded the machine is.
@@ -87,20 +87,11 @@ def row_key(row: dict) -> Tuple[str, str, int, str]:
     return model, row["system"], int(row["tp_size"]), precision
 
 
-#: The random dataset's --random-range-ratio of each source of rows, chosen on the H100 rows
-#: (the sources do not say): the benchmark runs of vllm-openai images (source files named by
-#: date) drew lengths from [0.8 x L, L], the gap-analysis runs used the lengths as given.
-RANGE_RATIOS = {"dated": 0.8, "gap-analysis": 1.0}
-
-
-def source_family(row: dict) -> str:
-    """`dated` (source_file=YYYY-MM-DD.csv, db-dump/...: benchmark runs of vllm-openai images) or `gap-analysis`."""
-    source = row["silicon_data_source"]
-    return "gap-analysis" if "gap-analysis" in source else "dated"
-
-
-def range_ratio(row: dict) -> float:
-    return RANGE_RATIOS[source_family(row)]
+#: The random dataset's --random-range-ratio the rows' runs drew lengths with, chosen on the
+#: H100 rows (the silicon file does not say): [0.8 x L, L] put the mock's TTFT closer to
+#: silicon's than fixed lengths, with which clients that start together stay in lockstep and
+#: every wave's prompts share one step, on both sources of rows.
+RANGE_RATIO = 0.8
 
 
 class _Clock:
@@ -207,7 +198,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--max-concurrency", type=int, default=10 ** 6, help="skip rows above this concurrency")
     parser.add_argument("--requests-per-client", type=int, default=10, help="requests per client (benchmark_serving: num_prompts = 10 x concurrency)")
     parser.add_argument("--range-ratio", type=float, help="lengths drawn from [ratio x ISL, ISL] and [ratio x OSL, OSL] "
-                        "(default: per source of the rows, RANGE_RATIOS)")
+                        f"(default {RANGE_RATIO}, chosen on the H100 rows)")
     parser.add_argument("--model", help="only this model's rows (silicon's name)")
     parser.add_argument("--statistic", choices=("mean", "median"), default="mean", help="of TTFT and TPOT over the requests")
     parser.add_argument("--markdown", action="store_true", help="the table as docs/gpu-profiles.md shows it")
@@ -232,7 +223,7 @@ def main(argv: Sequence[str]) -> int:
     for key, row in rows:
         isl, osl, conc = int(row["isl"]), int(row["osl"]), int(row["batch_size"])
         s_ttft, s_tpot = float(row["silicon_ttft_ms"]), float(row["silicon_tpot_ms"])
-        ratio = args.range_ratio if args.range_ratio is not None else range_ratio(row)
+        ratio = args.range_ratio if args.range_ratio is not None else RANGE_RATIO
         found = simulate(index[key], isl, osl, conc, args.requests_per_client * conc, ratio)
         m_ttft, m_tpot = found[f"ttft_{args.statistic}"], found[f"tpot_{args.statistic}"]
         aic = aic_agg(row, key)
