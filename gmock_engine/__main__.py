@@ -5,7 +5,8 @@ program that starts the engine as a subprocess; `gmock-engine serve ...`
 (`./run.sh serve`) a real frontend and the engine behind it (tools/serve.py),
 plain Python that starts and watches processes; `gmock-engine record ...`
 (`./run.sh record`) the record tap (tools/record.py), plain pyzmq; `gmock-engine fit ...`
-(`./run.sh fit`) a step-time profile from its traces (tools/fit.py). Everything else is the
+(`./run.sh fit`) a step-time profile from its traces (tools/fit.py); `gmock-engine profile ...`
+(`./run.sh profile`) one from AIConfigurator's GPU tables (tools/gpu_profile.py). Everything else is the
 engine, which needs gevent's monkey-patching before anything else imports
 socket, threading or time-related modules (STYLE.md pitfall 1): it is the
 first thing the engine path does.
@@ -32,6 +33,10 @@ def main() -> None:
         from gmock_engine.tools.fit import main as fit_main
 
         sys.exit(fit_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["profile"]:
+        from gmock_engine.tools.gpu_profile import main as profile_main
+
+        sys.exit(profile_main(sys.argv[2:]))
 
     from gevent import monkey
 

@@ -231,6 +231,25 @@ TABLE: Dict[str, Row] = {
         Run("client", stack="./run.sh serve --tools --reasoning", expect=r'"tool_calls": *\[\{.*"name": *"book_table"'),
     "GMOCK_TEST_WORKERS=0 ./run.sh test tests/e2e/test_grammar_offloop_e2e.py -s": Listed("part of the suite CI runs (.ci/run)"),
     "./run.sh serve --tools": Run("serves"),
+    # -- docs/gpu-profiles.md ---------------------------------------------------------------
+    "./run.sh serve --config conf/profiles/h100-llama-3.1-70b-tp4.ini": Run("serves"),
+    "./run.sh serve --latency-profile conf/profiles/h100-llama-3.1-70b-tp4.ini": Run("serves"),
+    "./run.sh --config conf/profiles/h200-qwen3-32b-tp2.ini --handshake-address tcp://127.0.0.1:29550": Run("engine"),
+    "./run.sh profile --system h200_sxm --model Qwen/Qwen3-32B --tp 4 -o h200-qwen3-32b-tp4.ini":
+        Run("exits", subs=(("-o h200-qwen3-32b-tp4.ini", "-o {tmp}/h200-qwen3-32b-tp4.ini"),), expect=r"wrote .*h200-qwen3-32b-tp4\.ini"),
+    "./run.sh profile --system b200_sxm --model meta-llama/Llama-3.1-70B --tp 2 --precision fp8 -o b200-70b-tp2.ini":
+        Run("exits", subs=(("-o b200-70b-tp2.ini", "-o {tmp}/b200-70b-tp2.ini"),), expect=r"wrote .*b200-70b-tp2\.ini"),
+    ".venv/bin/python benchmarks/silicon.py --system h200_sxm --max-concurrency 16":
+        Run("exits", subs=(("--max-concurrency 16", "--max-concurrency 4 --requests-per-client 1"),), expect=r"\| h200-", timeout=300),
+    # -- docs/multimodal.md, benchmarks/README.md#multimodal -----------------------------------
+    "./run.sh serve --multimodal": Run("serves", slow=True, timeout=300),
+    "./run.sh serve --multimodal --encoder-ms-per-token 0.02 --itl-ms 20": Run("serves", slow=True, timeout=300),
+    ".venv/bin/python -m gmock_engine.tools.mm_model_dir /tmp/idefics3":
+        Run("exits", subs=(("/tmp/idefics3", "{tmp}/idefics3"),), expect=r"model dir .*idefics3: idefics3"),
+    ".venv/bin/python benchmarks/multimodal.py":
+        Run("exits", subs=(("multimodal.py", "multimodal.py --requests 50 --repeats 1"),), expect=r"image", timeout=300),
+    ".venv/bin/python benchmarks/multimodal.py --prefix-caching":
+        Run("exits", subs=(("--prefix-caching", "--prefix-caching --requests 50 --repeats 1"),), expect=r"image", timeout=300),
     # -- docs/testing.md --------------------------------------------------------------------
     "./run.sh test -m \"not e2e\"": Listed("part of the suite CI runs (.ci/run)"),
     "./run.sh test tests/e2e -v": Listed("part of the suite CI runs (.ci/run)"),

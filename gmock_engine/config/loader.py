@@ -42,8 +42,11 @@ SERVE_SECTION = "serve"
 #: `./run.sh record` and `./run.sh fit` (tools/record.py, tools/fit.py) read theirs.
 RECORD_SECTION = "record"
 FIT_SECTION = "fit"
-#: The sections a config file may hold; each reader reads and checks its own.
-CONFIG_SECTIONS = (CONFIG_SECTION, SERVE_SECTION, RECORD_SECTION, FIT_SECTION)
+PROFILE_SECTION = "profile"
+#: The sections a config file may hold; each reader reads and checks its own
+#: (a latency profile's, latency_profile.SECTION, read by --latency-profile: a
+#: profile of `./run.sh profile` is also a config file, `--config P.ini`).
+CONFIG_SECTIONS = (CONFIG_SECTION, SERVE_SECTION, RECORD_SECTION, FIT_SECTION, PROFILE_SECTION, "latency-profile")
 
 
 # -- the parser ----------------------------------------------------------------

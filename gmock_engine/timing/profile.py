@@ -12,7 +12,12 @@ A step's time, in ms, is the sum of
   from the last two beyond them: the fixed cost of a step and the per-request
   cost, which is not linear on real hardware;
 * `prefill_ms_per_token × prefill tokens` (the prompt tokens computed in
-  the step, prefix-cache hits excluded);
+  the step, prefix-cache hits excluded), or, where the profile has one, a
+  table over them (`prefill_tokens`, `prefill_ms`: linear in between, from
+  0 ms at 0 tokens, extrapolated from the last two points beyond them): on
+  a GPU a step of a few hundred prompt tokens costs little more than a
+  decode step (both read every weight once) and a long one is bound by its
+  arithmetic, which no single price per token gives;
 * `prefill_ms_per_request × prefilling requests` (those of the batch that
   compute prompt tokens in the step): what a prompt costs beyond its
   tokens, so that a short prompt is not priced as a slice of a long one;
@@ -80,6 +85,10 @@ class StepProfile:
     prefill_attention_ms: float = 0.0
     context_ms_per_ktoken: float = 0.0
     prefill_ms_per_request: float = 0.0
+    #: the prefill tokens' cost as a table instead of prefill_ms_per_token
+    #: (none: the price per token): token counts and ms at each
+    prefill_tokens: Tuple[int, ...] = ()
+    prefill_ms: Tuple[float, ...] = ()
     #: quantiles of measured / predicted at evenly spaced probabilities 0..1
     #: of decode-only steps, one set per bin of the batch (bins: the upper
     #: edges, the last bin open above them; no bins: one set)
@@ -111,6 +120,14 @@ class StepProfile:
                 raise ProfileError(f"{name}: must be >= 0")
         if any(not v >= 0.0 for v in self.step_ms):
             raise ProfileError("step_ms: values must be >= 0")
+        if len(self.prefill_tokens) != len(self.prefill_ms):
+            raise ProfileError("prefill_tokens and prefill_ms need the same number of values")
+        if any(t < 1 for t in self.prefill_tokens) or any(a >= b for a, b in zip(self.prefill_tokens, self.prefill_tokens[1:])):
+            raise ProfileError("prefill_tokens: increasing token counts, each at least 1")
+        if any(not 0.0 <= v < math.inf for v in self.prefill_ms):
+            raise ProfileError("prefill_ms: values must be >= 0")
+        if self.prefill_tokens and self.prefill_ms_per_token:
+            raise ProfileError("prefill_ms_per_token and prefill_tokens/prefill_ms: one or the other (a price per token, or a table)")
         for name in ("spread_new_size", "spread_new_max"):
             if getattr(self, name) and not _quantile_list(getattr(self, name)):
                 raise ProfileError(f"{name}: at least two non-decreasing factors >= 0 (or none)")
@@ -147,6 +164,23 @@ class StepProfile:
         x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
         return max(0.0, y0 + (y1 - y0) * (batch - x0) / (x1 - x0))
 
+    def prefill_tokens_ms(self, tokens: int) -> float:
+        """What `tokens` prompt tokens computed in a step add to it, ms:
+        the table's (from 0 ms at 0 tokens), or the price per token."""
+        xs = self.prefill_tokens
+        if not xs or not tokens:
+            return self.prefill_ms_per_token * tokens
+        ys = self.prefill_ms
+        i = bisect_right(xs, tokens) - 1
+        if i < 0:
+            return ys[0] * tokens / xs[0]  # from 0 ms at 0 tokens to the first point
+        if i >= len(xs) - 1:
+            if len(xs) == 1:
+                return ys[0] * tokens / xs[0]
+            i = len(xs) - 2  # beyond the last: the last segment, extended
+        x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+        return max(0.0, y0 + (y1 - y0) * (tokens - x0) / (x1 - x0))
+
     def predict_ms(
         self, batch: int, prefill_tokens: int = 0, prefill_attention: float = 0.0, context_tokens: int = 0, prefill_reqs: int = 0
     ) -> float:
@@ -155,7 +189,9 @@ class StepProfile:
         `prefill_reqs` the requests that compute a prompt chunk."""
         return (
             self.batch_ms(batch)
-            + self.prefill_ms_per_token * prefill_tokens
+            # the table's lookup only for a step that prefills (a decode step: the product, 0)
+            + (self.prefill_tokens_ms(prefill_tokens) if prefill_tokens and self.prefill_tokens
+               else self.prefill_ms_per_token * prefill_tokens)
             + self.prefill_attention_ms * prefill_attention / 1000.0
             + self.prefill_ms_per_request * prefill_reqs
             + self.context_ms_per_ktoken * context_tokens / 1000.0
@@ -276,6 +312,8 @@ _KEYS = (
     "batch",
     "step_ms",
     "prefill_ms_per_token",
+    "prefill_tokens",
+    "prefill_ms",
     "prefill_attention_ms",
     "prefill_ms_per_request",
     "context_ms_per_ktoken",
@@ -328,12 +366,12 @@ def parse_profile(text: str, source: str = "<profile>") -> StepProfile:
         numbers = sets[0]
         if key in _SETS:
             values[key] = sets if any(sets) else ()
-        elif key in ("batch", "spread_decode_bins", "spread_prefill_bins"):
+        elif key in ("batch", "spread_decode_bins", "spread_prefill_bins", "prefill_tokens"):
             try:
                 values[key] = _whole(key, numbers)
             except ProfileError as exc:
                 raise ProfileError(f"{source}: {exc}") from None
-        elif key in ("step_ms", "input_delay_ms", "spread_new_size", "spread_new_max", "spread_new_size_ms", "spread_new_max_ms"):
+        elif key in ("step_ms", "prefill_ms", "input_delay_ms", "spread_new_size", "spread_new_max", "spread_new_size_ms", "spread_new_max_ms"):
             values[key] = numbers
         else:
             if len(numbers) != 1:
@@ -395,6 +433,14 @@ def format_profile(profile: StepProfile, comment: Optional[Sequence[str]] = None
         f"step_ms = {_join(profile.step_ms, 5)}",
         "# ms per prompt token computed in the step (prefix-cache hits excluded)",
         f"prefill_ms_per_token = {profile.prefill_ms_per_token:.5g}",
+    ]
+    if profile.prefill_tokens:
+        lines += [
+            "# or a table: prompt tokens computed in the step, and what they add to it (ms): linear in between",
+            f"prefill_tokens = {' '.join(str(t) for t in profile.prefill_tokens)}",
+            f"prefill_ms = {_join(profile.prefill_ms, 5)}",
+        ]
+    lines += [
         "# ms per 1000 of sum c*(p + c/2) over the step's prompt chunks (c tokens from position p)",
         f"prefill_attention_ms = {profile.prefill_attention_ms:.5g}",
         "# ms per request computing a prompt chunk in the step",

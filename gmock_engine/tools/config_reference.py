@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 from typing import List
 
-from gmock_engine.config.loader import CONFIG_SECTION, ENV_PREFIX, FIT_SECTION, RECORD_SECTION, SERVE_SECTION, build_parser, env_name, ini_text
+from gmock_engine.config.loader import CONFIG_SECTION, ENV_PREFIX, FIT_SECTION, PROFILE_SECTION, RECORD_SECTION, SERVE_SECTION, build_parser, env_name, ini_text
 from gmock_engine.config.option import long_flag
 from gmock_engine.config.options import OPTIONS
 from gmock_engine.tools.fit import FIT_ENV_PREFIX, build_fit_parser
+from gmock_engine.tools.gpu_profile import PROFILE_ENV_PREFIX, build_profile_parser
 from gmock_engine.tools.record_config import RECORD_ENV_PREFIX, build_record_parser
 from gmock_engine.tools.serve_config import SERVE_ENV_PREFIX, build_serve_parser
 
@@ -63,8 +64,8 @@ def reference_page() -> str:
         f"<!-- Generated from the parsers; do not edit. Regenerate: {REFERENCE_COMMAND} -->",
         "",
         "Every option of the engine (`./run.sh`, `python -m gmock_engine`) and of `./run.sh serve`, "
-        "`./run.sh record` and `./run.sh fit`, generated from their parsers (`gmock_engine/config/options.py`, "
-        "`gmock_engine/tools/serve_config.py`, `record.py`, `fit.py`). "
+        "`./run.sh record`, `./run.sh fit` and `./run.sh profile`, generated from their parsers (`gmock_engine/config/options.py`, "
+        "`gmock_engine/tools/serve_config.py`, `record.py`, `fit.py`, `gpu_profile.py`). "
         "Each option can be given on the command line, as its environment variable or as its key in "
         "the `--config` INI file. One precedence for all: "
         "**command line > environment > config file > default**. A boolean flag also has its "
@@ -90,6 +91,8 @@ def reference_page() -> str:
         ("`./run.sh record`", build_record_parser, RECORD_SECTION, RECORD_ENV_PREFIX, "The record tap ([record](record.md))."),
         ("`./run.sh fit TRACE...`", build_fit_parser, FIT_SECTION, FIT_ENV_PREFIX,
          "The fit of a latency profile ([latency profile](latency-profile.md)); the traces are arguments."),
+        ("`./run.sh profile`", build_profile_parser, PROFILE_SECTION, PROFILE_ENV_PREFIX,
+         "A GPU deployment's profile from AIConfigurator's tables ([GPU profiles](gpu-profiles.md)); needs the `gpu` extra."),
     )  # fmt: skip
     for title, build, section, prefix, intro in tools:
         lines += ["", f"## {title}: section `[{section}]`, variables `{prefix}<FLAG>`", "", intro]

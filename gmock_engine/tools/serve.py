@@ -79,6 +79,10 @@ MANAGED_ENGINE_FLAGS = {
     "--tokenizer": "serve gives the engine its model dir's tokenizer, the one the frontend serves",
 }
 
+#: Of those, the ones a --config file may set all the same: serve's value replaces the file's
+#: (the handshake address), or the file's becomes serve's (engine-count: --dp, unless given).
+CONFIG_FILE_OVERRIDES = ("--handshake-address", "--engine-count")
+
 #: Frontend flags serve sets itself (both kinds' spellings), and what to use instead.
 MANAGED_FRONTEND_FLAGS = {
     "--host": "use serve's --host",
@@ -179,6 +183,31 @@ def _managed_flag_source(flag: str, argv: Sequence[str], env: Mapping[str, str],
     return None
 
 
+def _config_file_override(flag: str, options: object, where: str) -> None:
+    """A managed engine key in the --config file: engine-count becomes --dp
+    (unless --dp has a source of its own); serve's handshake address replaces
+    the file's. Either is said on stderr."""
+    if flag == "--engine-count":
+        if options.sources["dp"].kind == "default":
+            import configparser
+
+            ini = configparser.ConfigParser(interpolation=None)
+            ini.read(os.path.expanduser(options.config), encoding="utf-8")
+            try:
+                count = int(ini.get(cfg.CONFIG_SECTION, "engine-count"))
+            except ValueError:
+                raise cfg.ConfigError(f"argument --engine-count: not a whole number in {where}") from None
+            if count < 1:
+                raise cfg.ConfigError(f"argument --engine-count: must be at least 1 in {where}")
+            options.dp = count
+            options.sources["dp"] = cfg.Source("config file", f"{options.config} (engine-count in [{cfg.CONFIG_SECTION}])")
+            _say(f"--dp {count}: engine-count from {where}")
+        else:
+            _say(f"--dp {options.dp} (from {options.sources['dp']}) replaces engine-count of {where}")
+    else:
+        _say(f"{flag}: serve picks a free handshake port; the one in {where} is not used")
+
+
 def _unknown_serve_flag_hint(rest: Sequence[str]) -> str:
     """An abbreviation of a serve flag reaches the engine's parser as unknown; name the flag meant."""
     flags = [o for a in build_serve_parser()._actions for o in a.option_strings if o.startswith("--")]
@@ -211,7 +240,11 @@ def plan(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
     options, rest = parse_serve_config(argv, env)
     for flag, instead in MANAGED_ENGINE_FLAGS.items():
         where = _managed_flag_source(flag, rest, env, options.config)
-        if where:
+        if where and where.startswith("config file") and flag in CONFIG_FILE_OVERRIDES:
+            # a config file written for the engine alone (conf/*-gpu.ini) serves as it is: serve's own
+            # value wins over the file's, as a command-line flag does
+            _config_file_override(flag, options, where)
+        elif where:
             raise cfg.ConfigError(f"argument {flag}: set by serve ({instead}); remove it from {where}")
     frontend_args = frontend_arg_list(options)
     _check_frontend_args(options, frontend_args)

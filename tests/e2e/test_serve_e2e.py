@@ -405,3 +405,45 @@ def test_frontend_args_the_frontend_refuses_end_serve_with_its_error_and_a_line_
     assert (f"the frontend {name} exited during start-up with the arguments {' '.join(args)} "
             "(from command line (after --)): if it rejected them, its error is in the lines above") in stderr  # fmt: skip
     assert run.lines == [] and run.left_behind() == []
+
+
+# -- a GPU profile against its silicon row --------------------------------------------------
+
+#: AIConfigurator core 0.12.0's systems/silicon_sample.csv, row
+#: 2026_04_06_llama_3_1_70b_h100_sxm_vllm_fp8_agg_1024x1024_c8_tp4_ep1_696: vLLM serving
+#: Llama-3.1-70B fp8 on 4 x H100 SXM, 1024 prompt and 1024 output tokens at concurrency 8.
+#: The profile's step for that batch is 11.15 ms (-8 %); the engine's steps come late on a
+#: loaded host (it counts each from its actual start), which adds to it.
+SILICON_ROW = {"isl": 1024, "osl": 1024, "concurrency": 8, "tpot_ms": 12.11049360277042}
+GPU_PROFILE = "conf/profiles/h100-llama-3.1-70b-tp4.ini"
+
+
+@pytest.mark.solo  # a timing comparison: other load makes the engine's steps late
+def test_a_gpu_profile_serves_and_vllm_bench_serve_reproduces_its_silicon_row_s_tpot(run_serve, frontends):
+    """`./run.sh serve --latency-profile <profile>` as docs/gpu-profiles.md writes it, and vLLM's
+    own benchmark client at the silicon row's settings (one request per client: the TPOT of a
+    steady batch of 8; 12 s of decoding)."""
+    run = run_serve(["--latency-profile", GPU_PROFILE, "--port", "0"], h.frontends_home())
+    line = run.ready(timeout=120 * h.TIMEOUT_SCALE)
+    url, model = line.group(1), line.group(3)
+    tokenizer = re.search(r"model dir (\S+): the served tokenizer", run.stderr()).group(1)
+    row = SILICON_ROW
+    argv = [str(frontends.python), str(h.VLLM_CLI), "bench", "serve", "--backend", "openai",
+            "--base-url", url[: -len("/v1")], "--model", model, "--tokenizer", tokenizer,
+            "--dataset-name", "random", "--random-input-len", str(row["isl"]), "--random-output-len", str(row["osl"]),
+            "--num-prompts", str(row["concurrency"]), "--max-concurrency", str(row["concurrency"]), "--ignore-eos"]  # fmt: skip
+    proc = subprocess.run(argv, env=h.frontend_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, timeout=300, cwd=str(h.HERE))  # fmt: skip
+    assert proc.returncode == 0, f"rc={proc.returncode}\n--- stderr tail\n{h.tail_text(proc.stderr, 40)}"
+    out = proc.stdout
+    ok = re.search(r"^Successful requests:\s+(\d+)", out, re.M)
+    tpot = re.search(r"^Mean TPOT \(ms\):\s+([\d.]+)", out, re.M)
+    assert ok and tpot, out[-3000:]
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[0]
+    error = float(tpot.group(1)) / row["tpot_ms"] - 1.0
+    print(f"TPOT {float(tpot.group(1)):.2f} ms against silicon's {row['tpot_ms']:.2f} ({error:+.1%}); load average {load}")
+    assert int(ok.group(1)) == row["concurrency"]
+    assert abs(error) <= 0.10, f"TPOT {tpot.group(1)} ms, silicon {row['tpot_ms']:.2f} ms ({error:+.1%}; load average {load})"
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait(60) == EXIT_STOPPED, run.stderr()

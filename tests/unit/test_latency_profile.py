@@ -30,6 +30,20 @@ def test_table_interpolates_and_extends_its_ends():
     assert per_prompt.predict_ms(2, 100, 5000.0, 2000, prefill_reqs=2) == pytest.approx(6.0 + 3.0)
 
 
+def test_a_prefill_table_prices_the_step_s_prompt_tokens_instead_of_a_price_per_token():
+    table = StepProfile(PROFILE.batch, PROFILE.step_ms, prefill_tokens=(256, 1024, 4096), prefill_ms=(4.0, 40.0, 190.0),
+                        prefill_attention_ms=0.01, context_ms_per_ktoken=0.5)  # fmt: skip
+    assert table.prefill_tokens_ms(0) == 0.0
+    assert table.prefill_tokens_ms(128) == pytest.approx(2.0)  # from 0 ms at 0 tokens to the first point
+    assert table.prefill_tokens_ms(640) == pytest.approx(22.0)  # linear in between
+    assert table.prefill_tokens_ms(8192) == pytest.approx(390.0)  # the last segment, extended
+    # the other terms as before: batch, attention, context
+    assert table.predict_ms(2, 640, 5000.0, 2000) == pytest.approx(6.0 + 22.0 + 0.05 + 1.0)
+    assert parse_profile(format_profile(table)) == table
+    # a profile without the table is written as before it existed, and priced per token
+    assert "prefill_tokens" not in format_profile(PROFILE) and PROFILE.prefill_tokens_ms(100) == pytest.approx(2.0)
+
+
 def test_the_file_round_trips_and_is_read_as_written():
     noisy = StepProfile(PROFILE.batch, PROFILE.step_ms, 0.02, 0.01, 0.5, 0.7, spread_decode=((0.9, 1.0, 1.2),), spread_prefill=((1.0, 1.1),))
     text = format_profile(noisy, ["a comment"])
@@ -82,6 +96,12 @@ def test_the_file_round_trips_and_is_read_as_written():
         ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_decode_bins = 1 3\nspread_decode = 1 2 | 1 3\n", "spread_decode: 3 sets"),
         ("[latency-profile]\nbatch = 1\nstep_ms = 1\nspread_decode_bins = 2.5\n", "whole numbers"),
         ("[latency-profile]\nbatch = 1\nstep_ms = 1\ninput_delay_ms = 3\n", "input_delay_ms: at least two"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1\nprefill_tokens = 16 64\nprefill_ms = 1\n", "prefill_tokens and prefill_ms need the same"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1\nprefill_tokens = 64 16\nprefill_ms = 1 2\n", "prefill_tokens: increasing"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1\nprefill_tokens = 16.5\nprefill_ms = 1\n", "whole numbers"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1\nprefill_tokens = 16\nprefill_ms = -1\n", "prefill_ms: values must be >= 0"),
+        ("[latency-profile]\nbatch = 1\nstep_ms = 1\nprefill_ms_per_token = 0.1\nprefill_tokens = 16\nprefill_ms = 1\n",
+         "one or the other \\(a price per token, or a table\\)"),
     ],
 )
 def test_a_bad_profile_says_what_is_wrong(text, message):

@@ -58,7 +58,7 @@ def test_the_config_file_may_also_come_from_gmock_config(tmp_path, env):
         (["--served-model-name", " "], {}, None, r"argument --served-model-name: must not be empty"),
         (["--api-server-count", "2"], {}, None, r"argument --api-server-count: only the Python frontend has API servers \(from command line\)"),
         ([], {}, "[serve]\nitl-ms = 5\n", r"unknown key 'itl-ms' in \[serve\] \(the engine's options go in \[gmock_engine\]\)"),
-        ([], {}, "[serve]\nport = 1\n[frontend]\nx = 1\n", r"unknown section \[frontend\]; only \[gmock_engine\], \[serve\], \[record\] and \[fit\] are read"),
+        ([], {}, "[serve]\nport = 1\n[frontend]\nx = 1\n", r"unknown section \[frontend\]; only \[gmock_engine\], \[serve\], \[record\], \[fit\], \[profile\] and \[latency-profile\] are read"),
     ],
 )
 def test_bad_serve_values_name_flag_and_source(tmp_path, env, argv, extra_env, body, pattern):
@@ -105,8 +105,9 @@ def test_the_model_dir_follows_the_engines_vocabulary_and_context(env):
         (["--engine-count", "2"], {}, None, r"argument --engine-count: set by serve \(use --dp\); remove it from command line"),
         ([], {"GMOCK_HANDSHAKE_ADDRESS": "tcp://127.0.0.1:1"}, None,
          r"argument --handshake-address: set by serve .*; remove it from environment GMOCK_HANDSHAKE_ADDRESS"),
-        ([], {}, "[gmock_engine]\nengine-count = 4\n",
-         r"argument --engine-count: set by serve \(use --dp\); remove it from config file .*, key engine-count in \[gmock_engine\]"),
+        ([], {}, "[gmock_engine]\nengine-count = 0\n", r"argument --engine-count: must be at least 1 in config file .*, key engine-count"),
+        ([], {}, "[gmock_engine]\ntokenizer = /x\n",
+         r"argument --tokenizer: set by serve .*; remove it from config file .*, key tokenizer in \[gmock_engine\]"),
         (["--data-parallel-start-rank=2"], {}, None, r"argument --data-parallel-start-rank: set by serve"),
         (["--itl-ms", "-1"], {}, None, r"argument --itl-ms: -1.0 is less than 0.0 \(from command line\)"),
         ([], {"GMOCK_SEED": "x"}, None, r"argument --seed: 'x' is not an integer \(from environment GMOCK_SEED\)"),
@@ -122,6 +123,19 @@ def test_plan_refuses_bad_and_managed_engine_options(tmp_path, env, argv, extra_
         argv = ["--config", ini(tmp_path, body), *argv]
     with pytest.raises(cfg.ConfigError, match=pattern):
         serve.plan(["--port", "0", *argv], {**env, **extra_env})
+
+
+@pytest.mark.parametrize("name, dp", [("large-gpu.ini", 8), ("small-gpu.ini", 4)])
+def test_the_shipped_gpu_configs_serve_their_engine_count_on_a_handshake_port_of_serves(env, name, dp):
+    # written for the engine alone (a fixed handshake address, engine-count): serve's port
+    # replaces the file's and engine-count becomes --dp, unless --dp is given
+    path = os.path.join(REPO, "conf", name)
+    p = serve.plan(["--config", path, "--port", "0"], env)
+    assert p.options.dp == dp and p.engine.engine_count == dp
+    assert p.engine.handshake_address == f"tcp://127.0.0.1:{p.handshake_port}" != "tcp://127.0.0.1:29550"
+    assert p.options.sources["dp"].kind == "config file"
+    p = serve.plan(["--config", path, "--port", "0", "--dp", "2"], env)
+    assert p.options.dp == 2 and p.engine.engine_count == 2
 
 
 def test_a_taken_port_is_a_configuration_error(env):

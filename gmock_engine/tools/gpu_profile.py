@@ -1,0 +1,480 @@
+"""`./run.sh profile --system h100_sxm --model meta-llama/Llama-3.1-70B --tp 4 -o P.ini`:
+a latency profile of a GPU deployment, from AIConfigurator's public step estimates.
+
+AIConfigurator's core (the `gpu` extra: `pip install 'gmock-engine[gpu]'`)
+ships per-operation timings measured on real GPUs (GEMM, attention,
+communication; per system, framework and version) and an engine that
+predicts a step from its composition. This tool asks it for the steps the
+mock's engine runs (decode steps of 1 to max_num_seqs requests holding
+short and long contexts; prefill chunks of 16 to max_num_batched_tokens
+tokens from position 0 to deep into the context) and fits the latency
+profile's terms (timing/profile.py) to its answers:
+
+* `context_ms_per_ktoken`: the slope of the decode step against the tokens
+  the batch holds, pooled over the batch sizes (the median of per-batch
+  slopes: attention reads every held token, so the step grows with their sum);
+* `step_ms(batch)`: the decode step at each batch size with that context
+  taken out, at 1, 2, 4, ... max_num_seqs;
+* `prefill_attention_ms`: how a chunk's estimate grows with the position
+  it starts at (the median over chunk sizes);
+* `prefill_tokens` / `prefill_ms`: a table of what a chunk of 16 to
+  max_num_batched_tokens tokens adds to a step beyond its batch, context and
+  attention, from steps that decode beside it (8 and 64 requests; chunked
+  prefill under load) and, at a quarter of their weight, steps that only
+  prefill. A table and not a price per token: a chunk of a few hundred
+  tokens costs little beyond the decode step (both read every weight once),
+  a long one is bound by its arithmetic.
+
+Beside the timing, a [gmock_engine] section with what the engine needs to
+behave like that deployment: `num-gpu-blocks` from the GPU's memory as
+vLLM sizes its KV cache (gpu_memory_utilization 0.9 of the memory, less
+the weights of one TP rank, the activations of a step of
+max_num_batched_tokens and the communication buffers; divided by the KV
+bytes per token per rank times the block size), `max-num-seqs` and
+`max-num-batched-tokens` as vLLM's OpenAI server defaults them on that GPU
+(8192 and 1024 on a GPU of 70 GiB or more other than an A100, else 2048 and
+256), `block-size` 16, `async-scheduling` (vLLM's default on GPUs) and the
+profile itself, so `./run.sh serve --config P.ini` serves as that
+deployment and `--latency-profile P.ini` times steps like it.
+
+The fit's error against the estimates it was fitted to, and against mixed
+steps it was not, goes into the file's header, with the tables' version
+and every table AIConfigurator filled from another system's or framework's
+data. The engine reads the file without the library.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from gmock_engine.config.loader import ENV_PREFIX, PROFILE_SECTION, ConfigError, ini_reader, new_parser, parse_tool_config
+from gmock_engine.timing.profile import StepProfile, format_profile
+from gmock_engine.config.option import Group, Option, add_groups
+from gmock_engine.config.validators import choice, int_at_least, nonempty
+
+#: vLLM's default KV block size on CUDA, and the share of the GPU's memory it takes.
+BLOCK_SIZE = 16
+GPU_MEMORY_UTILIZATION = 0.9
+GIB = 1 << 30
+#: Precisions: gemm / kv-cache quant modes of AIConfigurator (None: the checkpoint's own, as
+#: its config.json says: bf16 for most, MXFP4 experts for gpt-oss).
+PRECISIONS = {"bf16": ("bfloat16", None), "native": (None, None), "fp8": ("fp8", "fp8"), "fp4": ("nvfp4", "fp8")}
+#: Where the tables stop asking: a context (per request) past the longest
+#: the fit uses for the decode slope, and the prefill positions.
+CONTEXTS = (128, 4096)
+PREFILL_TOKENS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PREFILL_POSITIONS = (0, 2048, 8192)
+#: Mixed steps fitted beside the prefill chunks: decoding requests holding
+#: MIXED_CONTEXT tokens each, and a chunk of PREFILL_TOKENS from position 0.
+MIXED_DECODES = (8, 64)
+PREFILL_ONLY_WEIGHT = 0.25
+MIXED_CONTEXT = 1024
+#: Mixed steps (decoding requests, prompt tokens, context per request) the
+#: profile is checked against in its header, not fitted to.
+MIXED_CHECKS = ((8, 512, 1024), (32, 2048, 1024), (64, 1024, 4096), (128, 4096, 2048))
+
+
+class ProfileToolError(Exception):
+    """What the tables cannot serve, or a missing library; the message says what they can."""
+
+
+def _aic():
+    """AIConfigurator's engine module, or ProfileToolError saying how to install it."""
+    try:
+        from aiconfigurator_core.sdk import engine  # noqa: F401
+    except ImportError:
+        raise ProfileToolError(
+            "AIConfigurator's core is not installed: pip install 'gmock-engine[gpu]' (or aiconfigurator-core==0.12.0)"
+        ) from None
+    return engine
+
+
+def systems() -> List[str]:
+    """The systems AIConfigurator has vLLM tables for."""
+    import aiconfigurator_core
+
+    root = os.path.join(os.path.dirname(aiconfigurator_core.__file__), "systems", "data")
+    return sorted(s for s in os.listdir(root) if os.path.isdir(os.path.join(root, s, "gemm", "vllm")))
+
+
+def table_versions(system: str) -> List[str]:
+    """The vLLM versions of `system`'s GEMM tables."""
+    import aiconfigurator_core
+
+    root = os.path.join(os.path.dirname(aiconfigurator_core.__file__), "systems", "data", system, "gemm", "vllm")
+    return sorted(os.listdir(root)) if os.path.isdir(root) else []
+
+
+def known_models() -> List[str]:
+    """The model names AIConfigurator has a config of (no download)."""
+    from aiconfigurator_core.sdk.common import DefaultHFModels
+
+    return sorted(DefaultHFModels)
+
+
+def resolve_model(name: str, scratch: str) -> str:
+    """The model path AIConfigurator reads: a listed name (also the
+    Hugging Face name without its `Meta-` prefix, as vLLM's benchmarks
+    spell Llama 3.1), or a directory holding a copy of the given
+    config.json. ProfileToolError lists the names it knows."""
+    if os.path.isfile(name):
+        os.makedirs(scratch, exist_ok=True)
+        shutil.copyfile(name, os.path.join(scratch, "config.json"))
+        return scratch
+    if os.path.isdir(name) and os.path.isfile(os.path.join(name, "config.json")):
+        return name
+    models = known_models()
+    for candidate in (name, name.replace("/Llama-", "/Meta-Llama-")):
+        if candidate in models:
+            return candidate
+    raise ProfileToolError(
+        f"--model {name}: AIConfigurator has no config of it (it does not download); give its Hugging Face "
+        f"config.json as --model PATH, or one of: {', '.join(models)}"
+    )
+
+
+@dataclass
+class Deployment:
+    """What was asked and what the tables made of it."""
+
+    system: str
+    model: str
+    tp: int
+    precision: str
+    backend_version: str
+    fallbacks: List[str] = field(default_factory=list)
+
+
+#: (system, version) -> the fallback notes of its tables' first load in this process.
+_FALLBACKS: Dict[Tuple[str, str], List[str]] = {}
+
+
+class _Fallbacks(logging.Handler):
+    """Collects AIConfigurator's notes of tables filled from another
+    system's, framework's or version's data (its perf database logs them)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.notes: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "fallback" in text.lower() or "backward fill" in text.lower() or "not found" in text.lower():
+            self.notes.append(text)
+
+
+def _short_fallback(note: str) -> str:
+    """`Loading low-fidelity fallback rows for X.parquet from .../data/h100_sxm/mla/trtllm/1.3.0rc20/X.parquet. ...`
+    -> `X from h100_sxm trtllm 1.3.0rc20`."""
+    if "systems/data/" in note:
+        path = note.split("systems/data/", 1)[1].split(" ", 1)[0].rstrip(".")
+        parts = path.split("/")
+        if len(parts) >= 5:
+            return f"{parts[-1].replace('.parquet', '')}: from {parts[0]} {parts[2]} {parts[3]}"
+    return note.split(". ")[0]
+
+
+def compile_engine(system: str, model: str, tp: int, precision: str, backend_version: Optional[str], scratch: str):
+    """AIConfigurator's compiled engine for the deployment, and the Deployment."""
+    engine = _aic()
+    known = systems()
+    if system not in known:
+        raise ProfileToolError(f"--system {system}: no vLLM tables for it; the tables serve: {', '.join(known)}")
+    versions = table_versions(system)
+    if backend_version is not None and backend_version not in versions:
+        raise ProfileToolError(
+            f"--backend-version {backend_version}: {system} has vLLM tables of {', '.join(versions)} only"
+        )
+    if precision not in PRECISIONS:
+        raise ProfileToolError(f"--precision {precision}: one of {', '.join(PRECISIONS)}")
+    path = resolve_model(model, scratch)
+    gemm, kv = PRECISIONS[precision]
+    notes = _Fallbacks()
+    root = logging.getLogger("aiconfigurator_core")
+    root.addHandler(notes)
+    try:
+        handle = engine.EngineHandle.compile(
+            path, system, "vllm", backend_version=backend_version, tp_size=tp, moe_tp_size=tp, gemm_quant_mode=gemm,
+            kvcache_quant_mode=kv, moe_quant_mode=gemm,
+        )  # fmt: skip
+        handle.predict_decode_latency(1, 128)
+    except (ValueError, KeyError, AssertionError, RuntimeError) as exc:
+        raise ProfileToolError(
+            f"the tables cannot serve {model} on {system} at TP {tp}, {precision}: {exc} "
+            f"(systems: {', '.join(known)}; precisions: {', '.join(PRECISIONS)}; TP: 1, 2, 4, 8 within a node)"
+        ) from None
+    finally:
+        root.removeHandler(notes)
+    version = backend_version or (versions[-1] if versions else "?")
+    # the library loads a system's tables once per process and says so only then
+    fallbacks = _FALLBACKS.setdefault((system, version), sorted({_short_fallback(n) for n in notes.notes}))
+    return handle, Deployment(system, model, tp, precision, version, fallbacks)
+
+
+def vllm_limits(system: str) -> Tuple[int, int]:
+    """max_num_batched_tokens and max_num_seqs as vLLM's OpenAI server
+    defaults them on `system` (EngineArgs.get_batch_defaults): the larger
+    pair on a GPU of 70 GiB or more that is not an A100."""
+    memory = gpu_memory(system)
+    if memory >= 70 * GIB and not system.startswith("a100"):
+        return 8192, 1024
+    return 2048, 256
+
+
+def _system_spec(system: str) -> dict:
+    import aiconfigurator_core
+    import yaml
+
+    with open(os.path.join(os.path.dirname(aiconfigurator_core.__file__), "systems", f"{system}.yaml"), encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+def gpu_memory(system: str) -> int:
+    """The GPU's memory, bytes."""
+    return int(_system_spec(system)["gpu"]["mem_capacity"])
+
+
+def memory_budget(system: str, model_path: str, tp: int, precision: str, batched_tokens: int) -> Dict[str, float]:
+    """Bytes per TP rank: the weights, the activations of a step of
+    `batched_tokens`, the communication buffers, and the KV cache's share
+    (what vLLM's profiling run leaves of gpu_memory_utilization); and the KV
+    bytes per token per rank."""
+    from aiconfigurator_core.sdk.config_builders import build_model_config
+    from aiconfigurator_core.sdk.models import get_model
+
+    gemm, kv = PRECISIONS[precision]
+    model = get_model(model_path, build_model_config(tp, 1, 1, tp, 1, gemm_quant_mode=gemm, kvcache_quant_mode=kv, moe_quant_mode=gemm), "vllm")
+    weights = float(sum(op.get_weights() for op in model.context_ops))
+    hidden = model._num_heads * model._head_size
+    activations = 2.0 * batched_tokens * hidden * {1: 10, 2: 6, 4: 5}.get(min(tp, 8), 5)
+    spec = _system_spec(system)
+    nccl = float((spec.get("misc", {}).get("nccl_mem") or {}).get(tp, 0))
+    from aiconfigurator_core.sdk.utils import get_model_config_from_model_path
+
+    cfg = get_model_config_from_model_path(model_path)
+    raw = cfg["raw_config"]
+    layers = int(raw.get("num_hidden_layers") or cfg.get("layers"))
+    heads = int(raw.get("num_attention_heads"))
+    kv_heads = int(raw.get("num_key_value_heads") or heads)
+    head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // heads)
+    kv_byte = 1 if kv else 2
+    kv_per_token = 2.0 * max(1, kv_heads // tp) * head_dim * layers * kv_byte
+    total = GPU_MEMORY_UTILIZATION * gpu_memory(system)
+    return {
+        "weights": weights,
+        "activations": activations,
+        "comm": nccl,
+        "kv_cache": total - weights - activations - nccl,
+        "kv_per_token": kv_per_token,
+        "max_model_len": float(raw.get("max_position_embeddings") or 131072),
+    }
+
+
+def tabulate(handle, max_num_seqs: int, max_num_batched_tokens: int) -> Tuple[StepProfile, List[str]]:
+    """The profile fitted to the engine's estimates, and the header lines
+    with its error against them and against mixed steps."""
+    lo, hi = CONTEXTS
+    batches = [1]
+    while batches[-1] * 2 <= max_num_seqs:
+        batches.append(batches[-1] * 2)
+    if batches[-1] != max_num_seqs:
+        batches.append(max_num_seqs)
+    short = {b: handle.predict_decode_latency(b, lo) for b in batches}
+    long_ = {b: handle.predict_decode_latency(b, hi) for b in batches}
+    slopes = sorted((long_[b] - short[b]) / (b * (hi - lo)) * 1000.0 for b in batches)
+    context = max(0.0, slopes[len(slopes) // 2])
+    step_ms = tuple(round(max(0.0, short[b] - context * b * lo / 1000.0), 4) for b in batches)
+    base = StepProfile(tuple(batches), step_ms, context_ms_per_ktoken=context)
+    # the prompt's attention: how a chunk's estimate grows with the position it starts at
+    points = []
+    slopes = []
+    for n in PREFILL_TOKENS:
+        if n > max_num_batched_tokens:
+            continue
+        at_start = handle.predict_prefill_latency(1, n, 0)
+        for p in PREFILL_POSITIONS:
+            measured = at_start if p == 0 else handle.predict_prefill_latency(1, p + n, p)
+            points.append((n, p, n * (p + n / 2.0) / 1000.0, measured))
+            if p:
+                slopes.append((measured - at_start - context * p / 1000.0) / (n * p / 1000.0))
+    slopes.sort()
+    attention = max(0.0, slopes[len(slopes) // 2]) if slopes else 0.0
+    # the chunk's tokens: what a step that computes them costs beyond its batch, its context and
+    # their attention; mostly from steps that decode beside the chunk (chunked prefill under load),
+    # a step that only prefills (an idle engine's) weighing PREFILL_ONLY_WEIGHT of one of those
+    table_tokens, table_ms = [], []
+    for n in PREFILL_TOKENS:
+        if n > max_num_batched_tokens:
+            continue
+        samples = [(PREFILL_ONLY_WEIGHT, handle.predict_prefill_latency(1, n, 0) - base.predict_ms(1, context_tokens=n))]
+        for gen in MIXED_DECODES:
+            if gen + 1 <= max_num_seqs:
+                measured = handle.mixed_step_latency(n, gen, MIXED_CONTEXT, 2)
+                samples.append((1.0, measured - base.predict_ms(gen + 1, context_tokens=gen * MIXED_CONTEXT + n)))
+        rest = sum(w * v for w, v in samples) / sum(w for w, _ in samples) - attention * n * n / 2.0 / 1000.0
+        table_tokens.append(n)
+        table_ms.append(round(max(0.0, rest), 4))
+    profile = StepProfile(
+        tuple(batches), step_ms, prefill_tokens=tuple(table_tokens), prefill_ms=tuple(table_ms),
+        prefill_attention_ms=round(attention, 9), context_ms_per_ktoken=round(context, 6),
+    )  # fmt: skip
+
+    def err(predicted: float, measured: float) -> float:
+        return abs(predicted / measured - 1.0) * 100.0
+
+    decode_err = [err(profile.predict_ms(b, context_tokens=b * c), handle.predict_decode_latency(b, c)) for b in batches for c in (lo, 1024, hi)]
+    prefill_err = [err(profile.predict_ms(1, n, a, p + n, 1), m) for n, p, a, m in points]
+    mixed_err = []
+    for gen, ctx, c in MIXED_CHECKS:
+        if gen + 1 > max_num_seqs or ctx > max_num_batched_tokens:
+            continue
+        measured = handle.mixed_step_latency(ctx, gen, c, 2 * c)
+        predicted = profile.predict_ms(gen + 1, ctx, ctx * ctx / 2.0 / 1000.0, gen * c + ctx, 1)
+        mixed_err.append(err(predicted, measured))
+
+    def summary(values: List[float]) -> str:
+        values = sorted(values)
+        return f"median {values[len(values) // 2]:.1f} %, max {values[-1]:.1f} % over {len(values)}" if values else "none"
+
+    lines = [
+        f"fit error against the estimates: decode steps (batch 1-{max_num_seqs} x context {lo}/1024/{hi}) {summary(decode_err)};",
+        f"  prefill chunks (16-{max_num_batched_tokens} tokens from position 0/2048/8192) {summary(prefill_err)};",
+        f"  mixed steps (decodes + a prompt chunk, at other sizes than fitted) {summary(mixed_err)}",
+    ]
+    return profile, lines
+
+
+def engine_section(dep: Deployment, budget: Dict[str, float], limits: Tuple[int, int], path: str) -> List[str]:
+    """The [gmock_engine] lines: the deployment's limits and this profile."""
+    batched, seqs = limits
+    blocks = int(budget["kv_cache"] // (budget["kv_per_token"] * BLOCK_SIZE))
+    return [
+        "[gmock_engine]",
+        f"# {dep.system}: {gpu_memory(dep.system) / GIB:.0f} GiB x {GPU_MEMORY_UTILIZATION}; per TP rank: weights "
+        f"{budget['weights'] / GIB:.1f} GiB, activations of {batched} tokens {budget['activations'] / GIB:.2f} GiB, "
+        f"communication {budget['comm'] / GIB:.2f} GiB;",
+        f"# KV cache {budget['kv_cache'] / GIB:.1f} GiB at {budget['kv_per_token'] / 1024:.0f} KiB per token per rank",
+        f"num-gpu-blocks = {blocks}",
+        f"block-size = {BLOCK_SIZE}",
+        f"max-model-len = {int(budget['max_model_len'])}",
+        "# vLLM's OpenAI server defaults on this GPU",
+        f"max-num-batched-tokens = {batched}",
+        f"max-num-seqs = {seqs}",
+        "# vLLM's default on GPUs: a step is scheduled while the one before runs",
+        "async-scheduling = true",
+        f"latency-profile = {path}",
+    ]
+
+
+def build(system: str, model: str, tp: int, precision: str, backend_version: Optional[str], path: str) -> str:
+    """The profile file's text for the deployment (ProfileToolError: what the tables cannot serve)."""
+    if tp not in (1, 2, 4, 8):
+        raise ProfileToolError(f"--tp {tp}: the tables serve TP 1, 2, 4 or 8 (one node)")
+    scratch = tempfile.mkdtemp(prefix="gmock-profile-")
+    try:
+        handle, dep = compile_engine(system, model, tp, precision, backend_version, scratch)
+        limits = vllm_limits(system)
+        profile, fit_lines = tabulate(handle, limits[1], limits[0])
+        budget = memory_budget(system, resolve_model(model, scratch), tp, precision, limits[0])
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if budget["kv_cache"] <= budget["kv_per_token"] * BLOCK_SIZE:
+        raise ProfileToolError(
+            f"{model} at TP {tp} ({precision}) does not fit {system}: weights {budget['weights'] / GIB:.1f} GiB per rank "
+            f"of {GPU_MEMORY_UTILIZATION * gpu_memory(system) / GIB:.1f}; try a larger --tp"
+        )
+    import aiconfigurator_core
+
+    version = getattr(aiconfigurator_core, "__version__", None) or _dist_version()
+    model_name = os.path.basename(model) if os.path.isfile(model) else model
+    header = [
+        f"{model_name} on {dep.system}, TP {tp}, {precision}: vLLM {dep.backend_version} tables of AIConfigurator core {version}",
+        f"written by: ./run.sh profile --system {system} --model {model} --tp {tp} --precision {precision}"
+        + (f" --backend-version {backend_version}" if backend_version else "") + f" -o {path}",
+        "Serve as that deployment: ./run.sh serve --config THIS_FILE (docs/gpu-profiles.md)",
+        *fit_lines,
+    ]
+    if dep.fallbacks:
+        header.append("tables estimated from another system's, framework's or version's data:")
+        header += [f"  {note}" for note in dep.fallbacks]
+    else:
+        header.append("every table from this system's vLLM data")
+    return format_profile(profile, header) + "\n" + "\n".join(engine_section(dep, budget, limits, path)) + "\n"
+
+
+def _dist_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("aiconfigurator-core")
+    except Exception:  # noqa: BLE001 - only for the header
+        return "?"
+
+
+PROFILE_ENV_PREFIX = ENV_PREFIX + "PROFILE_"
+GROUPS = (
+    Group(
+        None,
+        (
+            Option("--system", "AIConfigurator's system name: h100_sxm, h200_sxm, a100_sxm, b200_sxm, ... (an unknown one lists them)",
+                   type=nonempty),  # fmt: skip
+            Option("--model", "a model AIConfigurator lists (e.g. meta-llama/Llama-3.1-70B), or the path of its Hugging Face config.json",
+                   type=nonempty),  # fmt: skip
+            Option("--tp", "tensor-parallel size: the GPUs of one engine", default=1, type=int_at_least(1, 64)),
+            Option("--precision", "the weights' precision (fp8, fp4: KV cache in fp8; native: the checkpoint's own, as its config says)",
+                   default="bf16", type=choice(tuple(PRECISIONS))),  # fmt: skip
+            Option("--backend-version", "vLLM version of the tables (default: the newest the system has)"),
+            Option("--output", "the profile file to write", default="profile.ini", type=nonempty, aliases=("-o",)),
+        ),
+    ),
+)
+
+
+def build_profile_parser() -> Any:
+    """The parser of `./run.sh profile`'s options."""
+    parser = new_parser(
+        "gmock-engine profile",
+        "A latency profile of a GPU deployment from AIConfigurator's step estimates, with its vLLM limits "
+        "(docs/gpu-profiles.md).",
+        "Each option can also be set as environment variable GMOCK_PROFILE_<FLAG> or as key <flag> in section "
+        f"[{PROFILE_SECTION}] of the --config file. Precedence: command line > environment > config file > default.",
+        ini_reader(PROFILE_SECTION),
+        PROFILE_ENV_PREFIX,
+        f"INI config file with a [{PROFILE_SECTION}] section (keys = long flag names)",
+    )
+    add_groups(parser, GROUPS)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`gmock-engine profile`: 0, or 2 with a message saying what the tables can serve."""
+    try:
+        args = parse_tool_config(build_profile_parser(), PROFILE_SECTION, sys.argv[1:] if argv is None else argv)
+        for name in ("system", "model"):
+            if not getattr(args, name):
+                raise ConfigError(f"argument --{name}: required (./run.sh profile --help)")
+    except ConfigError as exc:
+        print(f"gmock-engine profile: {exc}", file=sys.stderr)
+        return 2
+    logging.getLogger("aiconfigurator_core").setLevel(logging.WARNING)
+    logging.getLogger("aiconfigurator_core").propagate = False
+    try:
+        text = build(args.system, args.model, args.tp, args.precision, args.backend_version, args.output)
+    except ProfileToolError as exc:
+        print(f"gmock-engine profile: {exc}", file=sys.stderr)
+        return 2
+    with open(args.output, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"gmock-engine profile: wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
