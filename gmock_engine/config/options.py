@@ -178,14 +178,9 @@ GENERATION = Group(
         Option("--grammar-max-items", "the grammar backend's alternatives per parser row (llguidance max_items_in_row: a "
                "choice of more items); more: the request ends with an error naming this limit", default=10000,
                type=int_at_least(1)),
-        Option(
-            "--grammar-timeout-ms",
-            "the most a request with a structured-output constraint (or a tool call) waits for its grammar to compile "
-            "and its answer to be made, off the engine's loop; past it the request ends with ERROR naming this option "
-            "(0: no limit)",
-            default=30000.0,
-            type=float_at_least(0.0),
-        ),
+        Option("--grammar-timeout-ms", "the most a request with a structured-output constraint (or a tool call) waits for "
+               "its grammar to compile and its answer to be made, off the engine's loop; past it the request ends with "
+               "ERROR naming this option (0: no limit)", default=30000.0, type=float_at_least(0.0)),
         Option(
             "--token-source",
             "random (uniform ids from a pool of 65536 drawn per seed, each request from its seeded offset), "
