@@ -49,6 +49,8 @@ PURE = [
     "trace",
     "tools.steps",
     "tools.fit",
+    "tools.fit_models",
+    "tools.fit_spread",
     "replay",
     "tokenizer",
     "corpus",
