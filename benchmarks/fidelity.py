@@ -20,6 +20,12 @@ and behind it either
   model of real_model_dir(), `--enforce-eager --block-size 32`) behind the
   record tap (`gmock-engine record`), which writes a trace of the run; its
   busy-loop thread runs at a lower priority (ENGINE_CORE_NICE); or
+* `emulated`: the same real engine core with the emulated GPU
+  (benchmarks/emulated_gpu/, a vLLM plugin on PYTHONPATH): a one-layer model
+  that computes each step and then paces it to the time a step function
+  gives for the batch (`--reference-profile`, default REFERENCE_PROFILE, or
+  `--reference-step-ms`), so that the reference repeats itself as a GPU
+  does; behind the record tap and reniced as `real`; or
 * `mock`: gmock_engine with the real engine's limits (MOCK_ARGS) and the
   `--engine-arg` flags, e.g. a latency model; with `--trace`, behind the
   record tap too, so that its trace can be read beside the real one's.
@@ -107,6 +113,9 @@ REAL_KV_GIB = 2
 #: thread, which then send ADDs and outputs late and in bursts. Lowered, it
 #: yields to them, and the worker (which does the steps) is untouched.
 ENGINE_CORE_NICE = 10
+#: The emulated GPU's plugin (a folder for PYTHONPATH) and its reference step function.
+EMULATED_GPU = ROOT / "benchmarks" / "emulated_gpu"
+REFERENCE_PROFILE = EMULATED_GPU / "profiles" / "reference.ini"
 #: The hand-set linear model a user would fit by hand from three calibration runs: what the profile is judged beside.
 LINEAR_FLAGS = ["--itl-ms=5.5", "--itl-ms-per-request=0.5", "--ttft-ms=10", "--prefill-ms-per-token=0.045"]
 #: gmock_engine with the real engine's limits; `--engine-arg` flags come after (and win).
@@ -193,6 +202,22 @@ def real_model_dir(dest: Path) -> Path:
     return dest
 
 
+def emulated_model_dir(dest: Path, profile: Optional[str] = None, step_ms: Optional[str] = None) -> Path:
+    """The emulated GPU's model dir (tools/model_dir.py write_emulated_gpu_dir):
+    paced by latency profile `profile` (default REFERENCE_PROFILE) or by the step expression `step_ms`."""
+    if not step_ms and not profile:
+        profile = str(REFERENCE_PROFILE)
+    return model_dir.write_emulated_gpu_dir(dest, profile, step_ms, max_model_len=MAX_MODEL_LEN)
+
+
+def emulated_env(env: Dict[str, str]) -> Dict[str, str]:
+    """`env` with the emulated GPU's plugin (and this checkout, whose
+    latency_profile.py it reads profiles with) on PYTHONPATH: vLLM finds the
+    plugin's entry point in its dist-info folder there."""
+    path = [str(EMULATED_GPU), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    return {**env, "PYTHONPATH": os.pathsep.join(path)}
+
+
 def _say(text: str) -> None:
     print(f"[fidelity] {text}", file=sys.stderr, flush=True)
 
@@ -222,15 +247,16 @@ class Stack:
                               "inter_token_latency": stats.fine_buckets()})  # fmt: skip
         argv = frontends.frontend_argv("python", self.fe, self.model, served_model_name=MODEL_NAME, host="127.0.0.1",
                                        port=self.http_port, handshake_port=self.handshake_port, dp=1, api_servers=1)
-        self._start("frontend", [*argv, "--max-model-len", str(MAX_MODEL_LEN), "--custom-histogram-buckets", buckets],
-                    frontends.frontend_env())
+        # the emulated GPU's model dir names the plugin's architecture, which the frontend resolves too
+        env = emulated_env(frontends.frontend_env()) if self.target == "emulated" else frontends.frontend_env()
+        self._start("frontend", [*argv, "--max-model-len", str(MAX_MODEL_LEN), "--custom-histogram-buckets", buckets], env)
         self._wait(lambda: procgroup.is_listening(self.handshake_port), deadline, "the frontend's handshake port")
         if self.trace is not None:
             tap = [sys.executable, "-m", "gmock_engine", "record", "--handshake-address",
                    f"tcp://127.0.0.1:{self.handshake_port}", "--engine-handshake-address",
                    f"tcp://127.0.0.1:{self.engine_port}", "-o", str(self.trace)]  # fmt: skip
             self._start("tap", tap, {**os.environ, "PYTHONUNBUFFERED": "1"})
-        if self.target == "real":
+        if self.target in ("real", "emulated"):
             self._start_real()
         else:
             # behind the tap, the mock joins it as the real engine does; else the frontend directly
@@ -247,7 +273,7 @@ class Stack:
                             "--data-parallel-start-rank", "0", "--data-parallel-address", "127.0.0.1",
                             "--data-parallel-rpc-port", str(self.engine_port)]  # fmt: skip
         env = {**frontends.frontend_env(), "VLLM_CPU_KVCACHE_SPACE": str(REAL_KV_GIB)}
-        self._start("engine", self.engine_argv, env)
+        self._start("engine", self.engine_argv, emulated_env(env) if self.target == "emulated" else env)
 
     def renice_engine_core(self, nice: int) -> Optional[int]:
         """Lower the priority of the real engine core's main thread (the busy
@@ -361,14 +387,18 @@ def run(options: argparse.Namespace) -> int:
     home = frontends.frontends_home()
     fe = frontends.Frontends(venv=frontends.install_python(home, say=_say), vllm_rs=frontends.rust_path(home))
     work = Path(tempfile.mkdtemp(prefix="gmock-fidelity-"))
-    model = real_model_dir(Path(options.model_dir) if options.model_dir else work / "real-model")
+    if options.target == "emulated":
+        model = emulated_model_dir(Path(options.model_dir) if options.model_dir else work / "emulated-model",
+                                   options.reference_profile, options.reference_step_ms)  # fmt: skip
+    else:
+        model = real_model_dir(Path(options.model_dir) if options.model_dir else work / "real-model")
     out = Path(options.out)
     document: Dict[str, object] = {"target": options.target, "engine_args": options.engine_arg, "set": options.set,
                                    "seed": options.seed, "runs": []}  # fmt: skip
     try:
         for index in range(1, options.repeat + 1):
             trace = None
-            if options.target == "real" or options.trace:
+            if options.target != "mock" or options.trace:
                 pattern = options.trace or str(out.with_suffix("")) + "-trace{run}.jsonl"
                 trace = Path(pattern.format(run=index)).resolve()
             busy = wait_quiet(options.max_busy, options.max_wait)
@@ -380,7 +410,7 @@ def run(options: argparse.Namespace) -> int:
             try:
                 stack.start()
                 record["engine_argv"] = stack.engine_argv
-                if options.target == "real" and options.engine_core_nice:
+                if options.target != "mock" and options.engine_core_nice:
                     record["engine_core_nice"] = options.engine_core_nice
                     if stack.renice_engine_core(options.engine_core_nice) is None:
                         raise RuntimeError("no VLLM::EngineCore process to renice")
@@ -413,7 +443,7 @@ def sitting(options: argparse.Namespace) -> int:
 
     d = Path(options.dir).resolve()
     d.mkdir(parents=True, exist_ok=True)
-    common = {"engine_core_nice": ENGINE_CORE_NICE, "model_dir": str(d / "real-model"), "seed": options.seed,
+    common = {"engine_core_nice": ENGINE_CORE_NICE, "model_dir": str(d / "real-model"), "seed": options.seed, "reference_profile": None, "reference_step_ms": None,
               "timeout": options.timeout, "max_busy": options.max_busy, "max_wait": options.max_wait,
               "keep_logs": False, "repeat": 1}  # fmt: skip
 
@@ -557,7 +587,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run workloads against a target")
-    r.add_argument("--target", choices=("real", "mock"), required=True)
+    r.add_argument("--target", choices=("real", "emulated", "mock"), required=True)
     r.add_argument("--set", default="all", help="cal, held, all, or comma-separated workload names")
     r.add_argument("--repeat", type=int, default=1, help="repetitions, each on a fresh stack")
     r.add_argument("--out", required=True, help="results JSON")
@@ -568,6 +598,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     r.add_argument("--engine-core-nice", type=int, default=ENGINE_CORE_NICE,
                    help="real: nice value of the engine core's busy-loop thread (default %(default)s; 0: as vLLM leaves it)")
     r.add_argument("--model-dir", help="where to write/reuse the real model dir (default: a temporary dir)")
+    r.add_argument("--reference-profile", help="emulated: the latency profile its steps take (default: %s)" % REFERENCE_PROFILE.relative_to(ROOT))
+    r.add_argument("--reference-step-ms", help="emulated: instead, an expression of batch, decodes, prefill_tokens, "
+                   "prefill_reqs, prefill_attention, context (ms)")
     _bench_options(r)
     r.add_argument("--keep-logs", action="store_true", help="keep the stack's logs and bench outputs")
     c = sub.add_parser("compare", help="markdown table: real runs vs a mock run")
