@@ -7,7 +7,7 @@ real Python frontend, under the same `vllm bench serve` workloads.
         --engine-arg=--latency-profile=p.ini
     .venv/bin/python benchmarks/fidelity.py compare real-held.json mock-held.json
     .venv/bin/python benchmarks/fidelity.py breakdown real-held.json mock-held.json
-    .venv/bin/python benchmarks/fidelity.py sitting --dir DIR [--repeat 2]
+    .venv/bin/python benchmarks/fidelity.py sitting --dir DIR [--repeat 2] [--reference emulated|real]
     .venv/bin/python benchmarks/fidelity.py score --profile p.ini [--profile q.ini] held1.jsonl held2.jsonl
     .venv/bin/python benchmarks/fidelity.py slots real1.jsonl mock1.jsonl
     .venv/bin/python benchmarks/fidelity.py list
@@ -20,6 +20,12 @@ and behind it either
   model of real_model_dir(), `--enforce-eager --block-size 32`) behind the
   record tap (`gmock-engine record`), which writes a trace of the run; its
   busy-loop thread runs at a lower priority (ENGINE_CORE_NICE); or
+* `emulated`: the same real engine core with the emulated GPU
+  (benchmarks/emulated_gpu/, a vLLM plugin on PYTHONPATH): a one-layer model
+  that computes each step and then paces it to the time a step function
+  gives for the batch (`--reference-profile`, default REFERENCE_PROFILE, or
+  `--reference-step-ms`), so that the reference repeats itself as a GPU
+  does; behind the record tap and reniced as `real`; or
 * `mock`: gmock_engine with the real engine's limits (MOCK_ARGS) and the
   `--engine-arg` flags, e.g. a latency model; with `--trace`, behind the
   record tap too, so that its trace can be read beside the real one's.
@@ -33,7 +39,11 @@ wall-clock window (`t_start`, `t_end`: time.time(), the trace's clock) and
 the load average and busy cores before it are stored too.
 
 `sitting` is the whole measurement of docs/latency-profile.md#accuracy in
-one command: the real engine's calibration and held-out sets alternating
+one command, against the emulated GPU by default (`--reference real`: the
+CPU-computing engine): first the reference's two held-out runs against each
+other at the engine boundary (benchmarks/engine_boundary.py twin; `twin.md`,
+also on top of each compare file: a sitting whose reference does not repeat
+itself judges no profile), from its calibration and held-out sets alternating
 (cal, held, cal, held: the machine's drift over the sitting is in both),
 `./run.sh fit` on the calibration traces, the mock with that profile
 (behind the tap) and with the hand-set linear flags (LINEAR_FLAGS) on the
@@ -68,13 +78,9 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -84,35 +90,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fidelity_stats as stats  # noqa: E402
 
-from gmock_engine.tools import frontends, model_dir, procgroup  # noqa: E402
-
-MODEL_NAME = "mock"
-MAX_MODEL_LEN = 2048
-#: The real engine's token budget per step (vLLM's CPU default, not logged): the fit needs it.
-MAX_NUM_BATCHED_TOKENS = 2048
-#: The real engine's model: the frontends' tiny Qwen2 made big enough for the
-#: CPU attention backend (head_dim > 16) and to take measurable time.
-REAL_MODEL_CONFIG = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
-                     "num_key_value_heads": 2, "head_dim": 64}  # fmt: skip
-#: The real engine core (after `serve MODEL`). Prefix caching and chunked
-#: prefill are vLLM's defaults; on CPU max_num_batched_tokens defaults to
-#: 2048, max_num_seqs to 128, async scheduling is off.
-REAL_ENGINE_ARGS = ["--load-format", "dummy", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-                    "--enforce-eager", "--block-size", "32"]  # fmt: skip
-#: KV cache of the real engine in GiB (VLLM_CPU_KVCACHE_SPACE): 2 GiB = 1 048 576 tokens here.
-REAL_KV_GIB = 2
-#: Nice value of the real engine core's busy-loop thread. Between steps it
-#: spins (sched_yield) on the worker's queue; on two cores that spinning
-#: thread starves the frontend, the bench client and the engine's own output
-#: thread, which then send ADDs and outputs late and in bursts. Lowered, it
-#: yields to them, and the worker (which does the steps) is untouched.
-ENGINE_CORE_NICE = 10
-#: The hand-set linear model a user would fit by hand from three calibration runs: what the profile is judged beside.
-LINEAR_FLAGS = ["--itl-ms=5.5", "--itl-ms-per-request=0.5", "--ttft-ms=10", "--prefill-ms-per-token=0.045"]
-#: gmock_engine with the real engine's limits; `--engine-arg` flags come after (and win).
-MOCK_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--block-size", "32", "--num-gpu-blocks", "32768",
-             "--max-num-seqs", "128", "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS), "--prefix-caching"]  # fmt: skip
-
+from fidelity_stack import (  # noqa: E402  (the stacks; also used as fidelity.X)
+    ENGINE_CORE_NICE,
+    MAX_NUM_BATCHED_TOKENS,
+    REFERENCE_PROFILE,
+    ROOT,
+    LINEAR_FLAGS,
+    Stack,
+    _say,
+    emulated_model_dir,
+    real_model_dir,
+    run_workload,
+    wait_quiet,
+)
+from gmock_engine.tools import frontends  # noqa: E402
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
@@ -180,195 +171,24 @@ def select(spec: str) -> List[Workload]:
     return [by_name[n] for n in spec.split(",")]
 
 
-def real_model_dir(dest: Path) -> Path:
-    """The frontends' model dir (tools/model_dir.py) with REAL_MODEL_CONFIG:
-    served by the frontend and loaded, with dummy weights, by the real engine."""
-    done = dest / model_dir.DONE_FILE
-    if done.exists() and all(json.loads(done.read_text()).get(k) == v for k, v in REAL_MODEL_CONFIG.items()):
-        return dest
-    model_dir.ensure_model_dir(dest)
-    config = json.loads(done.read_text())
-    config.update(REAL_MODEL_CONFIG)
-    done.write_text(json.dumps(config, indent=2))
-    return dest
-
-
-def _say(text: str) -> None:
-    print(f"[fidelity] {text}", file=sys.stderr, flush=True)
-
-
-class Stack:
-    """Frontend (DP 1, one API server, fine TTFT/ITL buckets) and the target
-    behind it: the real engine core behind the record tap, or gmock_engine."""
-
-    def __init__(self, target: str, fe: frontends.Frontends, model: Path, log_dir: Path,
-                 trace: Optional[Path], engine_args: Sequence[str]) -> None:  # fmt: skip
-        self.target, self.fe, self.model, self.log_dir = target, fe, model, log_dir
-        self.trace, self.engine_args = trace, list(engine_args)
-        self.http_port, self.handshake_port, self.engine_port = procgroup.free_ports(3)
-        self.base_url = f"http://127.0.0.1:{self.http_port}"
-        self.groups: List[procgroup.ProcessGroup] = []
-        self.engine_argv: List[str] = []
-
-    def _start(self, name: str, argv: List[str], env: Dict[str, str]) -> procgroup.ProcessGroup:
-        group = procgroup.ProcessGroup(name, argv, self.log_dir / f"{name}.log", env=env, die_with_parent=True)
-        self.groups.append(group)
-        return group
-
-    def start(self, timeout: float = 300.0) -> None:
-        """Everything up and /health 200, or RuntimeError with the log tails."""
-        deadline = time.monotonic() + timeout
-        buckets = json.dumps({"time_to_first_token": stats.fine_buckets(),
-                              "inter_token_latency": stats.fine_buckets()})  # fmt: skip
-        argv = frontends.frontend_argv("python", self.fe, self.model, served_model_name=MODEL_NAME, host="127.0.0.1",
-                                       port=self.http_port, handshake_port=self.handshake_port, dp=1, api_servers=1)
-        self._start("frontend", [*argv, "--max-model-len", str(MAX_MODEL_LEN), "--custom-histogram-buckets", buckets],
-                    frontends.frontend_env())
-        self._wait(lambda: procgroup.is_listening(self.handshake_port), deadline, "the frontend's handshake port")
-        if self.trace is not None:
-            tap = [sys.executable, "-m", "gmock_engine", "record", "--handshake-address",
-                   f"tcp://127.0.0.1:{self.handshake_port}", "--engine-handshake-address",
-                   f"tcp://127.0.0.1:{self.engine_port}", "-o", str(self.trace)]  # fmt: skip
-            self._start("tap", tap, {**os.environ, "PYTHONUNBUFFERED": "1"})
-        if self.target == "real":
-            self._start_real()
-        else:
-            # behind the tap, the mock joins it as the real engine does; else the frontend directly
-            port = self.engine_port if self.trace is not None else self.handshake_port
-            self.engine_argv = [sys.executable, "-m", "gmock_engine", "--handshake-address",
-                                f"tcp://127.0.0.1:{port}", *MOCK_ARGS, *self.engine_args]
-            self._start("engine", self.engine_argv, {**os.environ, "PYTHONUNBUFFERED": "1"})
-        self._wait(self._healthy, deadline, "/health")
-
-    def _start_real(self) -> None:
-        self.engine_argv = [str(self.fe.python), str(frontends.VLLM_CLI), "serve", str(self.model),
-                            "--served-model-name", MODEL_NAME, *REAL_ENGINE_ARGS, *self.engine_args,
-                            "--headless", "--data-parallel-size", "1", "--data-parallel-size-local", "1",
-                            "--data-parallel-start-rank", "0", "--data-parallel-address", "127.0.0.1",
-                            "--data-parallel-rpc-port", str(self.engine_port)]  # fmt: skip
-        env = {**frontends.frontend_env(), "VLLM_CPU_KVCACHE_SPACE": str(REAL_KV_GIB)}
-        self._start("engine", self.engine_argv, env)
-
-    def renice_engine_core(self, nice: int) -> Optional[int]:
-        """Lower the priority of the real engine core's main thread (the busy
-        loop, which spins on the worker's queue between steps) by `nice`; its
-        output and input threads, the worker and everything else keep theirs.
-        On two cores the spinning thread otherwise competes with the frontend,
-        the bench client and its own output thread. The pid, or None."""
-        for group in self.groups:
-            for pid in group.members():
-                try:
-                    with open(f"/proc/{pid}/comm") as f:
-                        name = f.read().strip()
-                except OSError:
-                    continue
-                if name == "VLLM::EngineCor":  # comm is cut at 15 characters
-                    os.setpriority(os.PRIO_PROCESS, pid, nice)  # Linux: that thread only
-                    return pid
-        return None
-
-    def _wait(self, ready, deadline: float, what: str) -> None:
-        while not ready():
-            dead = [g for g in self.groups if not g.alive()]
-            if dead or time.monotonic() > deadline:
-                cause = f"{dead[0].name} exited ({dead[0].describe_exit()})" if dead else "timed out"
-                tails = "\n".join(f"--- {g.name}: {g.log_path}\n{g.tail(30)}" for g in self.groups)
-                raise RuntimeError(f"waiting for {what}: {cause}\n{tails}")
-            time.sleep(0.5)
-
-    def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as response:
-                return response.status == 200
-        except (OSError, ValueError):
-            return False
-
-    def metrics(self) -> str:
-        """The frontend's /metrics text."""
-        with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as response:
-            return response.read().decode()
-
-    def stop(self) -> List[str]:
-        """Engine first, then the tap (it writes the rest of its trace), then the frontend."""
-        problems: List[str] = []
-        for group in reversed(self.groups[1:]):
-            problems += procgroup.stop_groups([group])
-        problems += procgroup.stop_groups(self.groups[:1])
-        return problems
-
-
-def bench(stack: Stack, workload: Workload, result_dir: Path, seed: int, timeout: float) -> Dict[str, object]:
-    """One `vllm bench serve` run; its --save-result JSON."""
-    name = f"{workload.name}.json"
-    argv = [str(stack.fe.python), str(frontends.VLLM_CLI), "bench", "serve", "--backend", "openai",
-            "--base-url", stack.base_url, "--model", MODEL_NAME, "--tokenizer", str(stack.model),
-            *workload.bench_args(), "--ignore-eos", "--seed", str(seed + workload.seed),
-            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-            "--save-result", "--result-dir", str(result_dir), "--result-filename", name]  # fmt: skip
-    log = stack.log_dir / f"bench-{workload.name}.log"
-    with open(log, "w") as out:
-        code = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=frontends.frontend_env(),
-                              timeout=timeout).returncode  # fmt: skip
-    if code != 0:
-        raise RuntimeError(f"vllm bench serve exited {code}; see {log}")
-    return json.loads((result_dir / name).read_text())
-
-
-def run_workload(stack: Stack, workload: Workload, result_dir: Path, seed: int, timeout: float) -> Dict[str, object]:
-    """Bench figures, /metrics histogram figures, window and load of one workload."""
-    load = os.getloadavg()
-    busy = cpu_busy(1.0)
-    before = stack.metrics()
-    t_start = time.time()
-    result = bench(stack, workload, result_dir, seed, timeout)
-    t_end = time.time()
-    after = stack.metrics()
-    figures: Dict[str, object] = {"t_start": t_start, "t_end": t_end, "load_before": [round(x, 2) for x in load],
-                                   "cores_busy_before": round(busy, 2)}
-    figures.update(stats.bench_figures(result))
-    figures.update(stats.histogram_figures(before, after))
-    return figures
-
-
-def cpu_busy(seconds: float = 2.0) -> float:
-    """Cores busy (user + system + irq, all processes) over the next `seconds`, from /proc/stat."""
-
-    def sample() -> List[int]:
-        with open("/proc/stat") as f:
-            return [int(x) for x in f.readline().split()[1:]]
-
-    first = sample()
-    time.sleep(seconds)
-    diff = [b - a for a, b in zip(first, sample())]
-    idle = diff[3] + (diff[4] if len(diff) > 4 else 0)  # idle + iowait
-    return (sum(diff) - idle) / (os.sysconf("SC_CLK_TCK") * seconds)
-
-
-def wait_quiet(max_busy: float, max_wait: float) -> float:
-    """Wait (up to `max_wait` s) until fewer than `max_busy` cores are busy
-    (the idle stack included); the last figure. Another job's CPU would show
-    in every latency of the workload."""
-    deadline = time.monotonic() + max_wait
-    busy = cpu_busy()
-    while busy > max_busy and time.monotonic() < deadline:
-        busy = cpu_busy()
-    return busy
-
-
 def run(options: argparse.Namespace) -> int:
     """`run`: every repetition on a stack of its own; results to --out as they come."""
     workloads = select(options.set)
     home = frontends.frontends_home()
     fe = frontends.Frontends(venv=frontends.install_python(home, say=_say), vllm_rs=frontends.rust_path(home))
     work = Path(tempfile.mkdtemp(prefix="gmock-fidelity-"))
-    model = real_model_dir(Path(options.model_dir) if options.model_dir else work / "real-model")
+    if options.target == "emulated":
+        model = emulated_model_dir(Path(options.model_dir) if options.model_dir else work / "emulated-model",
+                                   options.reference_profile, options.reference_step_ms)  # fmt: skip
+    else:
+        model = real_model_dir(Path(options.model_dir) if options.model_dir else work / "real-model")
     out = Path(options.out)
     document: Dict[str, object] = {"target": options.target, "engine_args": options.engine_arg, "set": options.set,
                                    "seed": options.seed, "runs": []}  # fmt: skip
     try:
         for index in range(1, options.repeat + 1):
             trace = None
-            if options.target == "real" or options.trace:
+            if options.target != "mock" or options.trace:
                 pattern = options.trace or str(out.with_suffix("")) + "-trace{run}.jsonl"
                 trace = Path(pattern.format(run=index)).resolve()
             busy = wait_quiet(options.max_busy, options.max_wait)
@@ -380,6 +200,7 @@ def run(options: argparse.Namespace) -> int:
             try:
                 stack.start()
                 record["engine_argv"] = stack.engine_argv
+                # the emulated GPU's engine does not spin (its plugin turns that off): left as it is
                 if options.target == "real" and options.engine_core_nice:
                     record["engine_core_nice"] = options.engine_core_nice
                     if stack.renice_engine_core(options.engine_core_nice) is None:
@@ -413,7 +234,9 @@ def sitting(options: argparse.Namespace) -> int:
 
     d = Path(options.dir).resolve()
     d.mkdir(parents=True, exist_ok=True)
-    common = {"engine_core_nice": ENGINE_CORE_NICE, "model_dir": str(d / "real-model"), "seed": options.seed,
+    reference = options.reference
+    common = {"engine_core_nice": ENGINE_CORE_NICE, "model_dir": str(d / f"{reference}-model"), "seed": options.seed,
+              "reference_profile": options.reference_profile, "reference_step_ms": options.reference_step_ms,
               "timeout": options.timeout, "max_busy": options.max_busy, "max_wait": options.max_wait,
               "keep_logs": False, "repeat": 1}  # fmt: skip
 
@@ -422,8 +245,8 @@ def sitting(options: argparse.Namespace) -> int:
                                trace=str(d / trace) if trace else None, engine_arg=list(engine_args)))  # fmt: skip
 
     for i in range(1, options.repeat + 1):
-        step("real", "cal", f"real-cal{i}.json", f"cal{i}.jsonl")
-        step("real", "held", f"real-held{i}.json", f"held{i}.jsonl")
+        step(reference, "cal", f"real-cal{i}.json", f"cal{i}.jsonl")
+        step(reference, "held", f"real-held{i}.json", f"held{i}.jsonl")
     held = [json.loads((d / f"real-held{i}.json").read_text()) for i in range(1, options.repeat + 1)]
     held[0]["runs"] = [r for h in held for r in h["runs"]]
     (d / "real-held.json").write_text(json.dumps(held[0], indent=1))
@@ -436,8 +259,20 @@ def sitting(options: argparse.Namespace) -> int:
         return status
     step("mock", "held", "mock-profile.json", "mock{run}.jsonl", [f"--latency-profile={d / 'profile.ini'}"], options.repeat)
     step("mock", "held", "mock-linear.json", None, LINEAR_FLAGS)
+    twin_md = ""
+    if options.repeat >= 2 and all((d / f"held{i}.jsonl").exists() for i in (1, 2)):
+        import engine_boundary
+
+        # the reference against itself where the frontend and the client do not enter: first, since a
+        # sitting whose reference does not repeat itself judges no profile
+        with open(d / "twin.md", "w") as f, contextlib.redirect_stdout(f):
+            engine_boundary.twin(argparse.Namespace(a=str(d / "real-held.json"), b=None, workload=[]))
+        twin_md = (d / "twin.md").read_text() + "\n"
+        outside = [line for line in twin_md.splitlines() if line.startswith("Outside")]
+        _say(f"twin: {d / 'twin.md'}; {outside[0] if outside else 'no comparison'}")
     for name in ("profile", "linear"):
         with open(d / f"compare-{name}.md", "w") as f, contextlib.redirect_stdout(f):
+            print(twin_md, end="")
             compare(argparse.Namespace(real=str(d / "real-held.json"), mock=str(d / f"mock-{name}.json"),
                                        twin=[str(d / f"real-cal{i}.json") for i in range(1, options.repeat + 1)]
                                        if name == "profile" else []))
@@ -557,7 +392,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run workloads against a target")
-    r.add_argument("--target", choices=("real", "mock"), required=True)
+    r.add_argument("--target", choices=("real", "emulated", "mock"), required=True)
     r.add_argument("--set", default="all", help="cal, held, all, or comma-separated workload names")
     r.add_argument("--repeat", type=int, default=1, help="repetitions, each on a fresh stack")
     r.add_argument("--out", required=True, help="results JSON")
@@ -568,6 +403,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     r.add_argument("--engine-core-nice", type=int, default=ENGINE_CORE_NICE,
                    help="real: nice value of the engine core's busy-loop thread (default %(default)s; 0: as vLLM leaves it)")
     r.add_argument("--model-dir", help="where to write/reuse the real model dir (default: a temporary dir)")
+    r.add_argument("--reference-profile", help="emulated: the latency profile its steps take (default: %s)" % REFERENCE_PROFILE.relative_to(ROOT))
+    r.add_argument("--reference-step-ms", help="emulated: instead, an expression of batch, decodes, prefill_tokens, "
+                   "prefill_reqs, prefill_attention, context (ms)")
     _bench_options(r)
     r.add_argument("--keep-logs", action="store_true", help="keep the stack's logs and bench outputs")
     c = sub.add_parser("compare", help="markdown table: real runs vs a mock run")
@@ -580,7 +418,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     b.add_argument("results", nargs="+", help="results JSON of runs with traces (real, or mock run with --trace)")
     s = sub.add_parser("sitting", help="the whole accuracy measurement: real cal/held alternating, fit, mock, compare")
     s.add_argument("--dir", required=True, help="where every result, trace, the profile and the tables go")
-    s.add_argument("--repeat", type=int, default=2, help="real cal+held pairs, and mock runs with the profile")
+    s.add_argument("--repeat", type=int, default=2, help="reference cal+held pairs, and mock runs with the profile")
+    s.add_argument("--reference", choices=("emulated", "real"), default="emulated",
+                   help="the reference engine: the emulated GPU (default) or the CPU-computing real engine")
+    s.add_argument("--reference-profile", help="emulated: the latency profile its steps take (default: %s)" % REFERENCE_PROFILE.relative_to(ROOT))
+    s.add_argument("--reference-step-ms", help="emulated: instead, an expression of the batch (ms)")
     _bench_options(s)
     sc = sub.add_parser("score", help="markdown table: profiles' pinball loss on the steps of held-out traces")
     sc.add_argument("--profile", action="append", required=True, help="a latency profile (repeat to compare several)")

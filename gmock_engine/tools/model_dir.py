@@ -39,8 +39,16 @@ started with `--runner pooling --convert embed` reports for its vectors, and
 `is_matryoshka` so that it passes a request's `dimensions` on to the engine;
 with `num_labels` also `id2label`, the labels of `--convert classify`.
 
+With `--emulated-gpu-profile FILE` or `--emulated-gpu-step-ms EXPR` the dir
+is the emulated GPU's (benchmarks/emulated_gpu/, benchmarks/README.md): a
+real vLLM engine core with that plugin computes the decoder for real, one
+layer big enough for vLLM's CPU attention backend (EMULATED_GPU_CONFIG), and
+paces each step to the time the latency profile, or the expression of the
+batch, gives; the frontend in front of it serves the same dir.
+
 Usage: python -m gmock_engine.tools.model_dir OUTDIR [--vocab-size N] [--max-model-len N]
        [--embedding-dim N [--num-labels L]]
+       [--emulated-gpu-profile FILE | --emulated-gpu-step-ms EXPR [--emulated-gpu-spread --emulated-gpu-seed N]]
 """
 
 from __future__ import annotations
@@ -350,6 +358,50 @@ def ensure_model_dir(dest: Path, vocab_size: int = 32000, max_model_len: int = 8
     return dest
 
 
+#: The emulated GPU's architecture (benchmarks/emulated_gpu/gmock_emulated_gpu/__init__.py
+#: ARCHITECTURE) and config.json's key for its step function (its config/loader.py CONFIG_KEY).
+EMULATED_GPU_ARCHITECTURE = "GmockEmulatedGpuForCausalLM"
+EMULATED_GPU_KEY = "gmock_emulated_gpu"
+#: The emulated GPU's decoder: one layer, heads of 64 (vLLM's CPU attention
+#: backend needs head_dim > 16), small enough that its real forward stays well
+#: inside the emulated step time on a small CPU.
+EMULATED_GPU_CONFIG = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 1, "max_window_layers": 1,
+                       "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}  # fmt: skip
+
+
+def emulated_gpu_settings(latency_profile: Optional[str] = None, step_ms: Optional[str] = None, spread: bool = False,
+                          seed: int = 0) -> Dict[str, object]:  # fmt: skip
+    """config.json's emulated GPU settings: a latency profile (its absolute
+    path: the engine reads it where it runs) or a step expression, one of them."""
+    if bool(latency_profile) == bool(step_ms):
+        raise ValueError("the emulated GPU needs a latency profile or a step expression (one of them)")
+    settings: Dict[str, object] = {"spread": spread, "seed": seed}
+    if latency_profile:
+        settings["latency_profile"] = str(Path(latency_profile).resolve())
+    else:
+        settings["step_ms"] = step_ms
+    return settings
+
+
+def write_emulated_gpu_dir(dest: Path, latency_profile: Optional[str] = None, step_ms: Optional[str] = None,
+                           spread: bool = False, seed: int = 0, max_model_len: int = 8192) -> Path:  # fmt: skip
+    """The model dir (ensure_model_dir) made the emulated GPU's: its
+    architecture, EMULATED_GPU_CONFIG, float32 (vLLM's CPU default) and the
+    step function (emulated_gpu_settings). config.json is rewritten in place
+    only when it changes, and renamed into place, as write_model_dir does."""
+    settings = emulated_gpu_settings(latency_profile, step_ms, spread, seed)  # before touching the disk: may raise
+    dest = ensure_model_dir(Path(dest), max_model_len=max_model_len)
+    path = dest / DONE_FILE
+    config = json.loads(path.read_text(encoding="utf-8"))
+    wanted = {**config, **EMULATED_GPU_CONFIG, "architectures": [EMULATED_GPU_ARCHITECTURE], "torch_dtype": "float32",
+              EMULATED_GPU_KEY: settings}  # fmt: skip
+    if wanted != config:
+        tmp = path.with_name(f"{DONE_FILE}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(wanted, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    return dest
+
+
 def main(argv: List[str] = None, say: Callable[[str], None] = lambda text: print(text, file=sys.stderr)) -> int:
     parser = argparse.ArgumentParser(prog="python -m gmock_engine.tools.model_dir", description=__doc__.split("\n")[0])
     parser.add_argument("outdir", type=Path)
@@ -357,7 +409,23 @@ def main(argv: List[str] = None, say: Callable[[str], None] = lambda text: print
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--embedding-dim", type=int, default=None, help="a pooling model of this hidden size")
     parser.add_argument("--num-labels", type=int, default=None, help="with --embedding-dim: its classifier's labels")
+    gpu = parser.add_argument_group("the emulated GPU's model dir (benchmarks/emulated_gpu/)")
+    step = gpu.add_mutually_exclusive_group()
+    step.add_argument("--emulated-gpu-profile", metavar="FILE", help="pace each step to this latency profile")
+    step.add_argument("--emulated-gpu-step-ms", metavar="EXPR",
+                      help="pace each step to this expression of batch, decodes, prefill_tokens, prefill_reqs, "
+                           "prefill_attention, context (ms)")  # fmt: skip
+    gpu.add_argument("--emulated-gpu-spread", action="store_true", help="with a profile: draw each step from its spread")
+    gpu.add_argument("--emulated-gpu-seed", type=int, default=0, help="the spread's seed")
     args = parser.parse_args(argv)
+    if args.emulated_gpu_profile or args.emulated_gpu_step_ms:
+        if args.embedding_dim is not None:
+            parser.error("--embedding-dim: not with the emulated GPU (a decoder)")
+        write_emulated_gpu_dir(args.outdir, args.emulated_gpu_profile, args.emulated_gpu_step_ms, args.emulated_gpu_spread,
+                               args.emulated_gpu_seed, args.max_model_len)  # fmt: skip
+        say(f"model dir {args.outdir}: the emulated GPU's ({EMULATED_GPU_ARCHITECTURE}), "
+            f"{args.emulated_gpu_profile or args.emulated_gpu_step_ms}")
+        return 0
     try:
         write_model_dir(args.outdir, args.vocab_size, args.max_model_len, args.embedding_dim, args.num_labels)
     except ValueError as exc:

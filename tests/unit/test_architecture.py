@@ -67,6 +67,8 @@ PURE = [
     "utils.logs",
     "utils.stats",
     "core.grammar_wait",
+    "tools.fit_models",
+    "tools.fit_spread",
 ]
 
 #: The folders, bottom first (docs/architecture.md#folders): each imports only those before it.

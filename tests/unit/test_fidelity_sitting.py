@@ -31,7 +31,7 @@ def test_a_sitting_alternates_real_runs_fits_their_calibration_then_runs_the_moc
 
     monkeypatch.setattr(fidelity, "run", fake_run)
     monkeypatch.setattr(fit, "main", fake_fit)
-    assert fidelity.main(["sitting", "--dir", str(tmp_path), "--repeat", "2"]) == 0
+    assert fidelity.main(["sitting", "--dir", str(tmp_path), "--repeat", "2", "--reference", "real"]) == 0
     order = [(c.target, c.set, Path(c.out).name) for c in calls]
     assert order == [
         ("real", "cal", "real-cal1.json"), ("real", "held", "real-held1.json"),
@@ -60,7 +60,7 @@ def test_a_failed_fit_stops_the_sitting_before_the_mock(tmp_path, monkeypatch):
     monkeypatch.setattr(fidelity, "run", fake_run)
     monkeypatch.setattr(fit, "main", lambda argv: 2)
     assert fidelity.main(["sitting", "--dir", str(tmp_path), "--repeat", "1"]) == 2
-    assert calls == ["real", "real"]
+    assert calls == ["emulated", "emulated"]  # the default reference
 
 
 def test_the_twin_table_judges_the_real_calibration_runs_of_a_held_out_shape_as_the_mock(capsys):
