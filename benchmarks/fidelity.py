@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import shutil
 import sys
@@ -97,6 +96,7 @@ from fidelity_stack import (  # noqa: E402  (the stacks; also used as fidelity.X
     ROOT,
     LINEAR_FLAGS,
     Stack,
+    Workload,
     _say,
     emulated_model_dir,
     real_model_dir,
@@ -104,28 +104,6 @@ from fidelity_stack import (  # noqa: E402  (the stacks; also used as fidelity.X
     wait_quiet,
 )
 from gmock_engine.tools import frontends  # noqa: E402
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    """One `vllm bench serve` run: a closed loop of `concurrency` requests, or
-    Poisson arrivals at `rate` per second; `dataset` are the dataset flags."""
-
-    name: str
-    group: str  # "cal" (calibration) or "held" (held out)
-    prompts: int
-    dataset: Sequence[str]
-    concurrency: Optional[int] = None
-    rate: Optional[float] = None
-    #: added to the run's --seed: a held-out workload of a calibration shape gets other prompts
-    seed: int = 0
-    #: the calibration workload of the same shape (`compare --twin`): the real engine against itself
-    twin: Optional[str] = None
-
-    def bench_args(self) -> List[str]:
-        load = ["--max-concurrency", str(self.concurrency), "--request-rate", "inf"] if self.concurrency else \
-            ["--request-rate", str(self.rate)]
-        return ["--num-prompts", str(self.prompts), *load, *self.dataset]
-
 
 def _random(prompt: int, output: int) -> List[str]:
     return ["--dataset-name", "random", "--random-input-len", str(prompt), "--random-output-len", str(output)]

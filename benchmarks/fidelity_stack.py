@@ -7,6 +7,7 @@ module docstring). Also used by tests/e2e/test_fidelity_e2e.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -24,8 +25,27 @@ import fidelity_stats as stats  # noqa: E402
 
 from gmock_engine.tools import frontends, model_dir, procgroup  # noqa: E402
 
-if TYPE_CHECKING:
-    from fidelity import Workload
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One `vllm bench serve` run: a closed loop of `concurrency` requests, or
+    Poisson arrivals at `rate` per second; `dataset` are the dataset flags."""
+
+    name: str
+    group: str  # "cal" (calibration) or "held" (held out)
+    prompts: int
+    dataset: Sequence[str]
+    concurrency: Optional[int] = None
+    rate: Optional[float] = None
+    #: added to the run's --seed: a held-out workload of a calibration shape gets other prompts
+    seed: int = 0
+    #: the calibration workload of the same shape (`compare --twin`): the real engine against itself
+    twin: Optional[str] = None
+
+    def bench_args(self) -> List[str]:
+        load = ["--max-concurrency", str(self.concurrency), "--request-rate", "inf"] if self.concurrency else \
+            ["--request-rate", str(self.rate)]
+        return ["--num-prompts", str(self.prompts), *load, *self.dataset]
+
 
 MODEL_NAME = "mock"
 MAX_MODEL_LEN = 2048
