@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List
@@ -162,16 +161,7 @@ def write_mm_model_dir(dest: Path, vocab_size: int = 32000, max_model_len: int =
     """Write the directory into `dest` (created), each file aside and renamed
     into place, config.json last; ValueError for a vocabulary the rules cannot make."""
     files = {"tokenizer.json": tokenizer_json(vocab_size), **small_files(vocab_size, max_model_len)}
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    for name, content in files.items():
-        path = dest / name
-        tmp = path.with_name(f"{name}.tmp{os.getpid()}")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(content, f, ensure_ascii=False, indent=None if name == "tokenizer.json" else 2)
-            f.write("\n")
-        os.replace(tmp, path)
-    return dest
+    return model_dir.write_files(dest, files)
 
 
 def is_current(dest: Path, vocab_size: int = 32000, max_model_len: int = 8192) -> bool:

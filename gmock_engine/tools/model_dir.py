@@ -315,6 +315,12 @@ def write_model_dir(dest: Path, vocab_size: int = 32000, max_model_len: int = 81
     the directory, or a second writer of the same one, never sees half a
     file. ValueError for a vocabulary the rules cannot make."""
     files = model_files(vocab_size, max_model_len, embedding_dim, num_labels)  # before touching the disk: may raise
+    return write_files(dest, files)
+
+
+def write_files(dest: Path, files: Dict[str, object]) -> Path:
+    """Write a model dir's JSON `files` into `dest` (created), in their order,
+    each aside and renamed into place (config.json last where it is last)."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     for name, content in files.items():
