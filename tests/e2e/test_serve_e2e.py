@@ -248,7 +248,9 @@ def test_python_from_the_installed_cache_serves_a_stream_and_leaves_nothing_behi
     [
         ("[serve]\nport = eighty\n", r"argument --port: 'eighty' is not an integer \(from config file {path}, key port\)"),
         ("[serve]\ndp = 2\n[gmock_engine]\nitl-ms = fast\n", r"argument --itl-ms: 'fast' is not a number \(from config file {path}, key itl-ms\)"),
-        ("[gmock_engine]\nengine-count = 4\n", r"argument --engine-count: set by serve \(use --dp\); remove it from config file {path}, key engine-count"),
+        # (engine-count and handshake-address a file may set: serve's --dp and port take their place)
+        ("[gmock_engine]\ndata-parallel-start-rank = 1\n",
+         r"argument --data-parallel-start-rank: set by serve \(serve runs every rank\); remove it from config file {path}, key data-parallel-start-rank"),
     ],
     ids=["serve-value", "engine-value", "managed-engine-flag"],
 )
