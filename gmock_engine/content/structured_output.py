@@ -68,8 +68,8 @@ CLOSE_SCALE = 48.0
 #: probability than it closes a structure (a model that may stop mostly
 #: does: one tool call, not a chain of them).
 ACCEPT_BONUS = 0.5
-#: Ids left before the limit, beyond two per open structure, at which the
-#: answer closes for certain: an answer that may not end by `max_tokens`
+#: Ids left before the limit, beyond two per open structure, from which the
+#: answer ends where its grammar may and closes where it can: an answer that may not end by `max_tokens`
 #: (a think block before it takes its share) winds down in time, as a
 #: model told its budget does, instead of ending cut off with LENGTH.
 WIND_DOWN = 12
@@ -293,9 +293,6 @@ class StructuredOutputs:
         self.closers = tuple(closers)
         #: ids whose text opens a nesting (`(`, `[`, `{` first), avoided when closing
         self.openers = _openers(tokenizer.json_text)
-        #: the closers, then one-digit ids: what winding down takes where it can
-        #: (a digit is the shortest value; a word such as `false` commits to more ids)
-        self.finishers = self.closers + tuple(t for t in (self._single(tokenizer, str(d)) for d in range(10)) if t >= 0)
         #: `"` and `,` (-1: not one token): both allowed means inside a string
         self.quote, self.comma = self._single(tokenizer, '"'), self._single(tokenizer, ",")
         #: (grammar spec, limits) -> a compiled matcher, deep-copied per request
@@ -400,10 +397,8 @@ class StructuredOutputs:
             chosen += 1
             roll = chance()
             closing = CLOSE_BASE + chosen / CLOSE_SCALE
-            # the limit is near (an id kept for EOS): end where the grammar may, else close
-            winding = limit - len(ids) <= WIND_DOWN + 2 * depth
-            if winding:
-                closing = 1.0
+            if limit - len(ids) <= WIND_DOWN + 2 * depth:
+                closing = 1.0  # the limit is near (an id kept for EOS): end where the grammar may, else close
             if roll < closing + ACCEPT_BONUS and matcher.is_accepting():
                 ended = True
                 break
@@ -411,7 +406,7 @@ class StructuredOutputs:
                 if in_string(mask):
                     token = quote
                 else:
-                    for closer in self.finishers if winding else closers:
+                    for closer in closers:
                         if mask[closer >> 3] >> (closer & 7) & 1:
                             token = closer
                             break
