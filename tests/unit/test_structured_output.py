@@ -434,3 +434,14 @@ def test_an_answer_that_may_end_within_a_small_budget_does(generator, kind, spec
     # LENGTH (an answer its grammar makes longer is cut: test_a_limit_cuts_the_answer)
     cut = [seed for seed in range(200) if not generator.generate(params(kind, spec), seed, budget, EOS).ended]
     assert not cut, f"{len(cut)} of 200 answers cut at {budget} ids (seeds {cut[:5]})"
+
+
+def test_a_regex_digit_is_an_ascii_digit(tmp_path):
+    # `\d` as xgrammar and JSON Schema read it: 0-9 (llguidance's own is any
+    # Unicode digit; the full vocabulary the frontends' model dir has holds such tokens)
+    tokenizer = load_tokenizer(str(model_dir.write_model_dir(tmp_path / "model", vocab_size=32000)))
+    generator = structured_output.for_tokenizer(tokenizer)
+    texts = [tokenizer.decode(generator.generate(params("regex", r"\d{4}-\d{2}-\d{2}"), seed, 40, tokenizer.eos_token_id).token_ids[:-1])
+             for seed in range(100)]
+    assert all(re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", text) for text in texts), [t for t in texts if not re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", t)][:3]
+    assert structured_output.ascii_digits(r"[\d-]\D\\d") == r"[0-9-][^0-9]\\d"
