@@ -102,3 +102,20 @@ def outputs_of(sent: List[Tuple[Any, List[Any]]], rid: str) -> List[List[Any]]:
 def tokens_of(sent: List[Tuple[Any, List[Any]]], rid: str) -> List[int]:
     """The token ids request `rid` was sent, in order."""
     return [t for o in outputs_of(sent, rid) for t in o[1]]
+
+
+#: Qwen's tool-call and think markers, added tokens that are not special.
+MARKERS = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
+
+
+def marked_model_dir(dest, vocab_size):
+    """The generated model dir with MARKERS as added tokens (not special, as Qwen's)."""
+    import tokenizers
+
+    from gmock_engine.tools import model_dir
+
+    path = model_dir.write_model_dir(dest, vocab_size=vocab_size)
+    tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_tokens([tokenizers.AddedToken(m, special=False, normalized=False) for m in MARKERS])
+    tok.save(str(path / "tokenizer.json"))
+    return path

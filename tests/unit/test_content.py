@@ -11,14 +11,12 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from gmock_engine.content import answer as content  # noqa: E402
 from gmock_engine.content.tokenizer import load_tokenizer  # noqa: E402
-from gmock_engine.tools import model_dir  # noqa: E402
 from gmock_engine.wire.checks import BadXargs, check_xargs  # noqa: E402
 from gmock_engine.wire.inputs import EngineCoreRequest, StructuredOutputsParams  # noqa: E402
 from gmock_engine.wire.types import FinishReason  # noqa: E402
-from engine_steps import engine_with, outputs_of, run, tokens_of  # noqa: E402
+from engine_steps import engine_with, marked_model_dir, outputs_of, run, tokens_of  # noqa: E402
 
 VOCAB = 4000
-MARKERS = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
 WEATHER = {
     "type": "object",
     "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -34,13 +32,7 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """The generated model dir, with the markers as added tokens (not special, as Qwen's)."""
-    import tokenizers
-
-    path = model_dir.write_model_dir(tmp_path_factory.mktemp("model"), vocab_size=VOCAB)
-    tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
-    tok.add_tokens([tokenizers.AddedToken(m, special=False, normalized=False) for m in MARKERS])
-    tok.save(str(path / "tokenizer.json"))
-    return path
+    return marked_model_dir(tmp_path_factory.mktemp("model"), VOCAB)
 
 
 @pytest.fixture(scope="module")

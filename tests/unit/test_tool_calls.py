@@ -16,14 +16,12 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from gmock_engine.content import answer as content, structural_tag, structured_output, tool_calls  # noqa: E402
 from gmock_engine.content.tokenizer import load_tokenizer  # noqa: E402
-from gmock_engine.tools import model_dir  # noqa: E402
 from gmock_engine.wire.inputs import EngineCoreRequest, StructuredOutputsParams  # noqa: E402
 from gmock_engine.wire.types import FinishReason  # noqa: E402
-from engine_steps import engine_with, outputs_of, run, tokens_of  # noqa: E402
+from engine_steps import engine_with, marked_model_dir, outputs_of, run, tokens_of  # noqa: E402
 
 VOCAB = 4000
 EOS = VOCAB - 1
-MARKERS = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
 CAPTURED = json.loads((Path(__file__).parent.parent / "data" / "frontend_constraints.json").read_text())
 TOOLS = CAPTURED["tools"]  # "plain" (no strict field) and "strict" (strict: true)
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS["plain"]}
@@ -36,13 +34,7 @@ CALLS = re.compile(r"(?:<tool_call>\n?(.*?)\n?</tool_call>)", re.S)
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """The generated model dir, with the markers as added tokens (not special, as Qwen's)."""
-    import tokenizers
-
-    path = model_dir.write_model_dir(tmp_path_factory.mktemp("model"), vocab_size=VOCAB)
-    tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
-    tok.add_tokens([tokenizers.AddedToken(m, special=False, normalized=False) for m in MARKERS])
-    tok.save(str(path / "tokenizer.json"))
-    return path
+    return marked_model_dir(tmp_path_factory.mktemp("model"), VOCAB)
 
 
 @pytest.fixture(scope="module")
