@@ -1,10 +1,11 @@
 """The process-level wiring: all engines of one gmock_engine process.
 
 `App` owns the ZMQ context, the `Supervisor` and one `runner.EngineRunner`
-per engine (DP rank), and everything that concerns them together: starting
-them (and the metrics endpoint, the summary line, the heap trim), the
---fault-crash exit when no engine is left, reloads, the drain (--on-stop)
-and the ordered, bounded shutdown.
+per engine (DP rank), and everything that concerns them together: building
+and starting them (and the metrics endpoint, the summary line, the heap
+trim), the --fault-crash exit when no engine is left, reloads, and the end:
+each engine's life (engine_life.py: its drain and ordered, bounded
+shutdown) runs in a greenlet of its own, and the App waits for them all.
 
 The App is the last stage of start-up (argv -> parsed options -> settings
 -> app, cli.py): it takes the settings made from the parsed options and
@@ -35,31 +36,37 @@ import zmq.green as zmq
 from loguru import logger
 
 from gmock_engine.faults import specs as faults
-from gmock_engine.runtime import frontend_link
+from gmock_engine.runtime import engine_life, frontend_hint, frontend_link, kv_publisher
 from gmock_engine.utils import logs
 from gmock_engine.config import reload
 from gmock_engine.config.settings import Settings, from_config
 from gmock_engine.wire.eras import Wire
 from gmock_engine.config.reload import Reconfiguration
-from gmock_engine.runtime.runner import KILL_TIMEOUT_S, SENDER_FLUSH_TIMEOUT_S, EngineRunner
+from gmock_engine.runtime.runner import KILL_TIMEOUT_S, EngineRunner
 from gmock_engine.runtime.supervisor import Supervisor
-
-#: How long an abort drain may take to get its outputs out.
-DRAIN_ABORT_TIMEOUT_S = 2.0
 
 #: How often freed heap memory is handed back to the OS (glibc malloc_trim).
 HEAP_TRIM_INTERVAL_S = 60.0
+
+
+class StartError(Exception):
+    """The process could not start as configured: `flag` names the option
+    (cli.py says so and exits with status 2)."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(message)
+        self.flag = flag
 
 
 class App:
     """All engines of this process, their supervisor and the ZMQ context.
 
     `settings` are what the settings stage made of `config`, the parsed
-    options (config/parsed.py): the App runs by them. It keeps `config`
-    only for what goes on from the parsed options: a reload compares what
-    `load` reads again with them (cli.py gives the loader bound to the
-    process's command line, config.reader), and READY reports them as
-    configured (runner.py)."""
+    options (config/parsed.py): the App runs by them (`run`). It keeps
+    `config` only for what goes on from the parsed options: a reload
+    compares what `load` reads again with them (cli.py gives the loader
+    bound to the process's command line, config.reader), and READY reports
+    them as configured (runner.py)."""
 
     def __init__(self, settings: Settings, config: Any, load: Optional[Callable[[], Any]] = None) -> None:
         #: The parsed options in force (a reload compares with them).
@@ -67,12 +74,14 @@ class App:
         self.load = load
         #: The settings in force: the engines' typed parts and the process's; a reload makes them anew.
         self.settings = settings
-        process = settings.process
-        #: One layout for all engines of the process: they serve one frontend (§8.2).
-        self.wire = Wire.from_setting(process.protocol_version, logger.info)
         self.ctx = zmq.Context()
         self.supervisor = Supervisor()
+        #: The wire layout of every engine of the process, and the engines, once `run` built them.
+        self.wire: Optional[Wire] = None
+        self.runners: List[EngineRunner] = []
         self.metrics_server: Optional[Any] = None
+        #: Set once `run` started every engine.
+        self.started = gevent.event.Event()
         #: The configuration generation: 1 as started, +1 per reload that took.
         self.generation = 1
         #: When the configuration in force was read (time.time()).
@@ -81,10 +90,61 @@ class App:
         self.reloads: Counter = Counter()
         self._reload_wanted = gevent.event.Event()
         self.summary: Optional[gevent.Greenlet] = None
-        self.runners = [
-            EngineRunner(self.ctx, self.supervisor, rank, config, settings, self.wire, self._on_crash, self._on_frontend_gone)
-            for rank in process.ranks
-        ]
+
+    def run(self) -> int:
+        """Build and start every engine, serve until stop() or a failure, then
+        close; the exit status (1 after a failure).
+
+        Start-up raises StartError (nothing served then) when the KV event
+        sockets or the metrics endpoint cannot listen. Each engine lives in a
+        supervised greenlet (engine_life.live): after the stop it drains as
+        --on-stop says and shuts down in order, bounded; the App waits for
+        every life, then ends the greenlets left and the ZMQ context."""
+        process = self.settings.process
+        #: One layout for all engines of the process: they serve one frontend (§8.2).
+        self.wire = Wire.from_setting(process.protocol_version, logger.info)
+        try:
+            self.runners = [
+                EngineRunner(self.ctx, self.supervisor, rank, self.config, self.settings, self.wire, self._on_crash, self._on_frontend_gone)
+                for rank in process.ranks
+            ]
+            if process.metrics_port is not None:
+                from gmock_engine.runtime import metrics  # prometheus_client only when asked for
+
+                try:
+                    self.metrics_server = metrics.server(process.metrics_host, process.metrics_port, self.runners, self)
+                except OSError as exc:
+                    where = f"{process.metrics_host}:{process.metrics_port}"
+                    raise StartError("--metrics-port", f"cannot listen on {where}: {exc}") from exc
+        except (kv_publisher.BindError, StartError) as exc:
+            # Nothing was served: close what was opened, so the process can exit.
+            for runner in self.runners:
+                runner.close()
+            self.ctx.destroy(linger=0)
+            if isinstance(exc, StartError):
+                raise
+            raise StartError("--kv-events-config", str(exc)) from exc
+        if self.metrics_server is not None:
+            self.supervisor.spawn("metrics-server", self.metrics_server.serve_forever)
+        lives = [self.supervisor.spawn(f"engine-{r.rank}-life", engine_life.live, r, self.supervisor, process) for r in self.runners]
+        interval = self.settings.logging.summary_interval
+        if interval:
+            self.summary = self.supervisor.spawn("summary", summary_loop, self, interval)
+        self.supervisor.spawn("config-reloader", self._reloader)
+        self.supervisor.spawn("no-frontend-hint", frontend_hint.hint_if_no_frontend, self.runners, self.config)
+        trim = _malloc_trim()
+        if trim is not None:
+            self.supervisor.spawn("heap-trim", _trim_heap, trim, HEAP_TRIM_INTERVAL_S)
+        self.started.set()
+
+        self.supervisor.stop_event.wait()
+        if self.metrics_server is not None:
+            self.metrics_server.stop(timeout=KILL_TIMEOUT_S)
+        gevent.joinall(lives, timeout=engine_life.life_after_stop_s(process) + KILL_TIMEOUT_S)
+        # Everything is closed with a bounded linger, so term() returns.
+        self.supervisor.group.kill(block=True, timeout=KILL_TIMEOUT_S)
+        self.ctx.term()
+        return 1 if self.supervisor.failure else 0
 
     def _on_crash(self, runner: EngineRunner) -> None:
         """--fault-crash: when no engine of this process is left, the process
@@ -102,28 +162,6 @@ class App:
         if limit is not None and frontend_link.expired(links, limit, time.monotonic()):
             logger.warning("the frontend has been gone for {:g} s or more (--exit-when-frontend-gone); stopping", limit)
             self.stop()
-
-    def start(self) -> None:
-        """Bind the metrics endpoint (OSError if it cannot), then start every engine."""
-        c = self.settings.process
-        if c.metrics_port is not None:
-            from gmock_engine.runtime import metrics  # prometheus_client only when asked for
-
-            self.metrics_server = metrics.server(c.metrics_host, c.metrics_port, self.runners, self)
-            self.supervisor.spawn("metrics-server", self.metrics_server.serve_forever)
-        for runner in self.runners:
-            runner.start()
-        self._start_summary(self.settings.logging.summary_interval)
-        self.supervisor.spawn("config-reloader", self._reloader)
-        trim = _malloc_trim()
-        if trim is not None:
-            self.supervisor.spawn("heap-trim", _trim_heap, trim, HEAP_TRIM_INTERVAL_S)
-
-    def _start_summary(self, interval: float) -> None:
-        if interval:
-            from gmock_engine.runtime.metrics import summary_loop
-
-            self.summary = self.supervisor.spawn("summary", summary_loop, self, interval)
 
     # -- reloads (SIGHUP) ----------------------------------------------------------
 
@@ -173,7 +211,8 @@ class App:
             if self.summary is not None:
                 self.summary.kill(block=False)
                 self.summary = None
-            self._start_summary(parts.logging.summary_interval)
+            if parts.logging.summary_interval:
+                self.summary = self.supervisor.spawn("summary", summary_loop, self, parts.logging.summary_interval)
         self.config = new
         self.settings = parts
         self.generation = generation
@@ -203,89 +242,29 @@ class App:
         return plans
 
     def log_summary(self) -> None:
-        """One line per engine: its ledger and counters (shutdown, SIGUSR1, --summary-interval)."""
-        for rank, counts in self.counters().items():
-            logger.bind(engine=rank).info(
-                "engine {} summary: {}", rank, " ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "no requests"
-            )
+        """One line per engine: its ledger and counters (SIGUSR1, --summary-interval;
+        each engine's life logs its own at shutdown)."""
+        for runner in self.runners:
+            engine_life.log_books(runner.rank, runner.counters())
 
     def wait_joined(self, timeout: Optional[float] = None) -> bool:
         """True once every engine finished its handshake."""
         return all(r.joined.wait(timeout) for r in self.runners)
 
-    def run_until_stopped(self) -> int:
-        """Block until stop() or a failure; drain if configured; shut down in
-        order; exit status."""
-        self.supervisor.stop_event.wait()
-        if self.supervisor.failure is None and self.settings.process.on_stop != "exit":
-            self.drain()
-        self.shutdown()
-        return 1 if self.supervisor.failure else 0
-
-    def drain(self) -> None:
-        """--on-stop abort | finish: end what is in flight before stopping.
-
-        finish waits up to --drain-timeout for every request to end, then
-        aborts the rest; abort ends them all at once. The frontends get an
-        output for every request either way, so no stream is left hanging.
-        """
-        process = self.settings.process
-        finish = process.on_stop == "finish"
-        logger.info("draining: {} in-flight requests", "finishing" if finish else "aborting")
-        for runner in self.runners:
-            runner.request_drain(finish)
-        if finish and not self._wait_drained(process.drain_timeout):
-            logger.warning("drain timeout ({} s) reached; aborting what is left", process.drain_timeout)
-            for runner in self.runners:
-                runner.request_drain(False)
-        if not self._wait_drained(DRAIN_ABORT_TIMEOUT_S):
-            logger.warning("engines not drained after aborting; stopping anyway")
-
-    def _wait_drained(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while not all(r.drained for r in self.runners):
-            if time.monotonic() > deadline or self.supervisor.failure is not None:
-                return False
-            gevent.sleep(0.01)
-        return True
-
     def stop(self) -> None:
+        """Stop the process: every engine drains (--on-stop) and shuts down."""
         self.supervisor.stop()
 
-    def shutdown(self) -> None:
-        """Ordered and bounded: readers+steppers, senders flush, sockets, context."""
-        if self.metrics_server is not None:
-            self.metrics_server.stop(timeout=KILL_TIMEOUT_S)
-        inputs = [g for r in self.runners for g in r.input_greenlets()]
-        gevent.killall(inputs, block=True, timeout=KILL_TIMEOUT_S)
-        flushers = [gevent.spawn(r.flush_output, self.settings.process.send_dead_on_exit) for r in self.runners]
-        gevent.joinall(flushers, timeout=SENDER_FLUSH_TIMEOUT_S + 2 * KILL_TIMEOUT_S)
-        # No sender may still be in `send` when its socket closes (a ZMQError
-        # there would turn a clean stop into a failure).
-        gevent.killall(flushers, block=True, timeout=KILL_TIMEOUT_S)
-        gevent.killall([r.sender for r in self.runners if r.sender is not None], block=True, timeout=KILL_TIMEOUT_S)
-        for runner in self.runners:
-            runner.close()
-        # Everything is closed with a bounded linger, so term() returns.
-        self.supervisor.group.kill(block=True, timeout=KILL_TIMEOUT_S)
-        self.ctx.term()
-
     def counters(self) -> Dict[int, Dict[str, int]]:
-        """Per-rank ledger summary (started, finished by reason, active,
-        violations, ...) plus steps, tokens, utility calls and bad frames."""
-        out = {}
-        for runner in self.runners:
-            counts: Dict[str, int] = {"bad_frames": runner.bad_frames, "contained_failures": runner.contained_failures}
-            if runner.engine is not None:
-                engine = runner.engine
-                counts.update(engine.ledger.summary())
-                for key in ("steps", "tokens", "utility_calls", "preemptions", "rejected"):
-                    counts[key] = engine.counters[key]
-            counts.update(runner.faults.summary())
-            if runner.kv_events is not None:
-                counts.update(runner.kv_events.summary())
-            out[runner.rank] = counts
-        return out
+        """Every engine's books by rank (EngineRunner.counters)."""
+        return {runner.rank: runner.counters() for runner in self.runners}
+
+
+def summary_loop(app: App, interval: float) -> None:
+    """Log one line of every engine's books every `interval` seconds (long runs)."""
+    while True:
+        gevent.sleep(interval)
+        app.log_summary()
 
 
 def _malloc_trim() -> Optional[Callable[[int], int]]:

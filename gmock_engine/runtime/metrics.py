@@ -173,10 +173,3 @@ def server(host: str, port: int, runners: List[Any], app: Optional[Any] = None) 
     wsgi.init_socket()
     logger.info("metrics at http://{}:{}/metrics", host, wsgi.server_port)
     return wsgi
-
-
-def summary_loop(app: Any, interval: float) -> None:
-    """Log one line of every engine's books every `interval` seconds (long runs)."""
-    while True:
-        gevent.sleep(interval)
-        app.log_summary()

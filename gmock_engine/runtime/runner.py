@@ -156,6 +156,10 @@ class EngineRunner:
                 ctx, events_config, rank, settings.kv.block_size, self.log, self.throttle, lambda: self.faults,
                 lambda: kv_events.EventFormat.of(self.wire.layout),
             )
+            # Bound now, so that an endpoint in use fails at start
+            # (kv_event_publisher.BindError), and before the handshake: the
+            # ready response names the endpoints.
+            self.kv_events.bind()
 
     @property
     def bad_frames(self) -> int:
@@ -170,10 +174,9 @@ class EngineRunner:
     # -- startup ---------------------------------------------------------------
 
     def start(self) -> None:
-        """Bind the KV event sockets (kv_event_publisher.BindError if they cannot be),
-        then spawn the handshake; it spawns the serving greenlets when done."""
+        """Start the KV event publisher, if any, then spawn the handshake; it
+        spawns the serving greenlets when done."""
         if self.kv_events is not None:
-            self.kv_events.bind()  # before the handshake: the ready response names the endpoints
             self.kv_events.start(self.supervisor.spawn)
         self.handshake = self.supervisor.spawn(f"engine-{self.rank}-handshake", self._handshake)
 
@@ -497,6 +500,20 @@ class EngineRunner:
             # (transport.Sender.send_now); else queued, in order
             if not (out_queue.empty() and send_now(item)):
                 links.queue_output(item)
+
+    def counters(self) -> Dict[str, int]:
+        """The engine's books: its ledger summary (started, finished by
+        reason, active, violations, ...) plus steps, tokens, utility calls,
+        bad frames, faults fired and KV events."""
+        counts: Dict[str, int] = {"bad_frames": self.bad_frames, "contained_failures": self.contained_failures}
+        if self.engine is not None:
+            counts.update(self.engine.ledger.summary())
+            for key in ("steps", "tokens", "utility_calls", "preemptions", "rejected"):
+                counts[key] = self.engine.counters[key]
+        counts.update(self.faults.summary())
+        if self.kv_events is not None:
+            counts.update(self.kv_events.summary())
+        return counts
 
     # -- shutdown ------------------------------------------------------------------
 

@@ -188,8 +188,8 @@ def test_a_running_engine_survives_a_flood_of_fuzzed_frames():
     frontend = FakeFrontend(num_clients=1, dp=1)
     config = parse_config(["--handshake-address", frontend.handshake_address, "--log-level", "ERROR"], env={})
     app = App(from_config(config), config)
-    app.start()
-    waiter = gevent.spawn(app.run_until_stopped)
+    waiter = gevent.spawn(app.run)
+    assert app.started.wait(10)
     try:
         frontend.accept_engines()
         rng = random.Random(7)

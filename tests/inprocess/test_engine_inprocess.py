@@ -25,8 +25,8 @@ from gmock_engine.tools import frontend as frontend_tools
 def start_app(frontend, *extra):
     config = parse_config(["--handshake-address", frontend.handshake_address, *extra], env={})
     app = App(from_config(config), config)
-    app.start()
-    waiter = gevent.spawn(app.run_until_stopped)
+    waiter = gevent.spawn(app.run)
+    assert app.started.wait(10)
     return app, waiter
 
 

@@ -23,8 +23,8 @@ from gmock_engine.config.loader import parse_config
 def _start(frontend, *flags):
     config = parse_config(["--handshake-address", frontend.handshake_address, "--summary-interval", "0", *flags], env={})
     app = App(from_config(config), config)
-    app.start()
-    waiter = gevent.spawn(app.run_until_stopped)
+    waiter = gevent.spawn(app.run)
+    assert app.started.wait(10)
     frontend.accept_engines()
     assert app.wait_joined(5)
     return app, waiter
@@ -212,8 +212,8 @@ def test_heartbeats_notice_a_frontend_that_answers_nothing_and_its_return():
         argv = ["--handshake-address", address, "--summary-interval", "0", "--frontend-heartbeat", "0.2"]
         config = parse_config(argv, env={})
         app = App(from_config(config), config)
-        app.start()
-        waiter = gevent.spawn(app.run_until_stopped)
+        waiter = gevent.spawn(app.run)
+        assert app.started.wait(10)
         assert app.wait_joined(10)
         gevent.sleep(1.0)  # answered PINGs: nothing happens
         assert not any("frontend gone" in line for line in lines), lines

@@ -60,8 +60,8 @@ def serving(*flags, dp=1, events=EVENTS, before_start=lambda frontend: None):
     )  # fmt: skip
     before_start(frontend)
     app = App(from_config(config), config)
-    app.start()
-    waiter = gevent.spawn(app.run_until_stopped)
+    waiter = gevent.spawn(app.run)
+    assert app.started.wait(10)
     frontend.accept_engines()
     assert app.wait_joined(WAIT)
     try:

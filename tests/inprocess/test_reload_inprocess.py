@@ -41,8 +41,8 @@ def reloadable(frontend, live, *flags, dp=1):
     app = App(from_config(config), config, load=lambda: parse_config(argv, env={}))
     lines = []
     sink = logger.add(lambda message: lines.append(str(message)), level="INFO")
-    app.start()
-    waiter = gevent.spawn(app.run_until_stopped)
+    waiter = gevent.spawn(app.run)
+    assert app.started.wait(10)
     try:
         frontend.accept_engines()
         assert app.wait_joined(5)
@@ -224,8 +224,8 @@ def test_a_reload_during_the_handshake_is_what_the_engine_starts_with(tmp_path):
     argv = ["--handshake-address", frontend.handshake_address, "--config", str(live.path)]
     config = parse_config(argv, env={})
     app = App(from_config(config), config, load=lambda: parse_config(argv, env={}))
-    app.start()
-    waiter = gevent.spawn(app.run_until_stopped)
+    waiter = gevent.spawn(app.run)
+    assert app.started.wait(10)
     try:
         live.write("itl-ms = 20\nfault-error-mid-stream = every=1\n")
         assert app.reload() and app.runners[0].engine is None

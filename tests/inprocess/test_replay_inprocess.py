@@ -63,8 +63,8 @@ def test_a_recorded_run_comes_back_with_its_ids_counts_finishes_and_times(tmp_pa
     frontend = FakeFrontend(num_clients=1, dp=1)
     config = parse_config(["--handshake-address", frontend.handshake_address, "--replay", write_trace(tmp_path / "t.jsonl")], env={})
     app = App(from_config(config), config)
-    app.start()
-    waiter = gevent.spawn(app.run_until_stopped)
+    waiter = gevent.spawn(app.run)
+    assert app.started.wait(10)
     try:
         frontend.accept_engines()
         assert app.wait_joined(5)
