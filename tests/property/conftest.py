@@ -14,8 +14,12 @@ tests/property` for a long local run.
 """
 
 import os
+import time
 
+import pytest
+from engine_driver import CASES
 from hypothesis import HealthCheck, settings
+from loguru import logger
 
 _COMMON = dict(
     deadline=None,
@@ -40,3 +44,22 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         f"TOTAL: {cases} generated cases (inputs and operations) in {examples} examples, {seconds:.1f} s "
         f"(profile {os.environ.get('GMOCK_HYPOTHESIS_PROFILE', 'gmock-ci')})"
     )
+
+
+@pytest.fixture(scope="module")
+def _quiet_engine_and_case_count(request):
+    """The engine logs a warning for every bad input: off here (millions of
+    lines). The case counter is handed to conftest for the final summary."""
+    request.config.gmock_property_cases = CASES
+    logger.disable("gmock_engine")
+    yield
+    logger.enable("gmock_engine")
+
+
+@pytest.fixture
+def _time_each_test(request):
+    """Which test the case counter counts for, and its time."""
+    CASES.current = request.node.name
+    start = time.perf_counter()
+    yield
+    CASES.timed(request.node.name, time.perf_counter() - start)

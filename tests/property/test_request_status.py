@@ -1,6 +1,6 @@
 """Each request's `status` (request.RequestStatus, vLLM's) against the
 scheduler's books, over random runs of the engine (the scenarios of
-test_engine_properties: ADDs, aborts, utilities, steps, with the KV cache,
+engine_scenarios.py: ADDs, aborts, utilities, steps, with the KV cache,
 the batch limit and the token budget drawn): after every input and every
 step, a request in the running batch is RUNNING (WAITING_FOR_REMOTE_KVS
 while it waits for its KV), one in the waiting queue WAITING or PREEMPTED
@@ -12,7 +12,8 @@ at the end."""
 from typing import Dict, List
 
 from hypothesis import given, settings
-from test_engine_properties import ALL, Observer, examples, run_scenario, scenarios, violation
+from engine_driver import Observer, examples, run_scenario, violation
+from engine_scenarios import ALL, scenarios
 
 from gmock_engine.wire.inputs import EngineCoreRequest
 from gmock_engine.wire.types import EngineCoreEventType, FinishReason

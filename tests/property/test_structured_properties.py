@@ -13,7 +13,7 @@ import string
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_engine_properties import examples
+from engine_driver import examples
 
 from gmock_engine.content import structured_output
 from gmock_engine.content.tokenizer import load_tokenizer

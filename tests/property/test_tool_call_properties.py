@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_engine_properties import examples
+from engine_driver import examples
 
 pytest.importorskip("llguidance")
 pytest.importorskip("tokenizers")

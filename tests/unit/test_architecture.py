@@ -74,6 +74,10 @@ PURE = [
 #: The folders, bottom first (docs/architecture.md#folders): each imports only those before it.
 FOLDERS = ["utils", "wire", "kv", "content", "timing", "faults", "config", "core", "runtime", "tools"]
 PACKAGE = os.path.join(os.path.dirname(__file__), "..", "..", "gmock_engine")
+REPO = os.path.join(os.path.dirname(__file__), "..", "..")
+#: The most lines one module may hold, in the package, the tests and the
+#: benchmarks alike: past it a file holds more than one concern.
+MAX_MODULE_LINES = 600
 
 
 @pytest.mark.parametrize("module", PURE)
@@ -110,3 +114,18 @@ def test_every_folder_is_in_the_order():
 def test_each_folder_imports_only_the_folders_below_it():
     upward = [f"{where} imports {imported}/" for folder, imported, where in _folder_imports() if FOLDERS.index(imported) > FOLDERS.index(folder)]
     assert not upward, upward
+
+
+def test_every_module_is_at_most_600_lines():
+    """Every .py file under gmock_engine/, tests/ and benchmarks/."""
+    too_long = []
+    for top in ("gmock_engine", "tests", "benchmarks"):
+        for root, dirs, files in os.walk(os.path.join(REPO, top)):
+            dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+            for name in sorted(f for f in files if f.endswith(".py")):
+                path = os.path.join(root, name)
+                with open(path, encoding="utf-8") as f:
+                    lines = sum(1 for _ in f)
+                if lines > MAX_MODULE_LINES:
+                    too_long.append(f"{os.path.relpath(path, REPO)}: {lines} lines")
+    assert not too_long, f"modules over {MAX_MODULE_LINES} lines: {too_long}"
