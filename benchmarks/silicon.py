@@ -64,11 +64,11 @@ def silicon_rows() -> List[dict]:
         return [r for r in csv.DictReader(f) if r["backend"] == "vllm" and r["mode"] == "agg"]
 
 
-def profile_index() -> Dict[Tuple[str, str, int, str], str]:
+def profile_index(folder: str = PROFILES) -> Dict[Tuple[str, str, int, str], str]:
     """(model, system, tp, precision) -> profile path, from each profile's first header line."""
     index = {}
-    for name in sorted(os.listdir(PROFILES)):
-        path = os.path.join(PROFILES, name)
+    for name in sorted(n for n in os.listdir(folder) if n.endswith(".ini")):
+        path = os.path.join(folder, name)
         with open(path, encoding="utf-8") as f:
             first = f.readline()
         # "# MODEL on SYSTEM, TP n, PRECISION: ..."
@@ -82,8 +82,8 @@ def profile_index() -> Dict[Tuple[str, str, int, str], str]:
 def row_key(row: dict) -> Tuple[str, str, int, str]:
     model = MODEL_ALIASES.get(row["model_path"], row["model_path"])
     precision = row["precision"] or "bf16"
-    if row["gemm_quant_mode"] == "nvfp4" and "gpt-oss" in model and row["system"] in ("h100_sxm", "h200_sxm"):
-        precision = "native"  # MXFP4 experts, the checkpoint's own
+    if row["gemm_quant_mode"] == "nvfp4" and "gpt-oss" in model:
+        precision = "native"  # MXFP4 experts, the checkpoint's own (the rows say nvfp4 for any FP4)
     return model, row["system"], int(row["tp_size"]), precision
 
 
@@ -202,13 +202,14 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--model", help="only this model's rows (silicon's name)")
     parser.add_argument("--statistic", choices=("mean", "median"), default="mean", help="of TTFT and TPOT over the requests")
     parser.add_argument("--markdown", action="store_true", help="the table as docs/gpu-profiles.md shows it")
+    parser.add_argument("--profiles", default=PROFILES, help="the folder of profiles to check (default: conf/profiles)")
     parser.add_argument("--summary-of", nargs="+", metavar="TABLE", help="only summarize tables this script printed")
     args = parser.parse_args(argv)
     if args.summary_of:
         print(summary_of(args.summary_of))
         return 0
     logging.disable(logging.WARNING)
-    index = profile_index()
+    index = profile_index(args.profiles)
     rows = []
     for row in silicon_rows():
         key = row_key(row)
