@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/silicon.py                 # every vLLM agg row a profile serves
     .venv/bin/python benchmarks/silicon.py --system h200_sxm --max-concurrency 16
     .venv/bin/python benchmarks/silicon.py --summary-of h100.md h200.md   # the summary of printed tables
+    .venv/bin/python benchmarks/silicon.py --profiles DIR --system h100_sxm   # other profiles (a tuning sweep)
 
 AIConfigurator's core (the gpu extra) ships `systems/silicon_sample.csv`:
 benchmark runs of vLLM on real GPUs (system, model, precision, TP, ISL, OSL,
