@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/silicon.py                 # every vLLM agg row a profile serves
     .venv/bin/python benchmarks/silicon.py --system h200_sxm --max-concurrency 16
     .venv/bin/python benchmarks/silicon.py --summary-of h100.md h200.md   # the summary of printed tables
+    .venv/bin/python benchmarks/silicon.py --profiles DIR --system h100_sxm   # other profiles (a tuning sweep)
 
 AIConfigurator's core (the gpu extra) ships `systems/silicon_sample.csv`:
 benchmark runs of vLLM on real GPUs (system, model, precision, TP, ISL, OSL,
@@ -64,11 +65,11 @@ def silicon_rows() -> List[dict]:
         return [r for r in csv.DictReader(f) if r["backend"] == "vllm" and r["mode"] == "agg"]
 
 
-def profile_index() -> Dict[Tuple[str, str, int, str], str]:
+def profile_index(folder: str = PROFILES) -> Dict[Tuple[str, str, int, str], str]:
     """(model, system, tp, precision) -> profile path, from each profile's first header line."""
     index = {}
-    for name in sorted(os.listdir(PROFILES)):
-        path = os.path.join(PROFILES, name)
+    for name in sorted(n for n in os.listdir(folder) if n.endswith(".ini")):
+        path = os.path.join(folder, name)
         with open(path, encoding="utf-8") as f:
             first = f.readline()
         # "# MODEL on SYSTEM, TP n, PRECISION: ..."
@@ -82,8 +83,8 @@ def profile_index() -> Dict[Tuple[str, str, int, str], str]:
 def row_key(row: dict) -> Tuple[str, str, int, str]:
     model = MODEL_ALIASES.get(row["model_path"], row["model_path"])
     precision = row["precision"] or "bf16"
-    if row["gemm_quant_mode"] == "nvfp4" and "gpt-oss" in model and row["system"] in ("h100_sxm", "h200_sxm"):
-        precision = "native"  # MXFP4 experts, the checkpoint's own
+    if row["gemm_quant_mode"] == "nvfp4" and "gpt-oss" in model:
+        precision = "native"  # MXFP4 experts, the checkpoint's own (the rows say nvfp4 for any FP4)
     return model, row["system"], int(row["tp_size"]), precision
 
 
@@ -202,18 +203,24 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--model", help="only this model's rows (silicon's name)")
     parser.add_argument("--statistic", choices=("mean", "median"), default="mean", help="of TTFT and TPOT over the requests")
     parser.add_argument("--markdown", action="store_true", help="the table as docs/gpu-profiles.md shows it")
+    parser.add_argument("--profiles", default=PROFILES, help="the folder of profiles to check (default: conf/profiles)")
     parser.add_argument("--summary-of", nargs="+", metavar="TABLE", help="only summarize tables this script printed")
     args = parser.parse_args(argv)
     if args.summary_of:
         print(summary_of(args.summary_of))
         return 0
     logging.disable(logging.WARNING)
-    index = profile_index()
+    index = profile_index(args.profiles)
     rows = []
+    seen = set()
     for row in silicon_rows():
         key = row_key(row)
+        # the silicon file repeats some runs under two sources (the same figures, to the last digit or two): each once
+        measured = (key, row["isl"], row["osl"], row["batch_size"], round(float(row["silicon_ttft_ms"]), 6),
+                    round(float(row["silicon_tpot_ms"]), 6))  # fmt: skip
         if (key in index and (args.system is None or row["system"] == args.system) and int(row["batch_size"]) <= args.max_concurrency
-                and (args.model is None or row["model_path"] == args.model)):
+                and (args.model is None or row["model_path"] == args.model) and measured not in seen):
+            seen.add(measured)
             rows.append((key, row))
     rows.sort(key=lambda kr: (kr[1]["system"] != TUNING_SYSTEM, kr[0], int(kr[1]["isl"]), int(kr[1]["osl"]), int(kr[1]["batch_size"])))
     header = "| profile | ISL/OSL | conc. | silicon TTFT / TPOT | mock TTFT / TPOT | error | AIC agg TTFT / TPOT | AIC error | tuning |"

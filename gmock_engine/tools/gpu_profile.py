@@ -45,6 +45,7 @@ data. The engine reads the file without the library.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -57,7 +58,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from gmock_engine.config.loader import ENV_PREFIX, PROFILE_SECTION, ConfigError, ini_reader, new_parser, parse_tool_config
 from gmock_engine.timing.profile import StepProfile, format_profile
 from gmock_engine.config.option import Group, Option, add_groups
-from gmock_engine.config.validators import choice, int_at_least, nonempty
+from gmock_engine.config.validators import choice, float_in, int_at_least, nonempty
 
 #: vLLM's default KV block size on CUDA, and the share of the GPU's memory it takes.
 BLOCK_SIZE = 16
@@ -71,14 +72,19 @@ PRECISIONS = {"bf16": ("bfloat16", None), "native": (None, None), "fp8": ("fp8",
 CONTEXTS = (128, 4096)
 PREFILL_TOKENS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384)
 PREFILL_POSITIONS = (0, 2048, 8192)
-#: Mixed steps fitted beside the prefill chunks: decoding requests holding
-#: MIXED_CONTEXT tokens each, and a chunk of PREFILL_TOKENS from position 0.
+#: Mixed steps fitted beside the prefill chunks: decoding requests beside a
+#: chunk of PREFILL_TOKENS, one prompt from position 0. AIConfigurator's
+#: mixed step (`mixed_step_latency(ctx_tokens, gen, isl, osl)`) takes the
+#: chunk as ctx_tokens / isl prompts of isl tokens, and its decodes as
+#: holding isl tokens each: asked with isl = the chunk, the chunk is one
+#: prompt, whose attention the profile's `prefill_attention_ms` prices (a
+#: shorter isl would price a long chunk's attention as that of several
+#: short prompts: at 8 192 tokens a quarter of it or less).
 MIXED_DECODES = (8, 64)
 PREFILL_ONLY_WEIGHT = 0.25
-MIXED_CONTEXT = 1024
-#: Mixed steps (decoding requests, prompt tokens, context per request) the
-#: profile is checked against in its header, not fitted to.
-MIXED_CHECKS = ((8, 512, 1024), (32, 2048, 1024), (64, 1024, 4096), (128, 4096, 2048))
+#: Mixed steps (decoding requests, prompt tokens: one prompt, the decodes
+#: holding as many each) the profile is checked against in its header, not fitted to.
+MIXED_CHECKS = ((8, 512), (32, 2048), (64, 1024), (128, 4096))
 
 
 class ProfileToolError(Exception):
@@ -277,9 +283,32 @@ def memory_budget(system: str, model_path: str, tp: int, precision: str, batched
     }
 
 
-def tabulate(handle, max_num_seqs: int, max_num_batched_tokens: int) -> Tuple[StepProfile, List[str]]:
+def monotone(step_ms: Sequence[float]) -> Tuple[float, ...]:
+    """The decode steps at 1, 2, 4, ... requests made non-decreasing: each
+    the least of it and those of the larger batches. A step of more
+    requests does the work of a smaller one and more; where the tables put
+    a small batch above a larger one (a GEMM tactic measured slow at that
+    size: B200's fp8 steps of 1-4 requests are 15-50 % above that of 8) a
+    real engine's step is not, and the profile does not make the step of a
+    request more costly than that of several."""
+    out = list(step_ms)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return tuple(round(v, 4) for v in out)
+
+
+def moe_prefill_ms(handle, tokens: int) -> float:
+    """The MoE layers' experts (AIConfigurator's `context_moe` op) in a
+    prompt of `tokens`, ms; 0 for a model without them."""
+    shared = handle.mixed_step_breakdown_per_op(tokens, 0, tokens, 2)[0]
+    return sum(op[1] for op in shared if op[0] == "context_moe")
+
+
+def tabulate(handle, max_num_seqs: int, max_num_batched_tokens: int, moe_prefill_scale: float = 1.0) -> Tuple[StepProfile, List[str]]:
     """The profile fitted to the engine's estimates, and the header lines
-    with its error against them and against mixed steps."""
+    with its error against them and against mixed steps; with a
+    `moe_prefill_scale` other than 1, the prompt chunks' MoE experts times
+    it (after the errors are taken: they are the fit's)."""
     lo, hi = CONTEXTS
     batches = [1]
     while batches[-1] * 2 <= max_num_seqs:
@@ -290,7 +319,7 @@ def tabulate(handle, max_num_seqs: int, max_num_batched_tokens: int) -> Tuple[St
     long_ = {b: handle.predict_decode_latency(b, hi) for b in batches}
     slopes = sorted((long_[b] - short[b]) / (b * (hi - lo)) * 1000.0 for b in batches)
     context = max(0.0, slopes[len(slopes) // 2])
-    step_ms = tuple(round(max(0.0, short[b] - context * b * lo / 1000.0), 4) for b in batches)
+    step_ms = monotone([max(0.0, short[b] - context * b * lo / 1000.0) for b in batches])
     base = StepProfile(tuple(batches), step_ms, context_ms_per_ktoken=context)
     # the prompt's attention: how a chunk's estimate grows with the position it starts at
     points = []
@@ -301,7 +330,7 @@ def tabulate(handle, max_num_seqs: int, max_num_batched_tokens: int) -> Tuple[St
         at_start = handle.predict_prefill_latency(1, n, 0)
         for p in PREFILL_POSITIONS:
             measured = at_start if p == 0 else handle.predict_prefill_latency(1, p + n, p)
-            points.append((n, p, n * (p + n / 2.0) / 1000.0, measured))
+            points.append((n, p, n * (p + n / 2.0), measured))
             if p:
                 slopes.append((measured - at_start - context * p / 1000.0) / (n * p / 1000.0))
     slopes.sort()
@@ -316,8 +345,8 @@ def tabulate(handle, max_num_seqs: int, max_num_batched_tokens: int) -> Tuple[St
         samples = [(PREFILL_ONLY_WEIGHT, handle.predict_prefill_latency(1, n, 0) - base.predict_ms(1, context_tokens=n))]
         for gen in MIXED_DECODES:
             if gen + 1 <= max_num_seqs:
-                measured = handle.mixed_step_latency(n, gen, MIXED_CONTEXT, 2)
-                samples.append((1.0, measured - base.predict_ms(gen + 1, context_tokens=gen * MIXED_CONTEXT + n)))
+                measured = handle.mixed_step_latency(n, gen, n, 2)  # the chunk: one prompt (MIXED_DECODES)
+                samples.append((1.0, measured - base.predict_ms(gen + 1, context_tokens=gen * n + n)))
         rest = sum(w * v for w, v in samples) / sum(w for w, _ in samples) - attention * n * n / 2.0 / 1000.0
         table_tokens.append(n)
         table_ms.append(round(max(0.0, rest), 4))
@@ -332,11 +361,11 @@ def tabulate(handle, max_num_seqs: int, max_num_batched_tokens: int) -> Tuple[St
     decode_err = [err(profile.predict_ms(b, context_tokens=b * c), handle.predict_decode_latency(b, c)) for b in batches for c in (lo, 1024, hi)]
     prefill_err = [err(profile.predict_ms(1, n, a, p + n, 1), m) for n, p, a, m in points]
     mixed_err = []
-    for gen, ctx, c in MIXED_CHECKS:
+    for gen, ctx in MIXED_CHECKS:
         if gen + 1 > max_num_seqs or ctx > max_num_batched_tokens:
             continue
-        measured = handle.mixed_step_latency(ctx, gen, c, 2 * c)
-        predicted = profile.predict_ms(gen + 1, ctx, ctx * ctx / 2.0 / 1000.0, gen * c + ctx, 1)
+        measured = handle.mixed_step_latency(ctx, gen, ctx, 2)
+        predicted = profile.predict_ms(gen + 1, ctx, ctx * ctx / 2.0, gen * ctx + ctx, 1)
         mixed_err.append(err(predicted, measured))
 
     def summary(values: List[float]) -> str:
@@ -348,6 +377,15 @@ def tabulate(handle, max_num_seqs: int, max_num_batched_tokens: int) -> Tuple[St
         f"  prefill chunks (16-{max_num_batched_tokens} tokens from position 0/2048/8192) {summary(prefill_err)};",
         f"  mixed steps (decodes + a prompt chunk, at other sizes than fitted) {summary(mixed_err)}",
     ]
+    if moe_prefill_scale != 1.0:
+        moe = [moe_prefill_ms(handle, n) for n in table_tokens]
+        if not any(moe):
+            raise ProfileToolError("--moe-prefill-scale: the model has no MoE layers")
+        scaled = tuple(round(ms + (moe_prefill_scale - 1.0) * m, 4) for ms, m in zip(table_ms, moe))
+        profile = dataclasses.replace(profile, prefill_ms=scaled)
+        added = dict(zip(table_tokens, (scaled[i] - table_ms[i] for i in range(len(scaled)))))
+        lines.append(f"prompt chunks' MoE experts (context_moe) x {moe_prefill_scale:g} (--moe-prefill-scale): "
+                     + ", ".join(f"{added[n]:+.1f} ms at {n}" for n in (1024, 8192) if n in added) + " tokens")  # fmt: skip
     return profile, lines
 
 
@@ -373,7 +411,8 @@ def engine_section(dep: Deployment, budget: Dict[str, float], limits: Tuple[int,
     ]
 
 
-def build(system: str, model: str, tp: int, precision: str, backend_version: Optional[str], path: str) -> str:
+def build(system: str, model: str, tp: int, precision: str, backend_version: Optional[str], path: str,
+          moe_prefill_scale: float = 1.0) -> str:
     """The profile file's text for the deployment (ProfileToolError: what the tables cannot serve)."""
     if tp not in (1, 2, 4, 8):
         raise ProfileToolError(f"--tp {tp}: the tables serve TP 1, 2, 4 or 8 (one node)")
@@ -381,7 +420,7 @@ def build(system: str, model: str, tp: int, precision: str, backend_version: Opt
     try:
         handle, dep = compile_engine(system, model, tp, precision, backend_version, scratch)
         limits = vllm_limits(system)
-        profile, fit_lines = tabulate(handle, limits[1], limits[0])
+        profile, fit_lines = tabulate(handle, limits[1], limits[0], moe_prefill_scale)
         budget = memory_budget(system, resolve_model(model, scratch), tp, precision, limits[0])
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -397,7 +436,8 @@ def build(system: str, model: str, tp: int, precision: str, backend_version: Opt
     header = [
         f"{model_name} on {dep.system}, TP {tp}, {precision}: vLLM {dep.backend_version} tables of AIConfigurator core {version}",
         f"written by: ./run.sh profile --system {system} --model {model} --tp {tp} --precision {precision}"
-        + (f" --backend-version {backend_version}" if backend_version else "") + f" -o {path}",
+        + (f" --backend-version {backend_version}" if backend_version else "")
+        + (f" --moe-prefill-scale {moe_prefill_scale:g}" if moe_prefill_scale != 1.0 else "") + f" -o {path}",
         "Serve as that deployment: ./run.sh serve --config THIS_FILE (docs/gpu-profiles.md)",
         *fit_lines,
     ]
@@ -431,6 +471,9 @@ GROUPS = (
             Option("--precision", "the weights' precision (fp8, fp4: KV cache in fp8; native: the checkpoint's own, as its config says)",
                    default="bf16", type=choice(tuple(PRECISIONS))),  # fmt: skip
             Option("--backend-version", "vLLM version of the tables (default: the newest the system has)"),
+            Option("--moe-prefill-scale", "the MoE experts' time in prompt chunks times this (1: the tables' kernel; "
+                   "docs/gpu-profiles.md: Hopper's Marlin MXFP4 experts, which the tables do not measure)",
+                   default=1.0, type=float_in(0.1, 10.0)),  # fmt: skip
             Option("--output", "the profile file to write", default="profile.ini", type=nonempty, aliases=("-o",)),
         ),
     ),
@@ -466,7 +509,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.getLogger("aiconfigurator_core").setLevel(logging.WARNING)
     logging.getLogger("aiconfigurator_core").propagate = False
     try:
-        text = build(args.system, args.model, args.tp, args.precision, args.backend_version, args.output)
+        text = build(args.system, args.model, args.tp, args.precision, args.backend_version, args.output, args.moe_prefill_scale)
     except ProfileToolError as exc:
         print(f"gmock-engine profile: {exc}", file=sys.stderr)
         return 2
