@@ -194,9 +194,24 @@ def boundary(result_path: Path) -> Dict[str, Dict[str, object]]:
     out: Dict[str, Dict[str, object]] = {}
     for name, w in document["workloads"].items():
         out[name] = engine_boundary.figures(records, w["t_start"], w["t_end"], budget)
+        out[name].update(decisions(engine_boundary.window(records, w["t_start"], w["t_end"])))
         for p in by_name[name].priorities if name in by_name else ():
             out[f"{name} p{p}"] = engine_boundary.figures(records, w["t_start"], w["t_end"], budget, priority=p)
     return out
+
+
+def decisions(records: Sequence[Mapping[str, object]]) -> Dict[str, int]:
+    """What the scheduler decided in a window, from the outputs' events and
+    prefix-cache counts: preemptions, and prompt tokens served from the cache."""
+    preempted = cached = 0
+    seen = set()
+    for r in records:
+        for q in r.get("requests") or () if r.get("kind") == "output" else ():  # type: ignore[union-attr]
+            preempted += sum(1 for kind, _ in q.get("events") or () if kind == 3)  # EngineCoreEventType.PREEMPTED
+            if q.get("num_cached_tokens") is not None and q["id"] not in seen:
+                seen.add(q["id"])
+                cached += int(q["num_cached_tokens"])
+    return {"preemptions": preempted, "cached_tokens": cached}
 
 
 def _mean(a: Mapping[str, object], b: Mapping[str, object]) -> Dict[str, object]:
@@ -264,6 +279,13 @@ def table(d: Path) -> Tuple[int, int]:
             cells = " | ".join(fmt(v) for v in values) + ("" if mock else " | -")
             print(f"| {name} | {figure} | {cells} | {pct(tdiff, tok)} | {pct(mdiff, mok)} |")
     print(f"\nOutside the goals: twin {twin_misses}, mock {mock_misses}")
+    print("\nThe scheduler's decisions (requests finished in the window, preemptions, prompt tokens from the prefix cache):\n")
+    print("| workload | " + " | ".join(f"ref {i + 1}" for i in range(len(refs))) + " | mock |")
+    print("| --- |" + " --- |" * (len(refs) + 1))
+    for name in [n for n in ref_runs[0] if "preemptions" in ref_runs[0][n]]:  # not the priorities apart
+        sides = [r.get(name) for r in ref_runs] + ([mock.get(name)] if mock else [])
+        print(f"| {name} | " + " | ".join("-" if f is None or "preemptions" not in f else f"{f['finished']}, {f['preemptions']}, {f['cached_tokens']}"
+                                         for f in sides) + " |")  # fmt: skip
     return twin_misses, mock_misses
 
 
