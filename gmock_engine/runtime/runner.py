@@ -49,7 +49,7 @@ from gmock_engine.runtime.links import StageLinks
 from gmock_engine.utils.logs import Throttle
 from gmock_engine.config.reload import Reconfiguration
 from gmock_engine.utils.stats import Samples
-from gmock_engine.runtime.steptimer import StepTimer
+from gmock_engine.runtime.steptimer import StepTimer, cadence_base
 from gmock_engine.runtime.supervisor import Supervisor
 
 #: Back-to-back (unpaced) steps give the hub a round (socket poll, the
@@ -243,8 +243,12 @@ class EngineRunner:
         Unpaced (no latency model) steps run back to back. Paced, the engine
         says when its next step is due (timing/latency.py: the step time grows with
         the batch and its prefill); how late each step starts against that
-        is recorded as step lateness. A late step does not make the next one
-        come sooner: the engine counts from the actual start.
+        is recorded as step lateness. A step that starts late by less than
+        its own time is counted from when it was due (`cadence_base`), so the
+        next one comes sooner and the engine keeps its cadence, as a GPU's
+        queued steps do (and the emulated GPU, benchmarks/emulated_gpu/):
+        a wake-up the machine's load delayed does not lengthen every step;
+        a step later than that counts from its actual start.
         """
         engine, links = self.engine, self.links
         woken = links.woken
@@ -321,9 +325,9 @@ class EngineRunner:
                     woken.wait()
                     woken.clear()
                     continue  # input may have arrived: drain, then check the time
-                if paced and next_step_at is not None:
-                    self.step_lateness.add(now - next_step_at)
-                started = now
+                due = next_step_at
+                if paced and due is not None:
+                    self.step_lateness.add(now - due)
                 try:
                     out = engine.step()
                 except LedgerViolation:
@@ -335,7 +339,8 @@ class EngineRunner:
                     publish(engine.take_kv_events())
                 # Unpaced this is `now` (steps back to back) unless every
                 # running request waits for its prefill (e.g. mock_ttft_ms).
-                next_step_at = stretched(now, engine.next_step_time(now))
+                started = cadence_base(now, due, engine.step_delay) if paced else now
+                next_step_at = stretched(started, engine.next_step_time(started))
                 # Yield to the hub between rounds: readers and the sender run.
                 # Not sleep(0): gevent runs ready callbacks (each sleep(0) is one)
                 # for up to its switch interval, 5 ms, before it polls the

@@ -47,3 +47,24 @@ def test_fcfs_still_preempts_the_newest():
     engine.apply(EngineCoreRequest("high", 3, 8, True, priority=0))
     sent += drive(engine, clock)
     assert preempted_first(sent) == "high"
+
+
+def test_a_step_late_by_less_than_its_time_keeps_the_cadence():
+    """The emulated GPU (benchmarks/emulated_gpu/ Pacer) times a step from
+    the previous one's due end when the host was late by less than a step,
+    as a GPU's queued steps run back to back: a wake-up 3 ms late in a 12 ms
+    step counts from when it was due, so the next step is not 3 ms late too;
+    one a whole step late (a stall) counts from its actual start."""
+    from gmock_engine.runtime.steptimer import cadence_base
+
+    assert cadence_base(10.003, 10.0, 0.012) == 10.0
+    assert cadence_base(10.0, 10.0, 0.012) == 10.0
+    assert cadence_base(10.020, 10.0, 0.012) == 10.020  # later than its own time: no catching up
+    assert cadence_base(10.003, None, 0.012) == 10.003  # woken from idle: nothing was due
+    # a steady 2 ms late wake-up: the steps still come every 12 ms
+    due, starts = 0.0, []
+    for _ in range(5):
+        now = due + 0.002
+        starts.append(now)
+        due = cadence_base(now, due, 0.012) + 0.012
+    assert [round(b - a, 6) for a, b in zip(starts, starts[1:])] == [0.012] * 4
