@@ -2,7 +2,7 @@
 the mock given the same latency profile and the same engine limits, behind
 the same real Python frontend, judged at the engine boundary.
 
-    .venv/bin/python benchmarks/scheduling_fidelity.py sitting --dir DIR [--repeat 2] [--set NAMES]
+    .venv/bin/python benchmarks/scheduling_fidelity.py sitting --dir DIR [--repeat 2] [--set NAMES] [--mock-only]
     .venv/bin/python benchmarks/scheduling_fidelity.py table DIR
     .venv/bin/python benchmarks/scheduling_fidelity.py list
 
@@ -24,7 +24,9 @@ the mock; first the twin (reference run 1 against run 2: a sitting whose
 reference does not repeat itself within the goals judges nothing), then
 the mock against the reference runs' mean. The priority workload's two
 streams are also judged apart (`name p0`, `name p1`: the requests of that
-priority). `table DIR` prints the table again from DIR's results.
+priority). `table DIR` prints the table again from DIR's results;
+`--mock-only` keeps DIR's reference runs and runs the mock again (after a
+change to the mock).
 """
 
 from __future__ import annotations
@@ -297,6 +299,8 @@ def sitting(options: argparse.Namespace) -> int:
     model = emulated_model_dir(d / "emulated-model", str(REFERENCE_PROFILE))
     (d / "uptime.txt").write_text(f"{time.strftime('%Y-%m-%d %H:%M:%S')} load {os.getloadavg()}\n")
     for i in range(1, options.repeat + 1):
+        if options.mock_only and (d / f"reference{i}.json").exists():
+            continue
         _say(f"reference run {i}/{options.repeat}")
         run_target("emulated", d / f"reference{i}.json", d / f"reference{i}.jsonl", workloads, model, options)
     if not options.no_mock:
@@ -318,6 +322,7 @@ def main(argv: Sequence[str]) -> int:
     s.add_argument("--repeat", type=int, default=2, help="reference runs (each on a fresh stack)")
     s.add_argument("--set", help="comma-separated workload names (default: all)")
     s.add_argument("--no-mock", action="store_true", help="the reference runs only")
+    s.add_argument("--mock-only", action="store_true", help="keep DIR's reference runs; run the mock (again)")
     s.add_argument("--seed", type=int, default=1, help="the bench's seed")
     s.add_argument("--timeout", type=float, default=300.0, help="seconds per bench run")
     s.add_argument("--max-busy", type=float, default=0.3, help="wait before each workload until fewer cores are busy")
