@@ -105,6 +105,10 @@ class SchedWorkload:
     what: str
     streams: Tuple[Workload, ...]
     priorities: Tuple[int, ...] = ()
+    #: start the streams after the first once the frontend shows this many
+    #: requests running (its vllm:num_requests_running gauge): that they
+    #: meet a full batch must not depend on how fast each client starts
+    running_before: int = 0
 
 
 def _one(name: str, what: str, prompts: int, dataset: List[str], **load: float) -> SchedWorkload:
@@ -125,10 +129,11 @@ WORKLOADS = [
     _one("poisson3_128_128", "Poisson arrivals, 3/s", 48, _random(128, 128), rate=3.0),
     _one("bursty3_128_128", "bursty arrivals (gamma, burstiness 0.2), 3/s", 48,
          [*_random(128, 128), "--burstiness", "0.2"], rate=3.0),
-    SchedWorkload("priority_c12+p3", "priority: a closed loop of 12 at priority 1 beside Poisson 3/s at priority 0 (which ends first)",
-                  (Workload("priority_low", "sched", 64, [*_random(64, 48), *_priority(1)], concurrency=12),
+    SchedWorkload("priority_c12+p3", "priority: a closed loop of 12 at priority 1, then (once 8 run) Poisson 3/s "
+                  "at priority 0, which ends first",
+                  (Workload("priority_low", "sched", 192, [*_random(64, 48), *_priority(1)], concurrency=12),
                    Workload("priority_high", "sched", 12, [*_random(64, 48), *_priority(0)], rate=3.0, seed=500)),
-                  priorities=(0, 1)),
+                  priorities=(0, 1), running_before=LIMITS["max_num_seqs"]),
 ]
 WARMUP = _one("warmup", "first-use allocations", 4, _random(64, 16), concurrency=1)
 
@@ -149,10 +154,25 @@ def run_streams(stack: Stack, workload: SchedWorkload, log_dir: Path, seed: int,
     load = os.getloadavg()
     t_start = time.time()
     with concurrent.futures.ThreadPoolExecutor(len(workload.streams)) as pool:
-        results = list(pool.map(lambda w: bench(stack, w, log_dir, seed, timeout), workload.streams))
+        futures = [pool.submit(bench, stack, workload.streams[0], log_dir, seed, timeout)]
+        if workload.running_before:
+            wait_running(stack, workload.running_before, futures[0], timeout)
+        futures += [pool.submit(bench, stack, w, log_dir, seed, timeout) for w in workload.streams[1:]]
+        results = [f.result() for f in futures]
     t_end = time.time()
     return {"t_start": t_start, "t_end": t_end, "load_before": [round(x, 2) for x in load],
             "streams": {w.name: stats.bench_figures(r) for w, r in zip(workload.streams, results)}}  # fmt: skip
+
+
+def wait_running(stack: Stack, count: int, first: "concurrent.futures.Future[object]", timeout: float) -> None:
+    """Until the frontend's /metrics shows `count` requests running (or the first stream ended)."""
+    deadline = time.monotonic() + timeout
+    while not first.done() and time.monotonic() < deadline:
+        running = [float(line.split()[-1]) for line in stack.metrics().splitlines()
+                   if line.startswith("vllm:num_requests_running")]  # fmt: skip
+        if running and sum(running) >= count:
+            return
+        time.sleep(0.05)
 
 
 def run_target(target: str, out: Path, trace: Path, workloads: Sequence[SchedWorkload], model: Path,
