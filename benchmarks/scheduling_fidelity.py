@@ -3,7 +3,7 @@ the mock given the same latency profile and the same engine limits, behind
 the same real Python frontend, judged at the engine boundary.
 
     .venv/bin/python benchmarks/scheduling_fidelity.py sitting --dir DIR [--repeat 2] [--set NAMES] [--mock-only]
-    .venv/bin/python benchmarks/scheduling_fidelity.py table DIR
+    .venv/bin/python benchmarks/scheduling_fidelity.py table DIR [--compact]
     .venv/bin/python benchmarks/scheduling_fidelity.py list
 
 No fit enters: both sides step by REFERENCE_PROFILE (the emulated GPU paces
@@ -311,6 +311,57 @@ def table(d: Path) -> Tuple[int, int]:
     return twin_misses, mock_misses
 
 
+def compact(d: Path) -> int:
+    """The sitting's figures for the docs: per workload and figure, p50 / p90 /
+    p99 of each reference run and the mock, the twin's difference, and the
+    mock's against the nearer reference run; the number of judged figures
+    where the mock is within the goals of neither run."""
+    refs = sorted(d.glob("reference*.json"))
+    ref_runs = [boundary(p) for p in refs]
+    mock = boundary(d / "mock.json")
+    misses = 0
+    head = " | ".join(f"ref {i + 1}" for i in range(len(refs)))
+    print(f"| workload | figure (p50 / p90 / p99) | {head} | mock | twin | mock - nearer ref |")
+    print("| --- | --- |" + " ---: |" * (len(refs) + 3))
+    for name in ref_runs[0]:
+        if name not in mock or not all(name in r for r in ref_runs):
+            continue
+        for figure in (*FIGURES, "throughput"):
+            cells, twin, near = [], [], []
+            for p in ("p50", "p90", "p99") if figure != "throughput" else ("throughput",):
+                values = [_value(r[name], figure, p) for r in ref_runs]
+                got = _value(mock[name], figure, p)
+                cells.append(values + [got])
+                if len(values) > 1:
+                    diff, ok = _judge(values[0], values[1], p)
+                    twin.append(_cell(diff, ok))
+                judged = [_judge(v, got, p) for v in values]
+                diff, ok = min(judged, key=lambda j: abs(j[0]) if j[0] is not None else float("inf"))
+                ok = any(j[1] for j in judged) or (min(values) <= got <= max(values) if None not in values and got is not None else False)
+                misses += not ok
+                near.append(_cell(diff, ok))
+            columns = [" / ".join(_num(c[i]) for c in cells) for i in range(len(refs) + 1)]
+            label = "req/s" if figure == "throughput" else figure
+            print(f"| {name} | {label} | " + " | ".join(columns) + f" | {' / '.join(twin) or '-'} | {' / '.join(near)} |")
+    print(f"\nThe mock within the goals of neither reference run (nor between them): {misses}")
+    return misses
+
+
+def _value(figures: Mapping[str, object], figure: str, p: str) -> Optional[float]:
+    if figure == "throughput":
+        return figures["throughput"]  # type: ignore[return-value]
+    return engine_boundary.percentiles(figures[figure])[p]  # type: ignore[arg-type]
+
+
+def _num(v: Optional[float]) -> str:
+    return "-" if v is None else (f"{v:.2f}" if v < 100 else f"{v:.0f}")
+
+
+def _cell(diff: Optional[float], ok: bool) -> str:
+    text = "-" if diff is None else f"{diff * 100:+.1f} %"
+    return text if ok else f"**{text}**"
+
+
 def sitting(options: argparse.Namespace) -> int:
     """`sitting`: the reference --repeat times, the mock once, then table.md."""
     d = Path(options.dir).resolve()
@@ -349,12 +400,13 @@ def main(argv: Sequence[str]) -> int:
     s.add_argument("--max-wait", type=float, default=15.0, help="... but at most this many seconds")
     t = sub.add_parser("table", help="the table of a sitting's DIR")
     t.add_argument("dir")
+    t.add_argument("--compact", action="store_true", help="p50 / p90 / p99 in one row, the mock against the nearer run")
     sub.add_parser("list", help="the workloads")
     options = parser.parse_args(argv)
     if options.command == "sitting":
         return sitting(options)
     if options.command == "table":
-        table(Path(options.dir))
+        compact(Path(options.dir)) if options.compact else table(Path(options.dir))
         return 0
     for w in WORKLOADS:
         print(f"{w.name:24} {w.what}")
