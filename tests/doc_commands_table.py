@@ -266,6 +266,7 @@ TABLE: Dict[str, Row] = {
     # -- benchmarks/README.md#scheduling-fidelity -----------------------------------------------
     ".venv/bin/python benchmarks/scheduling_fidelity.py sitting --dir sched": Listed(_SCHED),
     ".venv/bin/python benchmarks/scheduling_fidelity.py table sched": Listed(_SCHED),
+    ".venv/bin/python benchmarks/scheduling_fidelity.py table sched --compact": Listed(_SCHED),
     ".venv/bin/python benchmarks/scheduling_fidelity.py list": Run("exits", expect=r"chunked_c2_1400_32"),
     # -- docs/testing.md --------------------------------------------------------------------
     "./run.sh test -m \"not e2e\"": Listed("part of the suite CI runs (.ci/run)"),
