@@ -23,10 +23,11 @@ import scheduling_fidelity as sf  # noqa: E402  (benchmarks/scheduling_fidelity.
 #: 24 requests of 64/16 tokens, 12 at a time against max_num_seqs 8: a third wait for a slot
 WORKLOAD = sf.SchedWorkload("e2e_seqs_c12_64_16", "max_num_seqs under 12 concurrent",
                             (sf.Workload("e2e_seqs_c12_64_16", "sched", 24, sf._random(64, 16), concurrency=12),))  # fmt: skip
-#: mock / reference, engine boundary, p50: TTFT and queue time move with
+#: mock / reference, engine boundary: TTFT and queue time (p90: the third
+#: that waited for a slot; most others are admitted at once) move with
 #: where the frontend's ADDs land in a step on a loaded machine; the
 #: inter-token time is the profile's on both sides
-BANDS = {"ttft": (0.75, 1.33), "queue": (0.75, 1.33), "itl": (0.9, 1.1)}
+BANDS = {("ttft", "p50"): (0.75, 1.33), ("queue", "p90"): (0.75, 1.33), ("itl", "p50"): (0.9, 1.1)}
 
 #: Two engine stacks in turn: apart from the suite, as test_fidelity_e2e.py.
 pytestmark = pytest.mark.solo
@@ -41,9 +42,9 @@ def test_the_mock_with_the_references_profile_and_limits_queues_as_vllm(frontend
     mock = sf.boundary(tmp_path / "mock.json")[WORKLOAD.name]
     assert reference["finished"] == mock["finished"] == 24
     lines = []
-    for name, (low, high) in BANDS.items():
-        ref, got = (sf.engine_boundary.percentiles(side[name])["p50"] for side in (reference, mock))
-        lines.append(f"{name} p50: reference {ref:.2f} ms, mock {got:.2f} ms, ratio {got / ref:.2f}")
+    for (name, p), (low, high) in BANDS.items():
+        ref, got = (sf.engine_boundary.percentiles(side[name])[p] for side in (reference, mock))
+        lines.append(f"{name} {p}: reference {ref:.2f} ms, mock {got:.2f} ms, ratio {got / ref:.2f}")
         assert ref > 0 and low <= got / ref <= high, "\n".join(lines)
     print("\n".join(lines))
     with open(tmp_path / "table.md", "w") as f, contextlib.redirect_stdout(f):
