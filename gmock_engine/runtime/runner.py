@@ -243,18 +243,23 @@ class EngineRunner:
         Unpaced (no latency model) steps run back to back. Paced, the engine
         says when its next step is due (timing/latency.py: the step time grows with
         the batch and its prefill); how late each step starts against that
-        is recorded as step lateness. A step that starts late by less than
-        its own time is counted from when it was due (`cadence_base`), so the
-        next one comes sooner and the engine keeps its cadence, as a GPU's
-        queued steps do (and the emulated GPU, benchmarks/emulated_gpu/):
-        a wake-up the machine's load delayed does not lengthen every step;
-        a step later than that counts from its actual start.
+        is recorded as step lateness. With a latency profile, a step that
+        starts late by less than its own time is counted from when it was
+        due (`cadence_base`), so the next one comes sooner and the engine
+        keeps its cadence, as a GPU's queued steps do (and the emulated GPU,
+        benchmarks/emulated_gpu/): a wake-up the machine's load delayed does
+        not lengthen every step; a step later than that counts from its
+        actual start. The flat model (--itl-ms) counts every step from its
+        actual start: its interval is a floor between two steps.
         """
         engine, links = self.engine, self.links
         woken = links.woken
         input_open = links.input_open  # closed by a hang (--fault-hang); the same after a reload
         stretched = self.injector.next_step_at  # slow-steps (--fault-slow-steps)
         paced = engine.latency.paced
+        # a latency profile (a GPU's steps) keeps its cadence; the flat --itl-ms
+        # model keeps its interval as a floor between two steps
+        cadenced = paced and engine.latency.profile is not None
         clock = time.monotonic
         timer = StepTimer(links.wake)
         # KV events: the step's (and the inputs') events go to the publisher
@@ -280,6 +285,7 @@ class EngineRunner:
                     self._reconfigure()
                     stretched = self.injector.next_step_at
                     paced = engine.latency.paced
+                    cadenced = paced and engine.latency.profile is not None
                     if next_step_at is not None:
                         next_step_at = stretched(started, engine.next_step_time(started))
                 # Apply what is queued before the next step (a slice of
@@ -339,7 +345,7 @@ class EngineRunner:
                     publish(engine.take_kv_events())
                 # Unpaced this is `now` (steps back to back) unless every
                 # running request waits for its prefill (e.g. mock_ttft_ms).
-                started = cadence_base(now, due, engine.step_delay) if paced else now
+                started = cadence_base(now, due, engine.step_delay) if cadenced else now
                 next_step_at = stretched(started, engine.next_step_time(started))
                 # Yield to the hub between rounds: readers and the sender run.
                 # Not sleep(0): gevent runs ready callbacks (each sleep(0) is one)
