@@ -62,11 +62,18 @@ def window(records: Sequence[Mapping[str, object]], t_start: float, t_end: float
     return out
 
 
-def figures(records: Sequence[Mapping[str, object]], t_start: float, t_end: float) -> Dict[str, object]:
-    """The engine-boundary samples (ms) of one workload's window, and its req/s."""
+def figures(records: Sequence[Mapping[str, object]], t_start: float, t_end: float,
+            budget: int = MAX_NUM_BATCHED_TOKENS, priority: Optional[int] = None) -> Dict[str, object]:
+    """The engine-boundary samples (ms) of one workload's window, and its
+    req/s; `budget`: the engine's max_num_batched_tokens (the steps' reading);
+    `priority`: only the requests of that priority (not the steps)."""
     rec = window(records, t_start, t_end)
     adds = {r["request_id"]: r for r in rec if r["kind"] == "add"}
+    steps = [s.duration_ms for s in steps_from_trace(rec, budget) if s.batch]
+    if priority is not None:
+        adds = {rid: a for rid, a in adds.items() if (a.get("priority") or 0) == priority}
     queued: Dict[str, float] = {}
+    scheduled: Dict[str, float] = {}
     last: Dict[str, float] = {}
     ttft: List[float] = []
     itl: List[float] = []
@@ -77,9 +84,13 @@ def figures(records: Sequence[Mapping[str, object]], t_start: float, t_end: floa
         stamp = float(r["engine_timestamp"])  # type: ignore[arg-type]
         for q in r["requests"]:  # type: ignore[union-attr]
             rid = q["id"]
+            if rid not in adds:
+                continue
             for kind, ts in q.get("events") or ():
                 if kind == 1 and rid not in queued:  # EngineCoreEventType.QUEUED
                     queued[rid] = ts
+                elif kind == 2 and rid not in scheduled:  # SCHEDULED (the first: not a resumption after PREEMPTED)
+                    scheduled[rid] = ts
             if q.get("tokens"):
                 if rid not in last:
                     if rid in queued:
@@ -89,9 +100,9 @@ def figures(records: Sequence[Mapping[str, object]], t_start: float, t_end: floa
                 last[rid] = stamp
             if q.get("finish_reason") is not None:
                 finished_t[rid] = float(r["t"])  # type: ignore[arg-type]
-    steps = [s.duration_ms for s in steps_from_trace(rec, MAX_NUM_BATCHED_TOKENS) if s.batch]
+    queue = [(scheduled[rid] - queued[rid]) * 1000.0 for rid in scheduled if rid in queued]
     span = (max(finished_t.values()) - min(float(a["t"]) for a in adds.values())) if finished_t else 0.0  # type: ignore[arg-type]
-    return {"step": steps, "ttft": ttft, "itl": itl, "requests": len(adds), "finished": len(finished_t),
+    return {"step": steps, "ttft": ttft, "itl": itl, "queue": queue, "requests": len(adds), "finished": len(finished_t),
             "throughput": len(finished_t) / span if span > 0 else None}  # fmt: skip
 
 
@@ -114,10 +125,11 @@ def percentiles(values: Sequence[float]) -> Dict[str, Optional[float]]:
     return {f"p{p}": (quantile(ordered, p / 100.0) if ordered else None) for p in (50, 90, 99)}
 
 
-def compare(a: Mapping[str, object], b: Mapping[str, object]) -> List[Tuple[str, Optional[float], Optional[float], Optional[float], bool]]:
-    """Rows (figure, a, b, (b - a) / a, within TWIN_GOALS) for two windows' figures()."""
+def compare(a: Mapping[str, object], b: Mapping[str, object],
+            names: Sequence[str] = FIGURES) -> List[Tuple[str, Optional[float], Optional[float], Optional[float], bool]]:
+    """Rows (figure, a, b, (b - a) / a, within TWIN_GOALS) for two windows' figures() (`names`, then req/s)."""
     rows = []
-    for name in FIGURES:
+    for name in names:
         pa, pb = percentiles(a[name]), percentiles(b[name])  # type: ignore[arg-type]
         for p in ("p50", "p90", "p99"):
             x, y = pa[p], pb[p]

@@ -124,9 +124,9 @@ class Stack:
     behind it: the real engine core behind the record tap, or gmock_engine."""
 
     def __init__(self, target: str, fe: frontends.Frontends, model: Path, log_dir: Path,
-                 trace: Optional[Path], engine_args: Sequence[str]) -> None:  # fmt: skip
+                 trace: Optional[Path], engine_args: Sequence[str], frontend_args: Sequence[str] = ()) -> None:  # fmt: skip
         self.target, self.fe, self.model, self.log_dir = target, fe, model, log_dir
-        self.trace, self.engine_args = trace, list(engine_args)
+        self.trace, self.engine_args, self.frontend_args = trace, list(engine_args), list(frontend_args)
         self.http_port, self.handshake_port, self.engine_port = procgroup.free_ports(3)
         self.base_url = f"http://127.0.0.1:{self.http_port}"
         self.groups: List[procgroup.ProcessGroup] = []
@@ -146,7 +146,8 @@ class Stack:
                                        port=self.http_port, handshake_port=self.handshake_port, dp=1, api_servers=1)
         # the emulated GPU's model dir names the plugin's architecture, which the frontend resolves too
         env = emulated_env(frontends.frontend_env()) if is_emulated_model(self.model) else frontends.frontend_env()
-        self._start("frontend", [*argv, "--max-model-len", str(MAX_MODEL_LEN), "--custom-histogram-buckets", buckets], env)
+        self._start("frontend", [*argv, "--max-model-len", str(MAX_MODEL_LEN), "--custom-histogram-buckets", buckets,
+                                *self.frontend_args], env)
         self._wait(lambda: procgroup.is_listening(self.handshake_port), deadline, "the frontend's handshake port")
         if self.trace is not None:
             tap = [sys.executable, "-m", "gmock_engine", "record", "--handshake-address",

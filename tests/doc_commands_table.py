@@ -90,6 +90,9 @@ _RECORD = ("placeholders MODEL and N: a real engine with a real model, a GPU; te
 _EMULATED = ("minutes of a real vLLM engine core (the emulated GPU) that needs the machine to itself: "
              "tests/e2e/test_fidelity_e2e.py runs the same stacks and the engine-boundary comparison in CI's solo step")
 
+_SCHED = ("~15 min of three engine stacks (the emulated GPU twice, the mock) that need the machine to "
+          "themselves: tests/e2e/test_sched_fidelity_e2e.py runs the same harness on one short workload in CI's solo step")
+
 TABLE: Dict[str, Row] = {
     # -- README.md --------------------------------------------------------------------------
     "./run.sh serve": Run("serves"),
@@ -260,6 +263,11 @@ TABLE: Dict[str, Row] = {
     ".venv/bin/python benchmarks/fidelity.py run --target mock --set c1_64_64,c4_256_128 --out mock.json --trace "
     "'mock{run}.jsonl' --engine-arg=--latency-profile=benchmarks/emulated_gpu/profiles/reference.ini": Listed(_EMULATED),
     ".venv/bin/python benchmarks/engine_boundary.py twin emulated.json mock.json": Listed(_EMULATED),
+    # -- benchmarks/README.md#scheduling-fidelity -----------------------------------------------
+    ".venv/bin/python benchmarks/scheduling_fidelity.py sitting --dir sched": Listed(_SCHED),
+    ".venv/bin/python benchmarks/scheduling_fidelity.py table sched": Listed(_SCHED),
+    ".venv/bin/python benchmarks/scheduling_fidelity.py table sched --compact": Listed(_SCHED),
+    ".venv/bin/python benchmarks/scheduling_fidelity.py list": Run("exits", expect=r"chunked_c2_1400_32"),
     # -- docs/testing.md --------------------------------------------------------------------
     "./run.sh test -m \"not e2e\"": Listed("part of the suite CI runs (.ci/run)"),
     "./run.sh test tests/e2e -v": Listed("part of the suite CI runs (.ci/run)"),

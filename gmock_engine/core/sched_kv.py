@@ -90,12 +90,23 @@ class KVScheduling:
                     total += need
             if kv.fits(total) or not self.running:
                 break
-            victim = next(reversed(self.running.values()))
+            victim = self._victim()
             self._preempt(victim, decided_at)
             preempted = [victim] if preempted is _NONE else preempted + [victim]
         for request, need in needs:
             kv.allocate(request, need)
         return preempted
+
+    def _victim(self) -> Request:
+        """The running request to preempt when KV runs out: vLLM's FCFS takes
+        the last of its running list (the newest admitted, `self.running[-1]`);
+        its priority policy the greatest (priority, arrival_time) of the
+        running requests, so a request resumed after a preemption (admitted
+        again, last, but arrived long ago) is not the one preempted again
+        while later arrivals of its priority run."""
+        if self.priority_policy:
+            return max(self.running.values(), key=lambda r: (r.priority, r.arrival))
+        return next(reversed(self.running.values()))
 
     def preempt_all(self, now: float) -> None:
         """Every running request back to the queue, newest first (vLLM's

@@ -115,6 +115,9 @@ class Scheduler(KVScheduling, LoRAScheduling):
         #: request that leaves the batch, and of a new sampler. Set by it.
         self.output_processor: Optional[BatchObserver] = None
         self.waiting = create_request_queue(policy)
+        #: `--scheduling-policy`: under "priority" the request preempted for KV
+        #: is the lowest-priority, latest-arrived one, not the newest admitted
+        self.priority_policy = policy == "priority"
         #: Requests whose structured answer is being made off the engine's
         #: loop (status WAITING_FOR_FSM): not in the waiting queue, so no
         #: step looks at them (vLLM skips them in its waiting queue) until

@@ -49,7 +49,7 @@ from gmock_engine.runtime.links import StageLinks
 from gmock_engine.utils.logs import Throttle
 from gmock_engine.config.reload import Reconfiguration
 from gmock_engine.utils.stats import Samples
-from gmock_engine.runtime.steptimer import StepTimer
+from gmock_engine.runtime.steptimer import StepTimer, cadence_base
 from gmock_engine.runtime.supervisor import Supervisor
 
 #: Back-to-back (unpaced) steps give the hub a round (socket poll, the
@@ -246,14 +246,23 @@ class EngineRunner:
         Unpaced (no latency model) steps run back to back. Paced, the engine
         says when its next step is due (timing/latency.py: the step time grows with
         the batch and its prefill); how late each step starts against that
-        is recorded as step lateness. A late step does not make the next one
-        come sooner: the engine counts from the actual start.
+        is recorded as step lateness. With a latency profile, a step that
+        starts late by less than its own time is counted from when it was
+        due (`cadence_base`), so the next one comes sooner and the engine
+        keeps its cadence, as a GPU's queued steps do (and the emulated GPU,
+        benchmarks/emulated_gpu/): a wake-up the machine's load delayed does
+        not lengthen every step; a step later than that counts from its
+        actual start. The flat model (--itl-ms) counts every step from its
+        actual start: its interval is a floor between two steps.
         """
         engine, links = self.engine, self.links
         woken = links.woken
         input_open = links.input_open  # closed by a hang (--fault-hang); the same after a reload
         stretched = self.injector.next_step_at  # slow-steps (--fault-slow-steps)
         paced = engine.latency.paced
+        # a latency profile (a GPU's steps) keeps its cadence; the flat --itl-ms
+        # model keeps its interval as a floor between two steps
+        cadenced = paced and engine.latency.profile is not None
         clock = time.monotonic
         timer = StepTimer(links.wake)
         # KV events: the step's (and the inputs') events go to the publisher
@@ -279,6 +288,7 @@ class EngineRunner:
                     self._reconfigure()
                     stretched = self.injector.next_step_at
                     paced = engine.latency.paced
+                    cadenced = paced and engine.latency.profile is not None
                     if next_step_at is not None:
                         next_step_at = stretched(started, engine.next_step_time(started))
                 # Apply what is queued before the next step (a slice of
@@ -324,9 +334,9 @@ class EngineRunner:
                     woken.wait()
                     woken.clear()
                     continue  # input may have arrived: drain, then check the time
-                if paced and next_step_at is not None:
-                    self.step_lateness.add(now - next_step_at)
-                started = now
+                due = next_step_at
+                if paced and due is not None:
+                    self.step_lateness.add(now - due)
                 try:
                     out = engine.step()
                 except LedgerViolation:
@@ -338,7 +348,8 @@ class EngineRunner:
                     publish(engine.take_kv_events())
                 # Unpaced this is `now` (steps back to back) unless every
                 # running request waits for its prefill (e.g. mock_ttft_ms).
-                next_step_at = stretched(now, engine.next_step_time(now))
+                started = cadence_base(now, due, engine.step_delay) if cadenced else now
+                next_step_at = stretched(started, engine.next_step_time(started))
                 # Yield to the hub between rounds: readers and the sender run.
                 # Not sleep(0): gevent runs ready callbacks (each sleep(0) is one)
                 # for up to its switch interval, 5 ms, before it polls the

@@ -91,6 +91,18 @@ class TimerFD:
             self._fd = -1
 
 
+def cadence_base(now: float, due: Optional[float], delay: float) -> float:
+    """The time a paced step that started at `now` is counted from: when it
+    was due, if it started late by less than its own time (`delay`), else
+    `now`. A GPU runs its steps back to back while the host schedules
+    ahead: a host that is late by less than a step does not lengthen the
+    steps (the emulated GPU counts the same way); the mock's late wake-up
+    on a loaded machine is such a host."""
+    if due is not None and 0.0 <= now - due < delay:
+        return due
+    return now
+
+
 class StepTimer:
     """One-shot wake-up at an absolute monotonic deadline (see module doc)."""
 
