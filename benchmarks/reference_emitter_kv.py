@@ -2,6 +2,7 @@
 `--kv-events-config`): vLLM's block pool at the least cost there is, a
 request looked at only in the steps where one of its blocks becomes full or
 it needs a new one. The script and what it is for: reference_emitter.py.
+§ sections: docs/protocol.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """wire_rules' groundwork: the integer limits of the frontends' types, the
 type predicates both decoders share (msgspec and serde both refuse a bool for
 an int) and the collector of one message's problems. The rules and where they
-come from: wire_rules.py."""
+come from: wire_rules.py. § sections: docs/protocol.md."""
 
 from __future__ import annotations
 

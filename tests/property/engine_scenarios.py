@@ -3,7 +3,7 @@ engine settings and streams of operations (ADD, ABORT, UTILITY and raw
 frames built as the frontends build them, with adversarial values where a
 feature asks for them, plus decode steps), each feature switched on by name
 (`ALL`, `WIRE_FOCUS`). test_engine_properties.py says what is checked;
-engine_driver.py runs a scenario."""
+engine_driver.py runs a scenario. § sections: docs/protocol.md."""
 
 from __future__ import annotations
 

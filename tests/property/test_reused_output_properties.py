@@ -12,6 +12,8 @@ test_engine_properties.py (which lists properties (a) to (f)):
     logprobs).
 
 Profiles, example counts and the printed case total: conftest.py here.
+
+§ sections: docs/protocol.md.
 """
 
 from __future__ import annotations
