@@ -61,6 +61,7 @@ from gmock_engine.timing.profile import STEADY, StepProfile, format_profile
 from gmock_engine.config.option import Group, Option, add_groups
 from gmock_engine.config.validators import choice, int_at_least, nonempty
 from gmock_engine.timing.trace import TraceFormatError, read_trace
+from gmock_engine.tools.fit_coverage import coverage
 from gmock_engine.tools.fit_models import (  # noqa: F401  (the candidates and numerics, also used as fit.X)
     CANDIDATES,
     MIN_STEP_MS,
@@ -109,6 +110,10 @@ def huber_weights(base: Sequence[float], residuals: Sequence[float]) -> Optional
         return None
     return [w if r <= threshold else w * threshold / r for w, r in zip(base, sizes)]
 
+
+#: How much lower (relative) a candidate's held-out mean error must be than
+#: the best simpler candidate's for the fit to choose it (fit).
+PARSIMONY = 0.15
 
 #: The fewest steps of a run (context_slope) that tell how the context weighs.
 MIN_RUN_STEPS = 8
@@ -237,10 +242,13 @@ class FitResult:
     report: List[str]
 
 
-def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None, input_delays: Sequence[float] = ()) -> FitResult:
+def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None, input_delays: Sequence[float] = (),
+        max_num_batched_tokens: Optional[int] = None) -> FitResult:  # fmt: skip
     """Fit every candidate (or only `model`), choose by cross-validated mean
     relative error, and add the spread of the chosen one and the quantiles
-    of `input_delays` (ms)."""
+    of `input_delays` (ms). The report begins with what the steps cover and
+    lack (fit_coverage; `max_num_batched_tokens`: the recorded engine's
+    token budget, to tell chunked prefills)."""
     usable = _usable(steps)
     if len(usable) < max(10, folds * 2):
         raise ValueError(f"{len(usable)} usable steps: too few to fit (record a longer run)")
@@ -253,6 +261,7 @@ def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None, inpu
         f"{folds}-fold cross-validation over contiguous blocks",
     ]
     runs = decode_runs(usable)
+    report += coverage(usable, max_num_batched_tokens, len(runs))
     report.append(
         f"context held: {context_slope(usable):.4f} ms per 1000 tokens, from {len(runs)} runs of decode steps "
         f"({sum(len(r) for r in runs)} steps; within each the batch is the same and only the context grows)"
@@ -262,7 +271,9 @@ def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None, inpu
         cv = cross_validate(form, usable, folds)
         mean = sum(abs(e) for e in cv) / len(cv) if cv else math.inf
         report.append(f"  {form.name:17s} held-out: {summary(cv)}")
-        if best is None or mean < best[0]:
+        # CANDIDATES go from fewer coefficients to more: one with more must beat the best so far
+        # by PARSIMONY, else its extra points fit the folds' noise and extrapolate worse
+        if best is None or mean < (1.0 - PARSIMONY) * best[0]:
             best = (mean, form)
     assert best is not None
     chosen = best[1]
@@ -373,7 +384,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         steps.extend(found)
         delays.extend(input_delays_ms(records))
     try:
-        result = fit(steps, folds=args.folds, model=args.model, input_delays=delays)
+        result = fit(steps, folds=args.folds, model=args.model, input_delays=delays, max_num_batched_tokens=args.max_num_batched_tokens)
     except ValueError as exc:
         print(f"gmock-engine fit: {exc}", file=sys.stderr)
         return 2
