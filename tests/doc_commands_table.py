@@ -261,6 +261,10 @@ TABLE: Dict[str, Row] = {
     ".venv/bin/python benchmarks/fidelity.py run --target mock --set c1_64_64,c4_256_128 --out mock.json --trace "
     "'mock{run}.jsonl' --engine-arg=--latency-profile=benchmarks/emulated_gpu/profiles/reference.ini": Listed(_EMULATED),
     ".venv/bin/python benchmarks/engine_boundary.py twin emulated.json mock.json": Listed(_EMULATED),
+    # -- benchmarks/README.md#pipeline-fidelity ---------------------------------------------------
+    ".venv/bin/python benchmarks/pipeline.py --dir pipeline":
+        Listed("a measurement of 20 minutes (calibrate, fit, five stacks: docs/latency-profile.md#accuracy); "
+               "tests/e2e/test_calibrate_e2e.py runs calibrate and the fit"),
     # -- docs/testing.md --------------------------------------------------------------------
     "./run.sh test -m \"not e2e\"": Listed("part of the suite CI runs (.ci/run)"),
     "./run.sh test tests/e2e -v": Listed("part of the suite CI runs (.ci/run)"),

@@ -6,17 +6,17 @@ A latency profile is fitted from the steps a recording holds
 (docs/latency-profile.md), and it knows only what they showed. The sweep
 is made so that one run covers what the fit needs:
 
-* `batch`: closed loops at concurrency 1, 2, 4, … up to the largest, with
-  short prompts and long outputs: decode steps of every batch size (the
+* `batch`: closed loops at concurrency 1, 2, 3, 4, 6, 8, 12, … up to the
+  largest, with short prompts and outputs of BATCH_OUTPUT: decode steps of every batch size (the
   table over the batch, the context term within runs of one batch);
 * `prompt`: one request at a time, prompts from a few tokens to beyond the
   engine's token budget per step (`max_num_batched_tokens`: the longest
   are computed in chunks, chunked prefill), with short outputs: steps
   whose time is mostly their prompt tokens (the price of a prefill, its
   attention, whether it grows faster than the tokens);
-* `mixed`: a closed loop at half the largest concurrency, prompts of random
-  lengths up to 1.5 times the token budget and outputs of random lengths:
-  steps that compute a prompt chunk beside many decodes;
+* `mixed`: a closed loop at the largest concurrency, prompts of random
+  lengths up to 1.5 times the token budget and outputs of random lengths
+  (8 to 128): steps that compute a prompt chunk beside many decodes;
 * `poisson`: arrivals at random times (a Poisson process at `rate` a
   second, by default 0.7 times what `mixed` achieved), mixed lengths: the
   wake-ups of an idle engine and the batches in between.
@@ -59,22 +59,26 @@ class Phase:
 #: below what the engine sustains, so the queue empties between bursts.
 RATE_OF_MIXED = 0.7
 #: Output tokens of the batch ladder's requests (decode steps of each batch).
-BATCH_OUTPUT = 128
+BATCH_OUTPUT = 64
 #: Prompt tokens of the batch ladder's requests.
 BATCH_PROMPT = 128
 #: Output tokens of the prompt ladder's requests: a few decode steps after each prefill.
 PROMPT_OUTPUT = 8
 #: Requests per prompt length of the prompt ladder.
-PROMPT_REPEATS = 3
+PROMPT_REPEATS = 6
 #: The shortest prompt of the prompt ladder and of the mixed phases.
 MIN_PROMPT = 16
 
 
 def ladder(top: int) -> List[int]:
-    """1, 2, 4, … up to `top`, and `top` itself."""
+    """1, 2, 3, 4, 6, 8, 12, 16, … (each power of two and the point half way
+    to the next) up to `top`, and `top` itself: batch sizes between the
+    powers of two too, where a step's time may jump."""
     values = [1]
-    while values[-1] * 2 <= top:
-        values.append(values[-1] * 2)
+    power = 2
+    while power <= top:
+        values += [v for v in (power, power + power // 2) if v <= top and v > values[-1]]
+        power *= 2
     if values[-1] != top:
         values.append(top)
     return values
@@ -122,9 +126,9 @@ def sweep(max_concurrency: int, max_num_batched_tokens: int, max_model_len: int,
     repeats = 1 if quick else PROMPT_REPEATS
     prompts = [Request(p, PROMPT_OUTPUT) for p in prompt_lengths(max_num_batched_tokens, longest) for _ in range(count(repeats))]
     phases.append(Phase("prompt c1", tuple(prompts), concurrency=1))
-    mixed_c = max(2, max_concurrency // 2)
+    mixed_c = max(2, max_concurrency)
     top_prompt = min(max_num_batched_tokens + max_num_batched_tokens // 2, max_model_len // 2)
-    top_output = min(32 if quick else 256, max_model_len // 2)
+    top_output = min(32 if quick else 128, max_model_len // 2)
 
     def mixed(n: int) -> Tuple[Request, ...]:
         return tuple(Request(log_uniform(rng, MIN_PROMPT, top_prompt), log_uniform(rng, 8, top_output)) for _ in range(n))

@@ -5,8 +5,8 @@ module fits, chooses and is the command.
 
 Reads the steps of a real engine from traces of the record tap (steps.py),
 fits candidate step-time models to them, picks the one that predicts best
-on held-out steps (k-fold cross-validation over contiguous blocks of steps,
-so that a fold is a stretch of time the model has not seen), prints every
+on held-out steps (k-fold cross-validation over contiguous blocks of steps
+dealt to the folds in turn, so that a fold is stretches of time the model has not seen), prints every
 candidate's error and the chosen one's residuals, and writes the chosen
 one as a profile the engine reads with `--latency-profile`
 (timing/profile.py; docs/latency-profile.md).
@@ -113,7 +113,10 @@ def huber_weights(base: Sequence[float], residuals: Sequence[float]) -> Optional
 
 #: How much lower (relative) a candidate's held-out mean error must be than
 #: the best simpler candidate's for the fit to choose it (fit).
-PARSIMONY = 0.15
+PARSIMONY = 0.02
+#: ... and by this much absolutely (a tenth of a percent): two forms that
+#: both hold the engine's steps exactly differ by rounding only.
+PARSIMONY_ABS = 0.001
 
 #: The fewest steps of a run (context_slope) that tell how the context weighs.
 MIN_RUN_STEPS = 8
@@ -219,17 +222,29 @@ def fit_candidate(candidate: Candidate, steps: Sequence[Step]) -> StepProfile:
     return model.profile(c)
 
 
+#: Contiguous blocks of steps per cross-validation fold (cross_validate).
+BLOCKS_PER_FOLD = 8
+
+
 def cross_validate(candidate: Candidate, steps: Sequence[Step], folds: int) -> List[float]:
-    """Relative errors of each step predicted by a fit on the other folds
-    (contiguous blocks of steps)."""
+    """Relative errors of each step predicted by a fit on the other folds.
+    The steps are cut into folds x BLOCKS_PER_FOLD contiguous blocks, dealt
+    to the folds in turn: each block is a stretch of time the model did not
+    see (the machine's drift), and every fold's training steps still hold
+    each stretch of a recording (a calibration sweep's phases come one
+    after the other: with one block a fold, the fold of the first phase
+    would hold out every step of a batch of one, which no training step
+    would then show)."""
     n = len(steps)
+    blocks = folds * BLOCKS_PER_FOLD
+    fold_of = [min(blocks - 1, i * blocks // n) % folds for i in range(n)]
     errors: List[float] = []
     for k in range(folds):
-        lo, hi = n * k // folds, n * (k + 1) // folds
-        train = list(steps[:lo]) + list(steps[hi:])
-        if not train or lo == hi:
+        train = [s for s, f in zip(steps, fold_of) if f != k]
+        test = [s for s, f in zip(steps, fold_of) if f == k]
+        if not train or not test:
             continue
-        errors.extend(relative_errors(fit_candidate(candidate, train), steps[lo:hi]))
+        errors.extend(relative_errors(fit_candidate(candidate, train), test))
     return errors
 
 
@@ -258,7 +273,7 @@ def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None, inpu
         raise ValueError(f"unknown model {model!r} (known: {', '.join(c.name for c in CANDIDATES)})")
     report = [
         f"{len(usable)} steps ({sum(1 for s in usable if s.prefill_tokens)} with prefill), batch 1..{max_batch}, "
-        f"{folds}-fold cross-validation over contiguous blocks",
+        f"{folds}-fold cross-validation over {BLOCKS_PER_FOLD} contiguous blocks a fold, dealt in turn",
     ]
     runs = decode_runs(usable)
     report += coverage(usable, max_num_batched_tokens, len(runs))
@@ -273,7 +288,7 @@ def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None, inpu
         report.append(f"  {form.name:17s} held-out: {summary(cv)}")
         # CANDIDATES go from fewer coefficients to more: one with more must beat the best so far
         # by PARSIMONY, else its extra points fit the folds' noise and extrapolate worse
-        if best is None or mean < (1.0 - PARSIMONY) * best[0]:
+        if best is None or mean < (1.0 - PARSIMONY) * best[0] - PARSIMONY_ABS:
             best = (mean, form)
     assert best is not None
     chosen = best[1]

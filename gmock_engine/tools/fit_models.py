@@ -110,27 +110,29 @@ def _table(steps: Sequence[Step]) -> Model:
 
 #: A point of the prefill table (prefill_points) needs this many steps whose
 #: prompt tokens are near it (from half to twice it).
-MIN_PREFILL_SUPPORT = 4
+MIN_PREFILL_SUPPORT = 8
 #: The prefill table's first point, in prompt tokens (from 0 ms at 0 tokens).
 FIRST_PREFILL_POINT = 32
 
 
 def prefill_points(steps: Sequence[Step]) -> Tuple[int, ...]:
-    """Prompt token counts 32, 64, 128, … that the steps support, and the
-    largest count when the steps reach well beyond the last of them: the
-    points of a table of what a step's prompt tokens add (a long prompt's
-    arithmetic grows faster than its tokens, on a GPU once it no longer
-    hides behind the weights' reading)."""
+    """The points of a table of what a step's prompt tokens add (a long
+    prompt's arithmetic grows faster than its tokens, on a GPU once it no
+    longer hides behind the weights' reading): token counts 32, 64, 128, …,
+    each kept when MIN_PREFILL_SUPPORT steps lie between the point kept
+    before it (or 0) and it, so that every segment of the table rests on
+    steps of its own; and the largest count when that many steps lie beyond
+    the last point and it is well beyond it."""
     tokens = sorted(s.prefill_tokens for s in steps if s.prefill_tokens)
     points: List[int] = []
     k = FIRST_PREFILL_POINT
-    while tokens and bisect_left(tokens, k) < len(tokens):
-        lo, hi = bisect_left(tokens, k // 2 + 1), bisect_right(tokens, k * 2)
-        if hi - lo >= MIN_PREFILL_SUPPORT:
+    while tokens and k < 2 * tokens[-1]:
+        lo = bisect_right(tokens, points[-1]) if points else 0
+        if bisect_right(tokens, k) - lo >= MIN_PREFILL_SUPPORT:
             points.append(k)
         k *= 2
-    beyond = len(tokens) - bisect_right(tokens, points[-1]) if points else 0
-    if points and beyond >= MIN_PREFILL_SUPPORT and tokens[-1] >= 1.25 * points[-1]:
+    beyond = len(tokens) - bisect_right(tokens, points[-1]) if points else len(tokens)
+    if tokens and beyond >= MIN_PREFILL_SUPPORT and (not points or tokens[-1] >= 1.25 * points[-1]):
         points.append(tokens[-1])
     return tuple(points)
 

@@ -20,14 +20,15 @@ from gmock_engine.tools.calibrate_plan import ladder, prompt_lengths, sweep
 def test_the_sweep_covers_every_batch_prompts_beyond_the_budget_mixed_steps_and_arrivals():
     phases = sweep(32, 2048, 8192)
     names = [p.name for p in phases]
-    assert names == ["batch c1", "batch c2", "batch c4", "batch c8", "batch c16", "batch c32", "prompt c1", "mixed c16", "poisson"]
-    for p in phases[:6]:
+    assert names == ["batch c1", "batch c2", "batch c3", "batch c4", "batch c6", "batch c8", "batch c12", "batch c16",
+                     "batch c24", "batch c32", "prompt c1", "mixed c32", "poisson"]
+    for p in phases[:10]:
         assert len(p.requests) >= p.concurrency and all(r.output >= 64 for r in p.requests), p
-    prompts = sorted({r.prompt for r in phases[6].requests})
+    prompts = sorted({r.prompt for r in phases[10].requests})
     assert prompts[0] <= 16 and 2047 in prompts and prompts[-1] > 2 * 2048, prompts  # chunked: 3 chunks
-    mixed = phases[7].requests
+    mixed = phases[11].requests
     assert min(r.prompt for r in mixed) < 64 and max(r.prompt for r in mixed) > 1024, "mixed: short and long prompts"
-    assert phases[8].rate is None and not phases[8].closed_loop  # its rate from the mixed phase's
+    assert phases[12].rate is None and not phases[12].closed_loop  # its rate from the mixed phase's
     assert all(r.prompt + r.output <= 8192 for p in phases for r in p.requests)
     # the same seed, the same sweep; another, other lengths
     assert sweep(32, 2048, 8192, seed=0) == phases and sweep(32, 2048, 8192, seed=1) != phases
@@ -36,9 +37,9 @@ def test_the_sweep_covers_every_batch_prompts_beyond_the_budget_mixed_steps_and_
 def test_a_short_model_len_caps_the_prompts_and_quick_is_small():
     phases = sweep(4, 2048, 1024, quick=True)
     assert all(r.prompt + r.output <= 1024 for p in phases for r in p.requests)
-    assert sum(len(p.requests) for p in phases) <= 30
-    assert max(r.prompt for r in phases[3].requests) == 1024 - 8  # as long as the engine takes
-    assert ladder(6) == [1, 2, 4, 6] and ladder(1) == [1]
+    assert sum(len(p.requests) for p in phases) <= 40
+    assert max(r.prompt for r in phases[-3].requests) == 1024 - 8  # as long as the engine takes
+    assert ladder(6) == [1, 2, 3, 4, 6] and ladder(1) == [1] and ladder(10) == [1, 2, 3, 4, 6, 8, 10]
     assert prompt_lengths(512, 10_000) == [16, 64, 256, 511, 768, 1280]
     with pytest.raises(ValueError):
         sweep(0, 2048, 1024)
