@@ -19,7 +19,9 @@ emulated GPU whose step function is outside the fit's model family.
    engine boundary), `boundary-profile.md` / `boundary-linear.md` (the
    reference's first run against the mock's, engine boundary),
    `compare-profile.md` / `compare-linear.md` (the client's figures and the
-   frontend's histograms, fidelity.py compare).
+   frontend's histograms, fidelity.py compare), and `verdict.md`: both mocks
+   against the reference's mean at the client and the engine boundary,
+   with the pipeline's goals (GOALS).
 """
 
 from __future__ import annotations
@@ -106,16 +108,75 @@ def tables(d: Path) -> None:
     """Step 3: the tables (module docstring)."""
     reference = str(d / "reference.json")
     with open(d / "twin.md", "w") as f, contextlib.redirect_stdout(f):
-        engine_boundary.twin(argparse.Namespace(a=reference, b=None, workload=[]))
+        if len(json.loads(Path(reference).read_text())["runs"]) >= 2:
+            engine_boundary.twin(argparse.Namespace(a=reference, b=None, workload=[]))
     for name in ("profile", "linear"):
         mock = str(d / f"mock-{name}.json")
         with open(d / f"boundary-{name}.md", "w") as f, contextlib.redirect_stdout(f):
             engine_boundary.twin(argparse.Namespace(a=reference, b=mock, workload=[]))
         with open(d / f"compare-{name}.md", "w") as f, contextlib.redirect_stdout(f):
             fidelity.compare(argparse.Namespace(real=reference, mock=mock, twin=[]))
+    (d / "verdict.md").write_text(verdict(d))
+    _say(f"{d / 'verdict.md'}: {(d / 'verdict.md').read_text().splitlines()[-1]}")
     for name in ("twin", "boundary-profile", "boundary-linear", "compare-profile", "compare-linear"):
         outside = [line for line in (d / f"{name}.md").read_text().splitlines() if line.startswith("Outside")]
         _say(f"{d / (name + '.md')}: {outside[0] if outside else 'no comparison'}")
+
+
+#: The pipeline's goals (the issue's): p50 and p90 within 3 %, p99 within 10 %, req/s within 3 %.
+GOALS = {"p50": 0.03, "p90": 0.03, "p99": 0.10, "req/s": 0.03}
+CLIENT = [(f"{m} {p}", f"{p}_{m.lower()}_ms", p) for m in ("TTFT", "ITL") for p in ("p50", "p90", "p99")] + \
+    [("req/s", "request_throughput", "req/s")]  # fmt: skip
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _cell(value: float, ref: float, goal: float) -> str:
+    err = (value - ref) / ref
+    mark = "" if abs(err) <= goal else "**"
+    return f"{value:.3g} ({mark}{err * 100:+.1f} %{mark})"
+
+
+def verdict(d: Path) -> str:
+    """`verdict.md`: per held-out workload and figure, the reference (the mean
+    of its runs, and its runs' spread), the mock with the fitted profile and
+    with the hand-set linear flags, each with its error, bold outside GOALS;
+    at the client (vllm bench serve) and at the engine boundary (the traces:
+    QUEUED -> first token, inter-token, req/s)."""
+    docs = {n: json.loads((d / f"{n}.json").read_text()) for n in ("reference", "mock-profile", "mock-linear")}
+    bounds = {n: engine_boundary.run_figures(str(d / f"{n}.json")) for n in docs}
+    lines = ["| workload | where | figure | reference (runs' spread) | profile (error) | hand-set linear (error) |",
+             "| --- | --- | --- | ---: | ---: | ---: |"]  # fmt: skip
+    met = {"profile": 0, "linear": 0}
+    total = 0
+    for name in docs["reference"]["runs"][0]["workloads"]:
+        rows = []
+        for label, key, goal in CLIENT:
+            ref = [r["workloads"][name][key] for r in docs["reference"]["runs"]]
+            mocks = [_mean([r["workloads"][name][key] for r in docs[n]["runs"]]) for n in ("mock-profile", "mock-linear")]
+            rows.append(("client", label, ref, mocks, GOALS[goal]))
+        for figure in ("ttft", "itl"):
+            for p in ("p50", "p90", "p99"):
+                ref = [engine_boundary.percentiles(r[name][figure])[p] for r in bounds["reference"]]
+                mocks = [_mean([engine_boundary.percentiles(r[name][figure])[p] for r in bounds[n]]) for n in ("mock-profile", "mock-linear")]
+                rows.append(("engine", f"{'QUEUED -> first token' if figure == 'ttft' else 'inter-token'} {p}", ref, mocks, GOALS[p]))
+        ref = [r[name]["throughput"] for r in bounds["reference"]]
+        mocks = [_mean([r[name]["throughput"] for r in bounds[n]]) for n in ("mock-profile", "mock-linear")]
+        rows.append(("engine", "req/s", ref, mocks, GOALS["req/s"]))
+        for where, label, ref, (profile, linear), goal in rows:
+            centre = _mean(ref)
+            spread = (max(ref) - min(ref)) / centre if len(ref) > 1 else 0.0
+            total += 1
+            met["profile"] += abs(profile - centre) <= goal * centre
+            met["linear"] += abs(linear - centre) <= goal * centre
+            lines.append(f"| {name} | {where} | {label} | {centre:.3g} ({spread * 100:.1f} %) | {_cell(profile, centre, goal)} "
+                         f"| {_cell(linear, centre, goal)} |")  # fmt: skip
+    lines.append("")
+    lines.append(f"Within the goals (p50/p90 ±3 %, p99 ±10 %, req/s ±3 % of the reference's mean): the fitted profile "
+                 f"{met['profile']} of {total}, the hand-set linear flags {met['linear']} of {total}.")  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str]) -> int:
