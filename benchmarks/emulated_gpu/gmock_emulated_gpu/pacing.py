@@ -16,7 +16,9 @@ The **cadence** is a GPU's with async scheduling: a step is timed from the
 end of the previous forward when that was less than one step ago, so the
 host's own work between forwards (scheduling, sampling, sending outputs)
 overlaps with the step, as it does with a GPU computing the next batch; an
-engine that was idle longer starts its step when its forward starts.
+engine that was idle longer, or whose step holds only prompts that begin
+there (its last requests had ended: it was idle, however briefly), starts
+its step when its forward starts.
 """
 
 from __future__ import annotations
@@ -52,6 +54,15 @@ class Batch:
     prefill_reqs: int = 0
     prefill_attention: float = 0.0
     context: int = 0
+    #: the prefilling requests whose chunk starts past position 0 (a later
+    #: chunk of a long prompt, or a prompt behind prefix-cache hits)
+    resumed: int = 0
+
+    @property
+    def fresh(self) -> bool:
+        """Whether every request begins here (prompts from their start, no
+        decode): the engine had nothing to compute before this step."""
+        return self.decodes == 0 and self.resumed == 0
 
     @property
     def batch(self) -> int:
@@ -65,7 +76,7 @@ def batch_from_lengths(query_lens: Sequence[int], seq_lens: Sequence[int]) -> Ba
     vLLM's attention metadata has them. A request computing one token of a
     sequence longer than one decodes (vLLM's decode threshold); the others
     compute a prompt chunk. Requests with no query (padding) are left out."""
-    b = dict(decodes=0, prefill_tokens=0, prefill_reqs=0, prefill_attention=0.0, context=0)
+    b = dict(decodes=0, prefill_tokens=0, prefill_reqs=0, prefill_attention=0.0, context=0, resumed=0)
     for q, s in zip(query_lens, seq_lens):
         q, s = int(q), int(s)
         if q <= 0:
@@ -77,6 +88,7 @@ def batch_from_lengths(query_lens: Sequence[int], seq_lens: Sequence[int]) -> Ba
             b["prefill_reqs"] += 1
             b["prefill_tokens"] += q
             b["prefill_attention"] += q * ((s - q) + q / 2.0)
+            b["resumed"] += s > q
     return Batch(**b)
 
 
@@ -145,8 +157,11 @@ class Pacer:
         ms = max(0.0, self.step_ms(batch))
         target = ms / 1000.0
         base = started
-        if self.last_end is not None and started - self.last_end < target:
-            base = self.last_end  # the host's work since the last forward overlaps this step
+        # the host's work since the last forward overlaps this step, unless nothing ran on the GPU before
+        # it: a step of fresh prompts only follows an idle engine (its last requests ended), and an idle
+        # GPU starts computing when the batch comes, however soon after the last forward that is
+        if self.last_end is not None and started - self.last_end < target and not batch.fresh:
+            base = self.last_end
         due = base + target
         now = self.clock()
         self.steps += 1
