@@ -90,15 +90,15 @@ def calibrate(d: Path, step_ms: str, scale: float, max_concurrency: int) -> int:
     return code
 
 
-def held_out(d: Path, step_ms: str, repeat: int, options: argparse.Namespace) -> None:
-    """Step 2: the held-out workloads on the reference and on both mocks."""
+def held_out(d: Path, step_ms: str, repeat: int, options: argparse.Namespace, targets: Sequence[str] = ("emulated", "mock")) -> None:
+    """Step 2: the held-out workloads on the reference and on both mocks (of `targets`)."""
     common = {"engine_core_nice": 0, "seed": options.seed, "reference_profile": None, "reference_step_ms": step_ms,
               "timeout": 600.0, "max_busy": options.max_busy, "max_wait": options.max_wait, "keep_logs": False,
               "set": options.set}  # fmt: skip
     runs = (("emulated", "reference.json", "reference{run}.jsonl", [BUDGET_ARG], repeat),
             ("mock", "mock-profile.json", "mock-profile{run}.jsonl", [BUDGET_ARG, f"--latency-profile={d / 'profile.ini'}"], 1),
             ("mock", "mock-linear.json", "mock-linear{run}.jsonl", [BUDGET_ARG, *LINEAR], 1))  # fmt: skip
-    for target, out, trace, engine_args, n in runs:
+    for target, out, trace, engine_args, n in [r for r in runs if r[0] in targets]:
         fidelity.run(argparse.Namespace(**common, target=target, out=str(d / out), trace=str(d / trace),
                                         engine_arg=list(engine_args), repeat=n,
                                         model_dir=str(d / "emulated-model") if target == "emulated" else None))  # fmt: skip
@@ -191,7 +191,8 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--max-busy", type=float, default=0.5, help="wait before each workload until fewer cores are busy")
     parser.add_argument("--max-wait", type=float, default=15.0, help="... but at most this many seconds")
     parser.add_argument("--skip-calibrate", action="store_true", help="reuse DIR's profile.ini")
-    parser.add_argument("--only", choices=("calibrate", "held", "tables"), help="one step only")
+    parser.add_argument("--only", choices=("calibrate", "held", "reference", "tables"),
+                        help="one step only (reference: the held-out runs of the reference only)")
     options = parser.parse_args(argv)
     d = Path(options.dir).resolve()
     d.mkdir(parents=True, exist_ok=True)
@@ -202,6 +203,8 @@ def main(argv: Sequence[str]) -> int:
             return code
     if options.only in (None, "held"):
         held_out(d, options.step_ms, options.repeat, options)
+    if options.only == "reference":
+        held_out(d, options.step_ms, options.repeat, options, targets=("emulated",))
     if options.only in (None, "tables"):
         tables(d)
     (d / "summary.json").write_text(json.dumps({"step_ms": options.step_ms, "set": options.set}, indent=1))
