@@ -22,7 +22,15 @@ by Huber's reweighting: fit_candidate):
   context the batch holds;
 * `table`: a step time per batch size, linear between points at 1, 2, 4, 8,
   … as far as the steps reach (the non-linear growth with the batch), plus
-  the four other terms.
+  the four other terms;
+* `table+prefill`: that, with the prompt tokens priced by a table over
+  their count (a long prefill that grows faster than its tokens);
+* `fine+prefill`: that, with a point of the batch table at every batch
+  size up to 32 the steps hold enough of (a step time that jumps).
+
+A candidate further down the list is chosen only when its held-out error
+is lower by PARSIMONY (and PARSIMONY_ABS) than the best one above it. The
+report begins with what the steps cover and lack (fit_coverage).
 
 The context term of the last two is not fitted with the others: its
 coefficient is the slope of the step time within runs of back-to-back

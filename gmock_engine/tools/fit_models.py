@@ -1,6 +1,6 @@
 """The candidate step-time models of the fit (tools/fit.py), and the
 numerics they share with it: the model forms (`linear`,
-`linear+attention`, `table`), non-negative least squares, a profile's
+`linear+attention`, `table`, `table+prefill`, `fine+prefill`), non-negative least squares, a profile's
 prediction of a recorded step, and quantiles. Pure.
 """
 
