@@ -9,6 +9,8 @@
 #                                 workers (default 2; 0: one process)
 #   ./run.sh bench [options]      the load driver (gmock-engine bench --help)
 #   ./run.sh record [options]     the record tap between a frontend and engine cores (docs/record.md)
+#   ./run.sh calibrate [options] the tap, recording a standard sweep sent through the frontend
+#                                 (docs/latency-profile.md, "Make it behave like my GPU")
 #   ./run.sh fit TRACE -o P.ini   a step-time profile from traces of the tap (docs/latency-profile.md)
 #   ./run.sh profile --system h100_sxm --model meta-llama/Llama-3.1-70B --tp 4 -o P.ini
 #                                 a GPU deployment's profile from AIConfigurator's tables (docs/gpu-profiles.md;

@@ -4,7 +4,8 @@
 program that starts the engine as a subprocess; `gmock-engine serve ...`
 (`./run.sh serve`) a real frontend and the engine behind it (tools/serve.py),
 plain Python that starts and watches processes; `gmock-engine record ...`
-(`./run.sh record`) the record tap (tools/record.py), plain pyzmq; `gmock-engine fit ...`
+(`./run.sh record`) the record tap (tools/record.py), plain pyzmq; `gmock-engine calibrate ...`
+(`./run.sh calibrate`) the tap under a standard sweep (tools/calibrate.py); `gmock-engine fit ...`
 (`./run.sh fit`) a step-time profile from its traces (tools/fit.py); `gmock-engine profile ...`
 (`./run.sh profile`) one from AIConfigurator's GPU tables (tools/gpu_profile.py). Everything else is the
 engine, which needs gevent's monkey-patching before anything else imports
@@ -29,6 +30,10 @@ def main() -> None:
         from gmock_engine.tools.record import main as record_main
 
         sys.exit(record_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["calibrate"]:
+        from gmock_engine.tools.calibrate import main as calibrate_main
+
+        sys.exit(calibrate_main(sys.argv[2:]))
     if sys.argv[1:2] == ["fit"]:
         from gmock_engine.tools.fit import main as fit_main
 

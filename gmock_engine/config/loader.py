@@ -43,10 +43,13 @@ SERVE_SECTION = "serve"
 RECORD_SECTION = "record"
 FIT_SECTION = "fit"
 PROFILE_SECTION = "profile"
+#: `./run.sh calibrate` (tools/calibrate.py): its sweep's and its tap's options.
+CALIBRATE_SECTION = "calibrate"
 #: The sections a config file may hold; each reader reads and checks its own
 #: (a latency profile's, latency_profile.SECTION, read by --latency-profile: a
 #: profile of `./run.sh profile` is also a config file, `--config P.ini`).
-CONFIG_SECTIONS = (CONFIG_SECTION, SERVE_SECTION, RECORD_SECTION, FIT_SECTION, PROFILE_SECTION, "latency-profile")
+CONFIG_SECTIONS = (CONFIG_SECTION, SERVE_SECTION, RECORD_SECTION, FIT_SECTION, PROFILE_SECTION, CALIBRATE_SECTION,
+                   "latency-profile")
 
 
 # -- the parser ----------------------------------------------------------------

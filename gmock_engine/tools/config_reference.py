@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 from typing import List
 
-from gmock_engine.config.loader import CONFIG_SECTION, ENV_PREFIX, FIT_SECTION, PROFILE_SECTION, RECORD_SECTION, SERVE_SECTION, build_parser, env_name, ini_text
+from gmock_engine.config.loader import CALIBRATE_SECTION, CONFIG_SECTION, ENV_PREFIX, FIT_SECTION, PROFILE_SECTION, RECORD_SECTION, SERVE_SECTION, build_parser, env_name, ini_text
 from gmock_engine.config.option import long_flag
 from gmock_engine.config.options import OPTIONS
+from gmock_engine.tools.calibrate import CALIBRATE_ENV_PREFIX, build_calibrate_parser
 from gmock_engine.tools.fit import FIT_ENV_PREFIX, build_fit_parser
 from gmock_engine.tools.gpu_profile import PROFILE_ENV_PREFIX, build_profile_parser
 from gmock_engine.tools.record_config import RECORD_ENV_PREFIX, build_record_parser
@@ -64,8 +65,8 @@ def reference_page() -> str:
         f"<!-- Generated from the parsers; do not edit. Regenerate: {REFERENCE_COMMAND} -->",
         "",
         "Every option of the engine (`./run.sh`, `python -m gmock_engine`) and of `./run.sh serve`, "
-        "`./run.sh record`, `./run.sh fit` and `./run.sh profile`, generated from their parsers (`gmock_engine/config/options.py`, "
-        "`gmock_engine/tools/serve_config.py`, `record.py`, `fit.py`, `gpu_profile.py`). "
+        "`./run.sh record`, `./run.sh calibrate`, `./run.sh fit` and `./run.sh profile`, generated from their parsers (`gmock_engine/config/options.py`, "
+        "`gmock_engine/tools/serve_config.py`, `record.py`, `calibrate.py`, `fit.py`, `gpu_profile.py`). "
         "Each option can be given on the command line, as its environment variable or as its key in "
         "the `--config` INI file. One precedence for all: "
         "**command line > environment > config file > default**. A boolean flag also has its "
@@ -89,6 +90,9 @@ def reference_page() -> str:
         ("`./run.sh serve`", build_serve_parser, SERVE_SECTION, SERVE_ENV_PREFIX,
          "Read once at start; every other argument of `./run.sh serve` is an engine option, passed through."),
         ("`./run.sh record`", build_record_parser, RECORD_SECTION, RECORD_ENV_PREFIX, "The record tap ([record](record.md))."),
+        ("`./run.sh calibrate`", build_calibrate_parser, CALIBRATE_SECTION, CALIBRATE_ENV_PREFIX,
+         "A standard sweep through a frontend while the record tap records it ([latency profile](latency-profile.md)); "
+         "the tap's options are `./run.sh record`'s."),
         ("`./run.sh fit TRACE...`", build_fit_parser, FIT_SECTION, FIT_ENV_PREFIX,
          "The fit of a latency profile ([latency profile](latency-profile.md)); the traces are arguments."),
         ("`./run.sh profile`", build_profile_parser, PROFILE_SECTION, PROFILE_ENV_PREFIX,

@@ -5,8 +5,8 @@ module fits, chooses and is the command.
 
 Reads the steps of a real engine from traces of the record tap (steps.py),
 fits candidate step-time models to them, picks the one that predicts best
-on held-out steps (k-fold cross-validation over contiguous blocks of steps,
-so that a fold is a stretch of time the model has not seen), prints every
+on held-out steps (k-fold cross-validation over contiguous blocks of steps
+dealt to the folds in turn, so that a fold is stretches of time the model has not seen), prints every
 candidate's error and the chosen one's residuals, and writes the chosen
 one as a profile the engine reads with `--latency-profile`
 (timing/profile.py; docs/latency-profile.md).
@@ -22,7 +22,15 @@ by Huber's reweighting: fit_candidate):
   context the batch holds;
 * `table`: a step time per batch size, linear between points at 1, 2, 4, 8,
   … as far as the steps reach (the non-linear growth with the batch), plus
-  the four other terms.
+  the four other terms;
+* `table+prefill`: that, with the prompt tokens priced by a table over
+  their count (a long prefill that grows faster than its tokens);
+* `fine+prefill`: that, with a point of the batch table at every batch
+  size up to 32 the steps hold enough of (a step time that jumps).
+
+A candidate further down the list is chosen only when its held-out error
+is lower by PARSIMONY (and PARSIMONY_ABS) than the best one above it. The
+report begins with what the steps cover and lack (fit_coverage).
 
 The context term of the last two is not fitted with the others: its
 coefficient is the slope of the step time within runs of back-to-back
@@ -61,6 +69,7 @@ from gmock_engine.timing.profile import STEADY, StepProfile, format_profile
 from gmock_engine.config.option import Group, Option, add_groups
 from gmock_engine.config.validators import choice, int_at_least, nonempty
 from gmock_engine.timing.trace import TraceFormatError, read_trace
+from gmock_engine.tools.fit_coverage import coverage
 from gmock_engine.tools.fit_models import (  # noqa: F401  (the candidates and numerics, also used as fit.X)
     CANDIDATES,
     MIN_STEP_MS,
@@ -109,6 +118,13 @@ def huber_weights(base: Sequence[float], residuals: Sequence[float]) -> Optional
         return None
     return [w if r <= threshold else w * threshold / r for w, r in zip(base, sizes)]
 
+
+#: How much lower (relative) a candidate's held-out mean error must be than
+#: the best simpler candidate's for the fit to choose it (fit).
+PARSIMONY = 0.02
+#: ... and by this much absolutely (a tenth of a percent): two forms that
+#: both hold the engine's steps exactly differ by rounding only.
+PARSIMONY_ABS = 0.001
 
 #: The fewest steps of a run (context_slope) that tell how the context weighs.
 MIN_RUN_STEPS = 8
@@ -214,17 +230,29 @@ def fit_candidate(candidate: Candidate, steps: Sequence[Step]) -> StepProfile:
     return model.profile(c)
 
 
+#: Contiguous blocks of steps per cross-validation fold (cross_validate).
+BLOCKS_PER_FOLD = 8
+
+
 def cross_validate(candidate: Candidate, steps: Sequence[Step], folds: int) -> List[float]:
-    """Relative errors of each step predicted by a fit on the other folds
-    (contiguous blocks of steps)."""
+    """Relative errors of each step predicted by a fit on the other folds.
+    The steps are cut into folds x BLOCKS_PER_FOLD contiguous blocks, dealt
+    to the folds in turn: each block is a stretch of time the model did not
+    see (the machine's drift), and every fold's training steps still hold
+    each stretch of a recording (a calibration sweep's phases come one
+    after the other: with one block a fold, the fold of the first phase
+    would hold out every step of a batch of one, which no training step
+    would then show)."""
     n = len(steps)
+    blocks = folds * BLOCKS_PER_FOLD
+    fold_of = [min(blocks - 1, i * blocks // n) % folds for i in range(n)]
     errors: List[float] = []
     for k in range(folds):
-        lo, hi = n * k // folds, n * (k + 1) // folds
-        train = list(steps[:lo]) + list(steps[hi:])
-        if not train or lo == hi:
+        train = [s for s, f in zip(steps, fold_of) if f != k]
+        test = [s for s, f in zip(steps, fold_of) if f == k]
+        if not train or not test:
             continue
-        errors.extend(relative_errors(fit_candidate(candidate, train), steps[lo:hi]))
+        errors.extend(relative_errors(fit_candidate(candidate, train), test))
     return errors
 
 
@@ -237,10 +265,13 @@ class FitResult:
     report: List[str]
 
 
-def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None, input_delays: Sequence[float] = ()) -> FitResult:
+def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None, input_delays: Sequence[float] = (),
+        max_num_batched_tokens: Optional[int] = None) -> FitResult:  # fmt: skip
     """Fit every candidate (or only `model`), choose by cross-validated mean
     relative error, and add the spread of the chosen one and the quantiles
-    of `input_delays` (ms)."""
+    of `input_delays` (ms). The report begins with what the steps cover and
+    lack (fit_coverage; `max_num_batched_tokens`: the recorded engine's
+    token budget, to tell chunked prefills)."""
     usable = _usable(steps)
     if len(usable) < max(10, folds * 2):
         raise ValueError(f"{len(usable)} usable steps: too few to fit (record a longer run)")
@@ -250,9 +281,10 @@ def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None, inpu
         raise ValueError(f"unknown model {model!r} (known: {', '.join(c.name for c in CANDIDATES)})")
     report = [
         f"{len(usable)} steps ({sum(1 for s in usable if s.prefill_tokens)} with prefill), batch 1..{max_batch}, "
-        f"{folds}-fold cross-validation over contiguous blocks",
+        f"{folds}-fold cross-validation over {BLOCKS_PER_FOLD} contiguous blocks a fold, dealt in turn",
     ]
     runs = decode_runs(usable)
+    report += coverage(usable, max_num_batched_tokens, len(runs))
     report.append(
         f"context held: {context_slope(usable):.4f} ms per 1000 tokens, from {len(runs)} runs of decode steps "
         f"({sum(len(r) for r in runs)} steps; within each the batch is the same and only the context grows)"
@@ -262,7 +294,9 @@ def fit(steps: Sequence[Step], folds: int = 5, model: Optional[str] = None, inpu
         cv = cross_validate(form, usable, folds)
         mean = sum(abs(e) for e in cv) / len(cv) if cv else math.inf
         report.append(f"  {form.name:17s} held-out: {summary(cv)}")
-        if best is None or mean < best[0]:
+        # CANDIDATES go from fewer coefficients to more: one with more must beat the best so far
+        # by PARSIMONY, else its extra points fit the folds' noise and extrapolate worse
+        if best is None or mean < (1.0 - PARSIMONY) * best[0] - PARSIMONY_ABS:
             best = (mean, form)
     assert best is not None
     chosen = best[1]
@@ -373,7 +407,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         steps.extend(found)
         delays.extend(input_delays_ms(records))
     try:
-        result = fit(steps, folds=args.folds, model=args.model, input_delays=delays)
+        result = fit(steps, folds=args.folds, model=args.model, input_delays=delays, max_num_batched_tokens=args.max_num_batched_tokens)
     except ValueError as exc:
         print(f"gmock-engine fit: {exc}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """The candidate step-time models of the fit (tools/fit.py), and the
 numerics they share with it: the model forms (`linear`,
-`linear+attention`, `table`), non-negative least squares, a profile's
+`linear+attention`, `table`, `table+prefill`, `fine+prefill`), non-negative least squares, a profile's
 prediction of a recorded step, and quantiles. Pure.
 """
 
@@ -108,6 +108,87 @@ def _table(steps: Sequence[Step]) -> Model:
     )
 
 
+#: A point of the prefill table (prefill_points) needs this many steps whose
+#: prompt tokens are near it (from half to twice it).
+MIN_PREFILL_SUPPORT = 8
+#: The prefill table's first point, in prompt tokens (from 0 ms at 0 tokens).
+FIRST_PREFILL_POINT = 32
+
+
+def prefill_points(steps: Sequence[Step]) -> Tuple[int, ...]:
+    """The points of a table of what a step's prompt tokens add (a long
+    prompt's arithmetic grows faster than its tokens, on a GPU once it no
+    longer hides behind the weights' reading): token counts 32, 64, 128, …,
+    each kept when MIN_PREFILL_SUPPORT steps lie between the point kept
+    before it (or 0) and it, so that every segment of the table rests on
+    steps of its own; and the largest count when that many steps lie beyond
+    the last point and it is well beyond it."""
+    tokens = sorted(s.prefill_tokens for s in steps if s.prefill_tokens)
+    points: List[int] = []
+    k = FIRST_PREFILL_POINT
+    while tokens and k < 2 * tokens[-1]:
+        lo = bisect_right(tokens, points[-1]) if points else 0
+        if bisect_right(tokens, k) - lo >= MIN_PREFILL_SUPPORT:
+            points.append(k)
+        k *= 2
+    beyond = len(tokens) - bisect_right(tokens, points[-1]) if points else len(tokens)
+    if tokens and beyond >= MIN_PREFILL_SUPPORT and (not points or tokens[-1] >= 1.25 * points[-1]):
+        points.append(tokens[-1])
+    return tuple(points)
+
+
+def _prefill_hats(points: Sequence[int], tokens: int) -> List[float]:
+    """Weights of the prefill table's points for `tokens` prompt tokens (0 ms
+    at 0 tokens, linear between points, the last segment extended beyond the
+    last point: StepProfile.prefill_tokens_ms)."""
+    if not tokens or not points:
+        return [0.0] * len(points)
+    return _hats((0,) + tuple(points), tokens)[1:]
+
+
+#: The fine table keeps every batch size up to this one that the steps support, doubling beyond.
+FINE_UP_TO = 32
+
+
+def fine_points(steps: Sequence[Step]) -> Tuple[int, ...]:
+    """Every batch size up to FINE_UP_TO with MIN_POINT_SUPPORT steps of
+    exactly that size (1 and 2 always), then table_points' doubling: a
+    step's time may jump between two batch sizes (a GPU kernel's tile, a
+    CUDA graph's size), which points 8 and 16 apart smooth over."""
+    counts: dict = {}
+    for s in steps:
+        counts[s.batch] = counts.get(s.batch, 0) + 1
+    points = [b for b in sorted(counts) if b <= FINE_UP_TO and counts[b] >= MIN_POINT_SUPPORT and b > 2]
+    points = [1, 2] + points
+    points += [b for b in table_points(steps) if b > points[-1]]
+    return tuple(points)
+
+
+def _tables(batch_points: Callable[[Sequence[Step]], Tuple[int, ...]]) -> Callable[[Sequence[Step]], Model]:
+    """A form with a table over the batch at `batch_points` and a table over
+    the prompt tokens (prefill_points), plus attention, prefilling requests
+    and context."""
+
+    def make(steps: Sequence[Step]) -> Model:
+        knots, pknots = batch_points(steps), prefill_points(steps)
+        n, m = len(knots), len(pknots)
+        return Model(
+            lambda s: _hats(knots, s.batch) + _prefill_hats(pknots, s.prefill_tokens) + _terms(s)[1:],
+            lambda c: StepProfile(
+                batch=knots,
+                step_ms=tuple(c[:n]),
+                prefill_tokens=pknots,
+                prefill_ms=tuple(c[n : n + m]),
+                prefill_attention_ms=c[n + m],
+                prefill_ms_per_request=c[n + m + 1],
+                context_ms_per_ktoken=c[n + m + 2],
+            ),
+            context=n + m + 2,
+        )
+
+    return make
+
+
 CANDIDATES = (
     Candidate("linear", lambda _: Model(lambda s: [1.0, float(s.batch), float(s.prefill_tokens)], _linear)),
     Candidate(
@@ -115,6 +196,8 @@ CANDIDATES = (
         lambda _: Model(lambda s: [1.0, float(s.batch)] + _terms(s), lambda c: _linear(c, c[3], c[5], c[4]), context=5),
     ),
     Candidate("table", _table),
+    Candidate("table+prefill", _tables(table_points)),
+    Candidate("fine+prefill", _tables(fine_points)),
 )
 
 

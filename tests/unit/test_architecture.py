@@ -69,6 +69,9 @@ PURE = [
     "core.grammar_wait",
     "tools.fit_models",
     "tools.fit_spread",
+    "tools.fit_coverage",
+    "tools.calibrate_plan",
+    "tools.calibrate",
 ]
 
 #: The folders, bottom first (docs/architecture.md#folders): each imports only those before it.

@@ -32,6 +32,7 @@ def test_the_batch_is_read_from_query_and_sequence_lengths_as_the_mock_counts_it
     assert (b.decodes, b.prefill_reqs, b.prefill_tokens, b.batch) == (2, 2, 576, 4)
     assert b.prefill_attention == 64 * (0 + 32) + 512 * (512 + 256)
     assert b.context == 70 + 300 + 64 + 1024
+    assert (b.chunk_starts, b.chunk_ends) == ((0, 512), (64, 1024))
     # a one-token prompt computes a prompt, not a decode
     assert pacing.batch_from_lengths([1], [1]) == pacing.Batch(prefill_reqs=1, prefill_tokens=1, prefill_attention=0.5, context=1)
 
@@ -83,6 +84,25 @@ def test_the_cadence_times_a_step_from_the_last_forward_end_when_that_was_less_t
     # back to back: every 10 ms, the host's 3-4 ms inside the step; after 25 ms idle: from the forward's start
     assert ends == [10.0, 20.0, 30.0, 65.0, 75.0]
     assert pacer.steps == 5 and pacer.overruns == 0
+
+
+def test_a_step_that_goes_on_with_nothing_after_a_short_idle_spell_starts_with_its_forward():
+    clock = Clock()
+    pacer = pacing.Pacer(lambda b: 10.0, clock, clock.sleep)  # 10 ms steps
+    ends = []
+    # a decode; 4 ms later (its request ended, the next one came) a fresh prompt, its first 512 tokens;
+    # 2 ms later the prompt's second chunk; 3 ms later its first decode; it ends, and 4 ms later a
+    # prompt behind 256 tokens of prefix-cache hits
+    for host_ms, lengths in ((0.0, ([1], [70])), (4.0, ([512], [512])), (2.0, ([512], [1024])),
+                             (3.0, ([1], [1025])), (4.0, ([64], [320]))):  # fmt: skip
+        clock.now += host_ms / 1000
+        started = clock.now
+        clock.now += 0.001
+        pacer.pace(pacing.batch_from_lengths(*lengths), started)
+        ends.append(round((clock.now - 100.0) * 1000, 6))
+    # the fresh prompt's step and the cached one's: 10 ms from their forwards (14 -> 24, 48 -> 58),
+    # not from the last forward's end (-> 20, -> 54); the second chunk and the decode: back to back
+    assert ends == [10.0, 24.0, 34.0, 44.0, 58.0]
 
 
 def test_a_forward_longer_than_its_step_is_counted_and_not_slept():

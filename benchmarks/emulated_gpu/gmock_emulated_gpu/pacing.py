@@ -16,7 +16,9 @@ The **cadence** is a GPU's with async scheduling: a step is timed from the
 end of the previous forward when that was less than one step ago, so the
 host's own work between forwards (scheduling, sampling, sending outputs)
 overlaps with the step, as it does with a GPU computing the next batch; an
-engine that was idle longer starts its step when its forward starts.
+engine that was idle longer, or whose step neither decodes nor goes on
+with a prompt chunk of the step before (its last requests had ended: it
+was idle, however briefly), starts its step when its forward starts.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 #: The names a step expression may use: the batch's figures (Batch), and
 #: these functions.
@@ -52,6 +54,11 @@ class Batch:
     prefill_reqs: int = 0
     prefill_attention: float = 0.0
     context: int = 0
+    #: the positions the step's prompt chunks start at and end at (a later
+    #: chunk of a long prompt starts where the one before it ended; a prompt
+    #: behind prefix-cache hits starts past 0 too, after no chunk of its own)
+    chunk_starts: Tuple[int, ...] = field(default=(), compare=False)
+    chunk_ends: Tuple[int, ...] = field(default=(), compare=False)
 
     @property
     def batch(self) -> int:
@@ -66,6 +73,8 @@ def batch_from_lengths(query_lens: Sequence[int], seq_lens: Sequence[int]) -> Ba
     sequence longer than one decodes (vLLM's decode threshold); the others
     compute a prompt chunk. Requests with no query (padding) are left out."""
     b = dict(decodes=0, prefill_tokens=0, prefill_reqs=0, prefill_attention=0.0, context=0)
+    starts: List[int] = []
+    ends: List[int] = []
     for q, s in zip(query_lens, seq_lens):
         q, s = int(q), int(s)
         if q <= 0:
@@ -77,7 +86,9 @@ def batch_from_lengths(query_lens: Sequence[int], seq_lens: Sequence[int]) -> Ba
             b["prefill_reqs"] += 1
             b["prefill_tokens"] += q
             b["prefill_attention"] += q * ((s - q) + q / 2.0)
-    return Batch(**b)
+            starts.append(s - q)
+            ends.append(s)
+    return Batch(**b, chunk_starts=tuple(starts), chunk_ends=tuple(ends))
 
 
 def expression_step(text: str) -> Callable[[Batch], float]:
@@ -135,9 +146,17 @@ class Pacer:
                  sleep: Callable[[float], None] = time.sleep) -> None:  # fmt: skip
         self.step_ms, self.clock, self.sleep = step_ms, clock, sleep
         self.last_end: Optional[float] = None
+        #: where the last step's prompt chunks ended: a chunk starting there goes on with one
+        self.last_chunk_ends: Set[int] = set()
         self.steps = 0
         self.overruns = 0
         self.overrun_ms = 0.0
+
+    def continues(self, batch: Batch) -> bool:
+        """Whether `batch` goes on with the last step's work (a decode, or a
+        prompt chunk starting where one of the last step's ended), rather
+        than beginning on an engine whose requests had all ended."""
+        return batch.decodes > 0 or any(p > 0 and p in self.last_chunk_ends for p in batch.chunk_starts)
 
     def pace(self, batch: Batch, started: float) -> float:
         """Sleep until the end of the step whose forward began at `started`
@@ -145,8 +164,13 @@ class Pacer:
         ms = max(0.0, self.step_ms(batch))
         target = ms / 1000.0
         base = started
-        if self.last_end is not None and started - self.last_end < target:
-            base = self.last_end  # the host's work since the last forward overlaps this step
+        # the host's work since the last forward overlaps this step, unless nothing ran on the GPU before
+        # it: a step that neither decodes nor goes on with a prompt chunk of the last step follows an idle
+        # engine (its last requests had ended), and an idle GPU starts computing when the batch comes,
+        # however soon after the last forward that is
+        if self.last_end is not None and started - self.last_end < target and self.continues(batch):
+            base = self.last_end
+        self.last_chunk_ends = set(batch.chunk_ends)
         due = base + target
         now = self.clock()
         self.steps += 1
