@@ -58,7 +58,7 @@ def test_the_config_file_may_also_come_from_gmock_config(tmp_path, env):
         (["--served-model-name", " "], {}, None, r"argument --served-model-name: must not be empty"),
         (["--api-server-count", "2"], {}, None, r"argument --api-server-count: only the Python frontend has API servers \(from command line\)"),
         ([], {}, "[serve]\nitl-ms = 5\n", r"unknown key 'itl-ms' in \[serve\] \(the engine's options go in \[gmock_engine\]\)"),
-        ([], {}, "[serve]\nport = 1\n[frontend]\nx = 1\n", r"unknown section \[frontend\]; only \[gmock_engine\], \[serve\], \[record\], \[fit\], \[profile\] and \[latency-profile\] are read"),
+        ([], {}, "[serve]\nport = 1\n[frontend]\nx = 1\n", r"unknown section \[frontend\]; only \[gmock_engine\], \[serve\], \[record\], \[fit\], \[profile\], \[calibrate\] and \[latency-profile\] are read"),
     ],
 )
 def test_bad_serve_values_name_flag_and_source(tmp_path, env, argv, extra_env, body, pattern):
