@@ -13,6 +13,7 @@ socket, threading or time-related modules (STYLE.md pitfall 1): it is the
 first thing the engine path does.
 """
 
+import os
 import sys
 
 
@@ -49,8 +50,25 @@ def main() -> None:
 
     from gmock_engine.runtime.cli import main as engine_main
 
-    sys.exit(engine_main())
+    end(engine_main())
 
+
+def end(status: int) -> None:
+    """Exit the engine's process with `status`, its ordered shutdown done.
+    With a thread still inside llguidance (runtime/grammar_pool.py: a job past
+    the shutdown's bound) the interpreter's teardown would end that thread
+    with pthread_exit, whose unwind through Rust frames crashes the process:
+    then the logs are flushed and the process ends without the teardown."""
+    from gmock_engine.runtime import grammar_pool
+
+    if grammar_pool.busy():
+        from loguru import logger
+
+        logger.complete()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
 
 if __name__ == "__main__":
     main()

@@ -36,7 +36,7 @@ import zmq.green as zmq
 from loguru import logger
 
 from gmock_engine.faults import specs as faults
-from gmock_engine.runtime import engine_life, frontend_hint, frontend_link, kv_publisher
+from gmock_engine.runtime import engine_life, frontend_hint, frontend_link, grammar_pool, kv_publisher
 from gmock_engine.utils import logs
 from gmock_engine.config import reload
 from gmock_engine.config.settings import Settings, from_config
@@ -44,6 +44,11 @@ from gmock_engine.wire.eras import Wire
 from gmock_engine.config.reload import Reconfiguration
 from gmock_engine.runtime.runner import KILL_TIMEOUT_S, EngineRunner
 from gmock_engine.runtime.supervisor import Supervisor
+
+#: How long the ordered shutdown waits for a structured answer still being
+#: made in the grammar pool's thread (the warm-up of a large vocabulary, a
+#: compile within --grammar-timeout-ms).
+GRAMMAR_SETTLE_S = 5.0
 
 #: How often freed heap memory is handed back to the OS (glibc malloc_trim).
 HEAP_TRIM_INTERVAL_S = 60.0
@@ -144,6 +149,8 @@ class App:
         # Everything is closed with a bounded linger, so term() returns.
         self.supervisor.group.kill(block=True, timeout=KILL_TIMEOUT_S)
         self.ctx.term()
+        if not grammar_pool.settle(GRAMMAR_SETTLE_S):
+            logger.warning("a structured answer is still being made in a thread after {:g} s; the process ends without waiting for it", GRAMMAR_SETTLE_S)
         return 1 if self.supervisor.failure else 0
 
     def _on_crash(self, runner: EngineRunner) -> None:

@@ -62,6 +62,29 @@ def warm(tokenizer_path: str) -> None:
     thread_pool().spawn(build)
 
 
+def settle(timeout_s: float) -> bool:
+    """The last step of an ordered shutdown: wait up to `timeout_s` for the
+    pool's jobs to end, then let its idle threads go. True when no thread is
+    left inside llguidance (`busy` says the same afterwards)."""
+    if _pool is None:
+        return True
+    with gevent.Timeout(timeout_s, False):
+        _pool.join()
+    if busy():
+        return False
+    _pool.kill()
+    return True
+
+
+def busy() -> bool:
+    """A job (a structured answer, the warm-up) still runs in a native thread.
+    Python's teardown must not run then: it ends such a thread with
+    pthread_exit, whose forced unwind through llguidance's Rust frames
+    crashes the process (SIGSEGV after the last log line). __main__ ends the
+    process without the teardown instead."""
+    return _pool is not None and len(_pool) > 0
+
+
 class ThreadedExecutor(GrammarExecutor):
     """Jobs of one engine in the process's thread pool; each outcome
     delivered to that engine's stepper as an input."""

@@ -57,3 +57,14 @@ def test_past_the_limit_the_timed_out_outcome_comes_instead():
     assert len(delivered) == 1 and delivered[0].timed_out and delivered[0].request_id == "b"
     gevent.sleep(0.6)  # the job ends in its thread meanwhile: nothing more is delivered
     assert len(delivered) == 1
+
+
+def test_settle_waits_for_a_running_job_within_its_bound_then_lets_the_threads_go():
+    """The shutdown's last step: a job still running past the bound leaves the
+    pool busy (so __main__ ends the process without the teardown that would
+    end that thread with pthread_exit); within the bound, the threads go."""
+    grammar_pool.thread_pool().spawn(native_sleep, 0.5)
+    assert grammar_pool.busy()
+    assert grammar_pool.settle(0.05) is False and grammar_pool.busy()
+    assert grammar_pool.settle(5) is True
+    assert not grammar_pool.busy() and grammar_pool.thread_pool().size == 0
