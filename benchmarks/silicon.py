@@ -72,10 +72,10 @@ def profile_index(folder: str = PROFILES) -> Dict[Tuple[str, str, int, str], str
         path = os.path.join(folder, name)
         with open(path, encoding="utf-8") as f:
             first = f.readline()
-        # "# MODEL on SYSTEM, TP n, PRECISION: ..."
+        # "# MODEL on SYSTEM, TP n, PRECISION[, KV cache DTYPE]: ..."
         head = first[2:].split(":", 1)[0]
         model, rest = head.split(" on ", 1)
-        system, tp, precision = [part.strip() for part in rest.split(",")]
+        system, tp, precision = [part.strip() for part in rest.split(",")[:3]]
         index[(model, system, int(tp.split()[1]), precision)] = path
     return index
 

@@ -67,6 +67,23 @@ GIB = 1 << 30
 #: Precisions: gemm / kv-cache quant modes of AIConfigurator (None: the checkpoint's own, as
 #: its config.json says: bf16 for most, MXFP4 experts for gpt-oss).
 PRECISIONS = {"bf16": ("bfloat16", None), "native": (None, None), "fp8": ("fp8", "fp8"), "fp4": ("nvfp4", "fp8")}
+#: --kv-cache-dtype (vLLM's `--kv-cache-dtype`): AIConfigurator's kv-cache quant mode
+#: (auto: the precision's, as PRECISIONS says).
+KV_CACHE_DTYPES = {"bf16": "bfloat16", "fp8": "fp8"}
+
+
+def kv_quant(precision: str, kv_cache_dtype: str = "auto") -> Optional[str]:
+    """AIConfigurator's kv-cache quant mode for the deployment: the
+    precision's unless `kv_cache_dtype` names one (a deployment that keeps
+    a bf16 checkpoint's KV cache in fp8, as vLLM's `--kv-cache-dtype fp8`)."""
+    if kv_cache_dtype == "auto":
+        return PRECISIONS[precision][1]
+    return KV_CACHE_DTYPES[kv_cache_dtype]
+
+
+def kv_bytes(kv: Optional[str]) -> int:
+    """Bytes of one cached K or V element in kv-cache quant mode `kv` (None: bf16)."""
+    return 1 if kv in ("fp8", "int8") else 2
 #: Where the tables stop asking: a context (per request) past the longest
 #: the fit uses for the decode slope, and the prefill positions.
 CONTEXTS = (128, 4096)
@@ -187,7 +204,8 @@ def _short_fallback(note: str) -> str:
     return note.split(". ")[0]
 
 
-def compile_engine(system: str, model: str, tp: int, precision: str, backend_version: Optional[str], scratch: str):
+def compile_engine(system: str, model: str, tp: int, precision: str, backend_version: Optional[str], scratch: str,
+                   kv_cache_dtype: str = "auto"):
     """AIConfigurator's compiled engine for the deployment, and the Deployment."""
     engine = _aic()
     known = systems()
@@ -201,7 +219,8 @@ def compile_engine(system: str, model: str, tp: int, precision: str, backend_ver
     if precision not in PRECISIONS:
         raise ProfileToolError(f"--precision {precision}: one of {', '.join(PRECISIONS)}")
     path = resolve_model(model, scratch)
-    gemm, kv = PRECISIONS[precision]
+    gemm = PRECISIONS[precision][0]
+    kv = kv_quant(precision, kv_cache_dtype)
     notes = _Fallbacks()
     root = logging.getLogger("aiconfigurator_core")
     root.addHandler(notes)
@@ -247,7 +266,8 @@ def gpu_memory(system: str) -> int:
     return int(_system_spec(system)["gpu"]["mem_capacity"])
 
 
-def memory_budget(system: str, model_path: str, tp: int, precision: str, batched_tokens: int) -> Dict[str, float]:
+def memory_budget(system: str, model_path: str, tp: int, precision: str, batched_tokens: int,
+                  kv_cache_dtype: str = "auto") -> Dict[str, float]:
     """Bytes per TP rank: the weights, the activations of a step of
     `batched_tokens`, the communication buffers, and the KV cache's share
     (what vLLM's profiling run leaves of gpu_memory_utilization); and the KV
@@ -255,7 +275,8 @@ def memory_budget(system: str, model_path: str, tp: int, precision: str, batched
     from aiconfigurator_core.sdk.config_builders import build_model_config
     from aiconfigurator_core.sdk.models import get_model
 
-    gemm, kv = PRECISIONS[precision]
+    gemm = PRECISIONS[precision][0]
+    kv = kv_quant(precision, kv_cache_dtype)
     model = get_model(model_path, build_model_config(tp, 1, 1, tp, 1, gemm_quant_mode=gemm, kvcache_quant_mode=kv, moe_quant_mode=gemm), "vllm")
     weights = float(sum(op.get_weights() for op in model.context_ops))
     hidden = model._num_heads * model._head_size
@@ -270,8 +291,7 @@ def memory_budget(system: str, model_path: str, tp: int, precision: str, batched
     heads = int(raw.get("num_attention_heads"))
     kv_heads = int(raw.get("num_key_value_heads") or heads)
     head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // heads)
-    kv_byte = 1 if kv else 2
-    kv_per_token = 2.0 * max(1, kv_heads // tp) * head_dim * layers * kv_byte
+    kv_per_token = 2.0 * max(1, kv_heads // tp) * head_dim * layers * kv_bytes(kv)
     total = GPU_MEMORY_UTILIZATION * gpu_memory(system)
     return {
         "weights": weights,
@@ -412,16 +432,16 @@ def engine_section(dep: Deployment, budget: Dict[str, float], limits: Tuple[int,
 
 
 def build(system: str, model: str, tp: int, precision: str, backend_version: Optional[str], path: str,
-          moe_prefill_scale: float = 1.0) -> str:
+          moe_prefill_scale: float = 1.0, kv_cache_dtype: str = "auto") -> str:
     """The profile file's text for the deployment (ProfileToolError: what the tables cannot serve)."""
     if tp not in (1, 2, 4, 8):
         raise ProfileToolError(f"--tp {tp}: the tables serve TP 1, 2, 4 or 8 (one node)")
     scratch = tempfile.mkdtemp(prefix="gmock-profile-")
     try:
-        handle, dep = compile_engine(system, model, tp, precision, backend_version, scratch)
+        handle, dep = compile_engine(system, model, tp, precision, backend_version, scratch, kv_cache_dtype)
         limits = vllm_limits(system)
         profile, fit_lines = tabulate(handle, limits[1], limits[0], moe_prefill_scale)
-        budget = memory_budget(system, resolve_model(model, scratch), tp, precision, limits[0])
+        budget = memory_budget(system, resolve_model(model, scratch), tp, precision, limits[0], kv_cache_dtype)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if budget["kv_cache"] <= budget["kv_per_token"] * BLOCK_SIZE:
@@ -434,10 +454,12 @@ def build(system: str, model: str, tp: int, precision: str, backend_version: Opt
     version = getattr(aiconfigurator_core, "__version__", None) or _dist_version()
     model_name = os.path.basename(model) if os.path.isfile(model) else model
     header = [
-        f"{model_name} on {dep.system}, TP {tp}, {precision}: vLLM {dep.backend_version} tables of AIConfigurator core {version}",
+        f"{model_name} on {dep.system}, TP {tp}, {precision}"
+        + (f", KV cache {kv_cache_dtype}" if kv_cache_dtype != "auto" else "") + f": vLLM {dep.backend_version} tables of AIConfigurator core {version}",
         f"written by: ./run.sh profile --system {system} --model {model} --tp {tp} --precision {precision}"
         + (f" --backend-version {backend_version}" if backend_version else "")
-        + (f" --moe-prefill-scale {moe_prefill_scale:g}" if moe_prefill_scale != 1.0 else "") + f" -o {path}",
+        + (f" --moe-prefill-scale {moe_prefill_scale:g}" if moe_prefill_scale != 1.0 else "")
+        + (f" --kv-cache-dtype {kv_cache_dtype}" if kv_cache_dtype != "auto" else "") + f" -o {path}",
         "Serve as that deployment: ./run.sh serve --config THIS_FILE (docs/gpu-profiles.md)",
         *fit_lines,
     ]
@@ -474,6 +496,9 @@ GROUPS = (
             Option("--moe-prefill-scale", "the MoE experts' time in prompt chunks times this (1: the tables' kernel; "
                    "docs/gpu-profiles.md: Hopper's Marlin MXFP4 experts, which the tables do not measure)",
                    default=1.0, type=float_in(0.1, 10.0)),  # fmt: skip
+            Option("--kv-cache-dtype", "the KV cache's element type, as vLLM's --kv-cache-dtype (auto: the precision's: "
+                   "fp8 with fp8 and fp4 weights, else bf16): the attention's tables and the KV blocks' bytes",
+                   default="auto", type=choice(("auto", *KV_CACHE_DTYPES))),  # fmt: skip
             Option("--output", "the profile file to write", default="profile.ini", type=nonempty, aliases=("-o",)),
         ),
     ),
@@ -509,7 +534,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.getLogger("aiconfigurator_core").setLevel(logging.WARNING)
     logging.getLogger("aiconfigurator_core").propagate = False
     try:
-        text = build(args.system, args.model, args.tp, args.precision, args.backend_version, args.output, args.moe_prefill_scale)
+        text = build(args.system, args.model, args.tp, args.precision, args.backend_version, args.output, args.moe_prefill_scale,
+                     args.kv_cache_dtype)
     except ProfileToolError as exc:
         print(f"gmock-engine profile: {exc}", file=sys.stderr)
         return 2
