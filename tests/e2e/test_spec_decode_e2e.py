@@ -3,8 +3,9 @@ through the real frontends (DP 1).
 
 Concurrent streaming completions end with exactly their max_tokens; each
 chunk's `usage.completion_tokens` (continuous_usage_stats) tells how many
-tokens the engine's output for that step held, whose mean must be 1 + the
-expected accepted drafts (Σ_i Π_{j≤i} rate_j = 1.472). The frontend's
+tokens the engine's output for that step held (or, where the API server fell
+behind and merged outputs, several steps'); the engine's mean tokens a step
+must be 1 + the expected accepted drafts (Σ_i Π_{j≤i} rate_j = 1.472). The frontend's
 `vllm:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`,
 `..._num_accepted_tokens_total` and `..._num_accepted_tokens_per_pos_total`
 must equal the engine's own counts (its --metrics-port `gmock_spec_decode*`),
@@ -118,15 +119,21 @@ def test_streams_and_spec_decode_metrics(stack):
         t.join(120)
     assert not errors, errors
     assert sum(steps) == STREAMS * MAX_TOKENS, "continuous usage stats do not add up to the tokens"
-    assert max(steps) <= 1 + len(RATES)
-    mean = sum(steps) / len(steps)
-    assert abs(mean - EXPECTED_TOKENS_PER_STEP) < 0.2, f"mean tokens per step {mean:.3f} (expected {EXPECTED_TOKENS_PER_STEP:.3f})"
+    # A chunk holds one step's tokens, 1 + the accepted drafts, unless the API
+    # server fell behind: vLLM's RequestOutputCollector then merges a
+    # request's outputs into one (vllm/v1/engine/output_processor.py), rare
+    # unless the machine is loaded. The per-step figures are the engine's.
+    merged = sum(1 for s in steps if s > 1 + len(RATES))
+    assert merged <= 0.05 * len(steps), f"{merged} of {len(steps)} chunks hold more than {1 + len(RATES)} tokens"
 
     engine = _engine_counts(stack)
     assert 0 < engine["num_drafts"] < engine["num_draft_tokens"] <= len(RATES) * engine["num_drafts"]
     # every token beyond the first of each step is an accepted draft
-    assert engine["num_accepted_tokens"] == STREAMS * MAX_TOKENS - len(steps)
-    assert engine["per_pos"][0] == sum(1 for s in steps if s > 1)
+    engine_steps = STREAMS * MAX_TOKENS - engine["num_accepted_tokens"]
+    mean = STREAMS * MAX_TOKENS / engine_steps
+    assert abs(mean - EXPECTED_TOKENS_PER_STEP) < 0.2, f"mean tokens per step {mean:.3f} (expected {EXPECTED_TOKENS_PER_STEP:.3f})"
+    # each chunk holds one step or (merged) several
+    assert len(steps) <= engine_steps <= 1.05 * len(steps), (len(steps), engine_steps)
     frontend: dict = {}
 
     def caught_up() -> bool:
