@@ -523,7 +523,7 @@ GROUPS = (
                    "fp8 with fp8 and fp4 weights, else bf16): the attention's tables and the KV blocks' bytes",
                    default="auto", type=choice(("auto", *KV_CACHE_DTYPES))),  # fmt: skip
             Option("--decode-comm-scale", "the decode steps' tensor-parallel communication (all-reduces, MoE dispatch) "
-                   "times this (1: the tables'; docs/gpu-profiles.md: small all-reduces, chosen on the H100 rows)",
+                   "times this (1: the tables', as in every shipped profile; docs/gpu-profiles.md: why 2, chosen on H100, is not shipped)",
                    default=1.0, type=float_in(0.1, 10.0)),  # fmt: skip
             Option("--output", "the profile file to write", default="profile.ini", type=nonempty, aliases=("-o",)),
         ),
