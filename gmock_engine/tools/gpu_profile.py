@@ -49,6 +49,7 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -324,11 +325,21 @@ def moe_prefill_ms(handle, tokens: int) -> float:
     return sum(op[1] for op in shared if op[0] == "context_moe")
 
 
-def tabulate(handle, max_num_seqs: int, max_num_batched_tokens: int, moe_prefill_scale: float = 1.0) -> Tuple[StepProfile, List[str]]:
+def comm_ms(handle, prompt_tokens: int, decodes: int) -> float:
+    """A step's tensor-parallel communication, ms: AIConfigurator's
+    all-reduces (`*_ar`, `*_ar_N`) and a MoE layer's dispatch (`*_dispatch`),
+    in a step of `prompt_tokens` and `decodes`; 0 at TP 1."""
+    shared = handle.mixed_step_breakdown_per_op(prompt_tokens, decodes, max(prompt_tokens, 1024), 2)[0]
+    return sum(op[1] for op in shared if re.search(r"_ar(_\d+)?$|_dispatch$", op[0]))
+
+
+def tabulate(handle, max_num_seqs: int, max_num_batched_tokens: int, moe_prefill_scale: float = 1.0,
+             decode_comm_scale: float = 1.0) -> Tuple[StepProfile, List[str]]:
     """The profile fitted to the engine's estimates, and the header lines
     with its error against them and against mixed steps; with a
     `moe_prefill_scale` other than 1, the prompt chunks' MoE experts times
-    it (after the errors are taken: they are the fit's)."""
+    it, with a `decode_comm_scale`, the decode steps' communication (after
+    the errors are taken: they are the fit's)."""
     lo, hi = CONTEXTS
     batches = [1]
     while batches[-1] * 2 <= max_num_seqs:
@@ -406,6 +417,11 @@ def tabulate(handle, max_num_seqs: int, max_num_batched_tokens: int, moe_prefill
         added = dict(zip(table_tokens, (scaled[i] - table_ms[i] for i in range(len(scaled)))))
         lines.append(f"prompt chunks' MoE experts (context_moe) x {moe_prefill_scale:g} (--moe-prefill-scale): "
                      + ", ".join(f"{added[n]:+.1f} ms at {n}" for n in (1024, 8192) if n in added) + " tokens")  # fmt: skip
+    if decode_comm_scale != 1.0:
+        added = [(decode_comm_scale - 1.0) * comm_ms(handle, 0, b) for b in batches]
+        profile = dataclasses.replace(profile, step_ms=tuple(round(ms + a, 4) for ms, a in zip(profile.step_ms, added)))
+        lines.append(f"decode steps' tensor-parallel communication x {decode_comm_scale:g} (--decode-comm-scale): "
+                     f"{added[0]:+.2f} ms a step of 1, {added[-1]:+.2f} of {batches[-1]}")  # fmt: skip
     return profile, lines
 
 
@@ -432,7 +448,7 @@ def engine_section(dep: Deployment, budget: Dict[str, float], limits: Tuple[int,
 
 
 def build(system: str, model: str, tp: int, precision: str, backend_version: Optional[str], path: str,
-          moe_prefill_scale: float = 1.0, kv_cache_dtype: str = "auto") -> str:
+          moe_prefill_scale: float = 1.0, kv_cache_dtype: str = "auto", decode_comm_scale: float = 1.0) -> str:
     """The profile file's text for the deployment (ProfileToolError: what the tables cannot serve)."""
     if tp not in (1, 2, 4, 8):
         raise ProfileToolError(f"--tp {tp}: the tables serve TP 1, 2, 4 or 8 (one node)")
@@ -440,7 +456,7 @@ def build(system: str, model: str, tp: int, precision: str, backend_version: Opt
     try:
         handle, dep = compile_engine(system, model, tp, precision, backend_version, scratch, kv_cache_dtype)
         limits = vllm_limits(system)
-        profile, fit_lines = tabulate(handle, limits[1], limits[0], moe_prefill_scale)
+        profile, fit_lines = tabulate(handle, limits[1], limits[0], moe_prefill_scale, decode_comm_scale)
         budget = memory_budget(system, resolve_model(model, scratch), tp, precision, limits[0], kv_cache_dtype)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -459,7 +475,8 @@ def build(system: str, model: str, tp: int, precision: str, backend_version: Opt
         f"written by: ./run.sh profile --system {system} --model {model} --tp {tp} --precision {precision}"
         + (f" --backend-version {backend_version}" if backend_version else "")
         + (f" --moe-prefill-scale {moe_prefill_scale:g}" if moe_prefill_scale != 1.0 else "")
-        + (f" --kv-cache-dtype {kv_cache_dtype}" if kv_cache_dtype != "auto" else "") + f" -o {path}",
+        + (f" --kv-cache-dtype {kv_cache_dtype}" if kv_cache_dtype != "auto" else "")
+        + (f" --decode-comm-scale {decode_comm_scale:g}" if decode_comm_scale != 1.0 else "") + f" -o {path}",
         "Serve as that deployment: ./run.sh serve --config THIS_FILE (docs/gpu-profiles.md)",
         *fit_lines,
     ]
@@ -469,6 +486,12 @@ def build(system: str, model: str, tp: int, precision: str, backend_version: Opt
     else:
         header.append("every table from this system's vLLM data")
     return format_profile(profile, header) + "\n" + "\n".join(engine_section(dep, budget, limits, path)) + "\n"
+
+
+def build_from(args: Any) -> str:
+    """The profile file's text for the parsed options of `./run.sh profile`."""
+    return build(args.system, args.model, args.tp, args.precision, args.backend_version, args.output, args.moe_prefill_scale,
+                 args.kv_cache_dtype, args.decode_comm_scale)
 
 
 def _dist_version() -> str:
@@ -499,6 +522,9 @@ GROUPS = (
             Option("--kv-cache-dtype", "the KV cache's element type, as vLLM's --kv-cache-dtype (auto: the precision's: "
                    "fp8 with fp8 and fp4 weights, else bf16): the attention's tables and the KV blocks' bytes",
                    default="auto", type=choice(("auto", *KV_CACHE_DTYPES))),  # fmt: skip
+            Option("--decode-comm-scale", "the decode steps' tensor-parallel communication (all-reduces, MoE dispatch) "
+                   "times this (1: the tables', as in every shipped profile; docs/gpu-profiles.md: why 2, chosen on H100, is not shipped)",
+                   default=1.0, type=float_in(0.1, 10.0)),  # fmt: skip
             Option("--output", "the profile file to write", default="profile.ini", type=nonempty, aliases=("-o",)),
         ),
     ),
@@ -534,8 +560,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.getLogger("aiconfigurator_core").setLevel(logging.WARNING)
     logging.getLogger("aiconfigurator_core").propagate = False
     try:
-        text = build(args.system, args.model, args.tp, args.precision, args.backend_version, args.output, args.moe_prefill_scale,
-                     args.kv_cache_dtype)
+        text = build_from(args)
     except ProfileToolError as exc:
         print(f"gmock-engine profile: {exc}", file=sys.stderr)
         return 2

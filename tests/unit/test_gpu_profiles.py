@@ -53,8 +53,7 @@ def test_a_shipped_profile_is_what_the_command_writes(name, tmp_path, monkeypatc
     monkeypatch.chdir(REPO)
     argv = _command(name)
     args = profile.parse_tool_config(profile.build_profile_parser(), profile.PROFILE_SECTION, argv, env={})
-    text = profile.build(args.system, args.model, args.tp, args.precision, args.backend_version, args.output, args.moe_prefill_scale,
-                         args.kv_cache_dtype)
+    text = profile.build_from(args)
     with open(args.output, encoding="utf-8") as f:
         assert f.read() == text, f"regenerate: ./run.sh profile {shlex.join(argv)}"
 
