@@ -178,10 +178,10 @@ def aic_agg(row: dict, key: Tuple[str, str, int, str]) -> Optional[Tuple[float, 
         from aiconfigurator_core.sdk.config_builders import build_model_config
         from aiconfigurator_core.sdk.models import get_model
 
-        from gmock_engine.tools.gpu_profile import PRECISIONS, resolve_model, table_versions
+        from gmock_engine.tools.gpu_profile import quant_modes, resolve_model, table_versions
 
         model, system, tp, precision = key
-        gemm, kv = PRECISIONS[precision]
+        gemm, kv = quant_modes(precision)
         config = build_model_config(tp, 1, 1, tp, 1, gemm_quant_mode=gemm, kvcache_quant_mode=kv, moe_quant_mode=gemm)
         aic_model = get_model(resolve_model(model, "/nonexistent"), config, "vllm")
         database = perf_database.get_database(system, "vllm", table_versions(system)[-1])

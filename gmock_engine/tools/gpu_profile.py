@@ -73,13 +73,13 @@ PRECISIONS = {"bf16": ("bfloat16", None), "native": (None, None), "fp8": ("fp8",
 KV_CACHE_DTYPES = {"bf16": "bfloat16", "fp8": "fp8"}
 
 
-def kv_quant(precision: str, kv_cache_dtype: str = "auto") -> Optional[str]:
-    """AIConfigurator's kv-cache quant mode for the deployment: the
-    precision's unless `kv_cache_dtype` names one (a deployment that keeps
-    a bf16 checkpoint's KV cache in fp8, as vLLM's `--kv-cache-dtype fp8`)."""
-    if kv_cache_dtype == "auto":
-        return PRECISIONS[precision][1]
-    return KV_CACHE_DTYPES[kv_cache_dtype]
+def quant_modes(precision: str, kv_cache_dtype: str = "auto") -> Tuple[Optional[str], Optional[str]]:
+    """AIConfigurator's gemm and kv-cache quant modes for the deployment: the
+    precision's, but the KV cache's as `kv_cache_dtype` names it (a deployment
+    that keeps a bf16 checkpoint's KV cache in fp8, as vLLM's
+    `--kv-cache-dtype fp8`)."""
+    gemm, kv = PRECISIONS[precision]
+    return gemm, (kv if kv_cache_dtype == "auto" else KV_CACHE_DTYPES[kv_cache_dtype])
 
 
 def kv_bytes(kv: Optional[str]) -> int:
@@ -220,8 +220,7 @@ def compile_engine(system: str, model: str, tp: int, precision: str, backend_ver
     if precision not in PRECISIONS:
         raise ProfileToolError(f"--precision {precision}: one of {', '.join(PRECISIONS)}")
     path = resolve_model(model, scratch)
-    gemm = PRECISIONS[precision][0]
-    kv = kv_quant(precision, kv_cache_dtype)
+    gemm, kv = quant_modes(precision, kv_cache_dtype)
     notes = _Fallbacks()
     root = logging.getLogger("aiconfigurator_core")
     root.addHandler(notes)
@@ -276,8 +275,7 @@ def memory_budget(system: str, model_path: str, tp: int, precision: str, batched
     from aiconfigurator_core.sdk.config_builders import build_model_config
     from aiconfigurator_core.sdk.models import get_model
 
-    gemm = PRECISIONS[precision][0]
-    kv = kv_quant(precision, kv_cache_dtype)
+    gemm, kv = quant_modes(precision, kv_cache_dtype)
     model = get_model(model_path, build_model_config(tp, 1, 1, tp, 1, gemm_quant_mode=gemm, kvcache_quant_mode=kv, moe_quant_mode=gemm), "vllm")
     weights = float(sum(op.get_weights() for op in model.context_ops))
     hidden = model._num_heads * model._head_size
