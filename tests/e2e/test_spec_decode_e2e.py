@@ -134,6 +134,8 @@ def test_streams_and_spec_decode_metrics(stack):
     assert abs(mean - EXPECTED_TOKENS_PER_STEP) < 0.2, f"mean tokens per step {mean:.3f} (expected {EXPECTED_TOKENS_PER_STEP:.3f})"
     # each chunk holds one step or (merged) several
     assert len(steps) <= engine_steps <= 1.05 * len(steps), (len(steps), engine_steps)
+    if engine_steps == len(steps):  # nothing merged: each chunk is one step, its drafts accepted ones
+        assert engine["per_pos"][0] == sum(1 for s in steps if s > 1)
     frontend: dict = {}
 
     def caught_up() -> bool:
