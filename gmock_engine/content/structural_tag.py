@@ -69,7 +69,7 @@ class _Writer:
             schema["x-guidance"] = dict(schema.get("x-guidance") or {}, **COMPACT)
             return self.rule("%json " + json.dumps(schema))
         if kind == "regex":
-            return self.rule("/" + str(node["pattern"]).replace("/", "\\/") + "/")
+            return self.rule("/" + ascii_digits(str(node["pattern"])).replace("/", "\\/") + "/")
         if kind == "any_text":
             _no_excludes(node, kind)
             most = node.get("max_chars")
@@ -107,6 +107,35 @@ class _Writer:
         end = tag["end"]
         ends = "(" + " | ".join(_literal(e) for e in end) + ")" if isinstance(end, list) else _literal(end)
         return f"({_literal(tag['begin'])} {self.format(tag['content'])} {ends})"
+
+
+def ascii_digits(pattern: str) -> str:
+    """`pattern` with `\\d` and `\\D` as ASCII digits: what xgrammar, vLLM's
+    default backend, and JSON Schema's regexes (ECMAScript) mean by them;
+    llguidance's `\\d` is any Unicode digit, so an answer could hold a Kawi
+    eight where the client's own check wants 0-9."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\" and i + 1 < len(pattern):
+            pair = pattern[i:i + 2]
+            if pair[1] in "dD":
+                ascii = "0-9" if pair[1] == "d" else None
+                if in_class:
+                    out.append(ascii if ascii else pair)  # [\D] stays: no ASCII-only form inside a class
+                else:
+                    out.append("[0-9]" if ascii else "[^0-9]")
+            else:
+                out.append(pair)
+            i += 2
+            continue
+        if char == "[" and not in_class:
+            in_class = True
+        elif char == "]" and in_class:
+            in_class = False
+        out.append(char)
+        i += 1
+    return "".join(out)
 
 
 def _no_excludes(node: Dict[str, Any], kind: str) -> None:

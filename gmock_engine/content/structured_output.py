@@ -204,35 +204,6 @@ class Answer:
     ended: bool
 
 
-def ascii_digits(pattern: str) -> str:
-    """`pattern` with `\\d` and `\\D` as ASCII digits: what xgrammar, vLLM's
-    default backend, and JSON Schema's regexes (ECMAScript) mean by them;
-    llguidance's `\\d` is any Unicode digit, so an answer could hold a Kawi
-    eight where the client's own check wants 0-9."""
-    out, i, in_class = [], 0, False
-    while i < len(pattern):
-        char = pattern[i]
-        if char == "\\" and i + 1 < len(pattern):
-            pair = pattern[i:i + 2]
-            if pair[1] in "dD":
-                ascii = "0-9" if pair[1] == "d" else None
-                if in_class:
-                    out.append(ascii if ascii else pair)  # [\D] stays: no ASCII-only form inside a class
-                else:
-                    out.append("[0-9]" if ascii else "[^0-9]")
-            else:
-                out.append(pair)
-            i += 2
-            continue
-        if char == "[" and not in_class:
-            in_class = True
-        elif char == "]" and in_class:
-            in_class = False
-        out.append(char)
-        i += 1
-    return "".join(out)
-
-
 def grammar_text(params: StructuredOutputsParams, limits: GrammarLimits = DEFAULT_LIMITS) -> str:
     """The llguidance grammar of a constraint, as vLLM's
     serialize_guidance_grammar makes it (compact JSON whitespace);
@@ -259,7 +230,7 @@ def grammar_text(params: StructuredOutputsParams, limits: GrammarLimits = DEFAUL
                 return llguidance.LLMatcher.grammar_from_lark(structural_tag.to_lark(tag))
             return _structural_tag(llguidance, tag, compact)
         if kind == "regex":
-            spec = ascii_digits(spec)
+            spec = structural_tag.ascii_digits(spec)
         return llguidance.grammar_from({"regex": "regex", "choice": "choice", "grammar": "grammar"}[kind], spec)
     except GrammarError:
         raise

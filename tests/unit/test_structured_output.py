@@ -11,7 +11,7 @@ import re
 import msgpack
 import pytest
 
-from gmock_engine.content import structured_output
+from gmock_engine.content import structural_tag, structured_output
 from gmock_engine.content.tokenizer import load_tokenizer
 from gmock_engine.tools import model_dir
 from gmock_engine.wire.eras import DEFAULT_PROTOCOL_VERSION, WIRE_LAYOUTS
@@ -444,4 +444,15 @@ def test_a_regex_digit_is_an_ascii_digit(tmp_path):
     texts = [tokenizer.decode(generator.generate(params("regex", r"\d{4}-\d{2}-\d{2}"), seed, 40, tokenizer.eos_token_id).token_ids[:-1])
              for seed in range(100)]
     assert all(re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", text) for text in texts), [t for t in texts if not re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", t)][:3]
-    assert structured_output.ascii_digits(r"[\d-]\D\\d") == r"[0-9-][^0-9]\\d"
+    # the same regex inside the structural tag vllm-rs sends with a reasoning parser (a think
+    # block first, then the regex: tests/data/frontend_constraints.json, rust-reasoning)
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "optional", "content": {"type": "sequence", "elements": [
+            {"type": "tag", "begin": "<think>", "content": {"type": "any_text", "excludes": [], "max_chars": None, "max_tokens": None},
+             "end": "</think>"}, {"type": "const_string", "value": "\n\n"}]}},
+        {"type": "regex", "pattern": r"\d{4}-\d{2}-\d{2}"}]}}  # fmt: skip
+    tagged = [tokenizer.decode(generator.generate(params("structural_tag", tag), seed, 400, tokenizer.eos_token_id).token_ids[:-1])
+              for seed in range(100)]
+    answers = [text.rsplit("</think>\n\n", 1)[-1] for text in tagged]
+    assert all(re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", a) for a in answers), [a for a in answers if not re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", a)][:3]
+    assert structural_tag.ascii_digits(r"[\d-]\D\\d") == r"[0-9-][^0-9]\\d"
