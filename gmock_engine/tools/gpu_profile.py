@@ -176,10 +176,6 @@ class Deployment:
     fallbacks: List[str] = field(default_factory=list)
 
 
-#: (system, version) -> the fallback notes of its tables' first load in this process.
-_FALLBACKS: Dict[Tuple[str, str], List[str]] = {}
-
-
 class _Fallbacks(logging.Handler):
     """Collects AIConfigurator's notes of tables filled from another
     system's, framework's or version's data (its perf database logs them)."""
@@ -221,6 +217,13 @@ def compile_engine(system: str, model: str, tp: int, precision: str, backend_ver
         raise ProfileToolError(f"--precision {precision}: one of {', '.join(PRECISIONS)}")
     path = resolve_model(model, scratch)
     gemm, kv = quant_modes(precision, kv_cache_dtype)
+    version = backend_version or (versions[-1] if versions else "?")
+    # the library loads a system's tables once per process and says which it filled from other
+    # data only then, and which it fills depends on the model that loaded them: a fresh load per
+    # profile, so that its header is the same whatever the process compiled before
+    from aiconfigurator_core.sdk import perf_database
+
+    perf_database.unload_database(system, "vllm", version)
     notes = _Fallbacks()
     root = logging.getLogger("aiconfigurator_core")
     root.addHandler(notes)
@@ -237,10 +240,7 @@ def compile_engine(system: str, model: str, tp: int, precision: str, backend_ver
         ) from None
     finally:
         root.removeHandler(notes)
-    version = backend_version or (versions[-1] if versions else "?")
-    # the library loads a system's tables once per process and says so only then
-    fallbacks = _FALLBACKS.setdefault((system, version), sorted({_short_fallback(n) for n in notes.notes}))
-    return handle, Deployment(system, model, tp, precision, version, fallbacks)
+    return handle, Deployment(system, model, tp, precision, version, sorted({_short_fallback(n) for n in notes.notes}))
 
 
 def vllm_limits(system: str) -> Tuple[int, int]:
@@ -286,11 +286,18 @@ def memory_budget(system: str, model_path: str, tp: int, precision: str, batched
 
     cfg = get_model_config_from_model_path(model_path)
     raw = cfg["raw_config"]
+    # a multimodal checkpoint (Kimi-K2.5, Qwen3-VL) keeps its language model's shape in text_config
+    raw = raw.get("text_config") or raw
     layers = int(raw.get("num_hidden_layers") or cfg.get("layers"))
-    heads = int(raw.get("num_attention_heads"))
-    kv_heads = int(raw.get("num_key_value_heads") or heads)
-    head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // heads)
-    kv_per_token = 2.0 * max(1, kv_heads // tp) * head_dim * layers * kv_bytes(kv)
+    if raw.get("kv_lora_rank"):
+        # MLA (DeepSeek V3, Kimi): one latent vector and its rotary key per token and layer,
+        # which every TP rank holds whole (vLLM's MLA cache)
+        kv_per_token = float((int(raw["kv_lora_rank"]) + int(raw["qk_rope_head_dim"])) * layers * kv_bytes(kv))
+    else:
+        heads = int(raw["num_attention_heads"])
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // heads)
+        kv_per_token = 2.0 * max(1, kv_heads // tp) * head_dim * layers * kv_bytes(kv)
     total = GPU_MEMORY_UTILIZATION * gpu_memory(system)
     return {
         "weights": weights,

@@ -67,3 +67,17 @@ def test_an_unknown_kv_cache_dtype_stops_naming_the_flag(tmp_path, capsys):
     out = tmp_path / "p.ini"
     assert gpu_profile.main([*GPT_OSS, "--kv-cache-dtype", "fp4", "-o", str(out)]) == 2
     assert "--kv-cache-dtype" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_an_mla_model_s_kv_cache_holds_its_latent_whole_on_every_rank(tmp_path, tp):
+    # Kimi-K2.5: a multimodal checkpoint whose language model (text_config) has MLA attention:
+    # 61 layers caching a 512-wide latent and a 64-wide rotary key per token, in fp8 with fp4
+    # weights: 61 x (512 + 64) x 1 byte = 34.3 KiB per token, and vLLM's MLA cache keeps it whole
+    # on every TP rank (the KV heads are not split)
+    argv = ["--system", "b200_sxm", "--model", "moonshotai/Kimi-K2.5", "--tp", str(tp), "--precision", "fp4"]
+    _, limits, text = _write(tmp_path, f"tp{tp}.ini", argv)
+    assert "at 34 KiB per token per rank" in text
+    kv_line = next(line for line in text.splitlines() if line.startswith("# KV cache "))
+    kv_gib = float(kv_line.split()[3])
+    assert int(limits["num-gpu-blocks"]) == pytest.approx(kv_gib * 2 ** 30 / (61 * 576 * 16), rel=0.01)
