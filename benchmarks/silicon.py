@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import configparser
 import csv
+import functools
 import logging
 import os
 import random
@@ -80,12 +81,35 @@ def profile_index(folder: str = PROFILES) -> Dict[Tuple[str, str, int, str], str
     return index
 
 
-def row_key(row: dict) -> Tuple[str, str, int, str]:
+def row_key(row: dict) -> Optional[Tuple[str, str, int, str]]:
+    """(model, system, TP, precision) of the profile that serves the row, or None for a
+    deployment no profile is: experts spread over the GPUs (expert parallel) or attention
+    data parallel, where a profile's engine is one TP group."""
+    if int(row["moe_ep_size"] or 1) > 1 or int(row["attention_dp_size"] or 1) > 1:
+        return None
     model = MODEL_ALIASES.get(row["model_path"], row["model_path"])
     precision = row["precision"] or "bf16"
-    if row["gemm_quant_mode"] == "nvfp4" and "gpt-oss" in model:
-        precision = "native"  # MXFP4 experts, the checkpoint's own (the rows say nvfp4 for any FP4)
+    if NATIVE_FAMILY.get(checkpoint_quant(model)) == precision:
+        precision = "native"  # the checkpoint's own format: gpt-oss's MXFP4, block-scaled fp8, Kimi's int4
     return model, row["system"], int(row["tp_size"]), precision
+
+
+#: a checkpoint's own quantization (AIConfigurator's `quant_algo` of its config) -> the
+#: precision a silicon row names it by (the rows say fp4 for MXFP4 too, fp8 for block-scaled fp8)
+NATIVE_FAMILY = {"mxfp4": "fp4", "fp8_block": "fp8", "fp8": "fp8", "compressed-tensors": "int4"}
+
+
+@functools.lru_cache(maxsize=None)
+def checkpoint_quant(model: str) -> Optional[str]:
+    """The quantization a model's checkpoint ships in (None: unquantized, or a model the library does not list)."""
+    from aiconfigurator_core.sdk.utils import get_model_config_from_model_path
+
+    from gmock_engine.tools.gpu_profile import ProfileToolError, resolve_model
+
+    try:
+        return get_model_config_from_model_path(resolve_model(model, "/nonexistent"))["raw_config"].get("quant_algo")
+    except ProfileToolError:
+        return None
 
 
 #: The random dataset's --random-range-ratio the rows' runs drew lengths with, chosen on the
@@ -218,7 +242,7 @@ def main(argv: Sequence[str]) -> int:
         # the silicon file repeats some runs under two sources (the same figures, to the last digit or two): each once
         measured = (key, row["isl"], row["osl"], row["batch_size"], round(float(row["silicon_ttft_ms"]), 6),
                     round(float(row["silicon_tpot_ms"]), 6))  # fmt: skip
-        if (key in index and (args.system is None or row["system"] == args.system) and int(row["batch_size"]) <= args.max_concurrency
+        if (key is not None and key in index and (args.system is None or row["system"] == args.system) and int(row["batch_size"]) <= args.max_concurrency
                 and (args.model is None or row["model_path"] == args.model) and measured not in seen):
             seen.add(measured)
             rows.append((key, row))
@@ -281,7 +305,7 @@ def summary_of(paths: Sequence[str]) -> str:
                 cells = [c.strip() for c in line.strip().strip("|").split("|")]
                 if len(cells) != 9 or not cells[0].endswith(".ini"):
                     continue
-                system = {"h100": "h100_sxm", "h200": "h200_sxm", "b200": "b200_sxm", "a100": "a100_sxm"}[cells[0].split("-")[0]]
+                system = {"h100": "h100_sxm", "h200": "h200_sxm", "b200": "b200_sxm", "b300": "b300_sxm", "a100": "a100_sxm"}[cells[0].split("-")[0]]
                 mock = [float(x.strip(" %")) for x in cells[5].split("/")]
                 aic = [float(x.strip(" %")) for x in cells[7].split("/")] if cells[7] != "-" else [None, None]
                 errors.setdefault(system, []).append((mock[0], mock[1], aic[0], aic[1]))
