@@ -20,8 +20,8 @@ emulated GPU whose step function is outside the fit's model family.
    reference's first run against the mock's, engine boundary),
    `compare-profile.md` / `compare-linear.md` (the client's figures and the
    frontend's histograms, fidelity.py compare), and `verdict.md`: both mocks
-   against the reference's mean at the client and the engine boundary,
-   with the pipeline's goals (GOALS).
+   against the reference's mean at the client, the engine boundary and in
+   the frontend's histograms, with the pipeline's goals (GOALS).
 """
 
 from __future__ import annotations
@@ -127,6 +127,9 @@ def tables(d: Path) -> None:
 GOALS = {"p50": 0.03, "p90": 0.03, "p99": 0.10, "req/s": 0.03}
 CLIENT = [(f"{m} {p}", f"{p}_{m.lower()}_ms", p) for m in ("TTFT", "ITL") for p in ("p50", "p90", "p99")] + \
     [("req/s", "request_throughput", "req/s")]  # fmt: skip
+#: The frontend's own histograms (/metrics: vllm:time_to_first_token_seconds,
+#: vllm:inter_token_latency_seconds), their percentiles read between buckets as Prometheus does.
+FRONTEND = [(f"/metrics {m} {p}", f"metrics_{m.lower()}_{p}_ms", p) for m in ("TTFT", "ITL") for p in ("p50", "p90", "p99")]
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -165,6 +168,11 @@ def verdict(d: Path) -> str:
         ref = [r[name]["throughput"] for r in bounds["reference"]]
         mocks = [_mean([r[name]["throughput"] for r in bounds[n]]) for n in ("mock-profile", "mock-linear")]
         rows.append(("engine", "req/s", ref, mocks, GOALS["req/s"]))
+        for label, key, goal in FRONTEND:
+            ref = [r["workloads"][name].get(key) for r in docs["reference"]["runs"]]
+            found = [[r["workloads"][name].get(key) for r in docs[n]["runs"]] for n in ("mock-profile", "mock-linear")]
+            if None not in ref and all(None not in values for values in found):
+                rows.append(("frontend", label, ref, [_mean(values) for values in found], GOALS[goal]))
         for where, label, ref, (profile, linear), goal in rows:
             centre = _mean(ref)
             spread = (max(ref) - min(ref)) / centre if len(ref) > 1 else 0.0
