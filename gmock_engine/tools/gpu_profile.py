@@ -58,33 +58,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from gmock_engine.config.loader import ENV_PREFIX, PROFILE_SECTION, ConfigError, ini_reader, new_parser, parse_tool_config
 from gmock_engine.timing.profile import StepProfile, format_profile
+from gmock_engine.tools.gpu_deployment import (
+    BLOCK_SIZE, GIB, GPU_MEMORY_UTILIZATION, KV_CACHE_DTYPES, PRECISIONS, checkpoint_modes, engine_section, gpu_memory, kv_bytes,
+    memory_budget, quant_modes, vllm_limits,
+)  # fmt: skip
 from gmock_engine.config.option import Group, Option, add_groups
 from gmock_engine.config.validators import choice, float_in, int_at_least, nonempty
 
-#: vLLM's default KV block size on CUDA, and the share of the GPU's memory it takes.
-BLOCK_SIZE = 16
-GPU_MEMORY_UTILIZATION = 0.9
-GIB = 1 << 30
-#: Precisions: gemm / kv-cache quant modes of AIConfigurator (None: the checkpoint's own, as
-#: its config.json says: bf16 for most, MXFP4 experts for gpt-oss).
-PRECISIONS = {"bf16": ("bfloat16", None), "native": (None, None), "fp8": ("fp8", "fp8"), "fp4": ("nvfp4", "fp8")}
-#: --kv-cache-dtype (vLLM's `--kv-cache-dtype`): AIConfigurator's kv-cache quant mode
-#: (auto: the precision's, as PRECISIONS says).
-KV_CACHE_DTYPES = {"bf16": "bfloat16", "fp8": "fp8"}
-
-
-def quant_modes(precision: str, kv_cache_dtype: str = "auto") -> Tuple[Optional[str], Optional[str]]:
-    """AIConfigurator's gemm and kv-cache quant modes for the deployment: the
-    precision's, but the KV cache's as `kv_cache_dtype` names it (a deployment
-    that keeps a bf16 checkpoint's KV cache in fp8, as vLLM's
-    `--kv-cache-dtype fp8`)."""
-    gemm, kv = PRECISIONS[precision]
-    return gemm, (kv if kv_cache_dtype == "auto" else KV_CACHE_DTYPES[kv_cache_dtype])
-
-
-def kv_bytes(kv: Optional[str]) -> int:
-    """Bytes of one cached K or V element in kv-cache quant mode `kv` (None: bf16)."""
-    return 1 if kv in ("fp8", "int8") else 2
 #: Where the tables stop asking: a context (per request) past the longest
 #: the fit uses for the decode slope, and the prefill positions.
 CONTEXTS = (128, 4096)
@@ -103,6 +83,11 @@ PREFILL_ONLY_WEIGHT = 0.25
 #: Mixed steps (decoding requests, prompt tokens: one prompt, the decodes
 #: holding as many each) the profile is checked against in its header, not fitted to.
 MIXED_CHECKS = ((8, 512), (32, 2048), (64, 1024), (128, 4096))
+
+
+#: --block-fp8-gemms: what prices the dense layers' GEMMs of a block-scaled fp8
+#: checkpoint (block_fp8_note says why there is a choice).
+BLOCK_FP8_GEMMS = ("tables", "per-tensor")
 
 
 class ProfileToolError(Exception):
@@ -174,6 +159,10 @@ class Deployment:
     precision: str
     backend_version: str
     fallbacks: List[str] = field(default_factory=list)
+    #: the dense layers' GEMMs as the checkpoint runs them (AIConfigurator's gemm quant mode)
+    dense_gemms: str = ""
+    #: how the block-scaled fp8 ones are priced (BLOCK_FP8_GEMMS)
+    block_fp8_gemms: str = "tables"
 
 
 class _Fallbacks(logging.Handler):
@@ -202,8 +191,10 @@ def _short_fallback(note: str) -> str:
 
 
 def compile_engine(system: str, model: str, tp: int, precision: str, backend_version: Optional[str], scratch: str,
-                   kv_cache_dtype: str = "auto"):
-    """AIConfigurator's compiled engine for the deployment, and the Deployment."""
+                   kv_cache_dtype: str = "auto", block_fp8_gemms: str = "tables"):
+    """AIConfigurator's compiled engine for the deployment, and the Deployment;
+    `block_fp8_gemms` (BLOCK_FP8_GEMMS): which tables price dense GEMMs in
+    block-scaled fp8."""
     engine = _aic()
     known = systems()
     if system not in known:
@@ -217,6 +208,16 @@ def compile_engine(system: str, model: str, tp: int, precision: str, backend_ver
         raise ProfileToolError(f"--precision {precision}: one of {', '.join(PRECISIONS)}")
     path = resolve_model(model, scratch)
     gemm, kv = quant_modes(precision, kv_cache_dtype)
+    modes = checkpoint_modes(path, tp, precision, kv_cache_dtype)
+    moe = gemm
+    if block_fp8_gemms not in BLOCK_FP8_GEMMS:
+        raise ProfileToolError(f"--block-fp8-gemms {block_fp8_gemms}: one of {', '.join(BLOCK_FP8_GEMMS)}")
+    if block_fp8_gemms == "per-tensor":
+        if modes["gemm"] != "fp8_block":
+            raise ProfileToolError(f"--block-fp8-gemms per-tensor: {model} at --precision {precision} runs its dense layers "
+                                   f"in {modes['gemm']}, not block-scaled fp8 (fp8_block)")  # fmt: skip
+        # the dense layers from the per-tensor fp8 tables, the experts as the checkpoint runs them
+        gemm, moe = "fp8", modes["moe"]
     version = backend_version or (versions[-1] if versions else "?")
     # the library loads a system's tables once per process and says which it filled from other
     # data only then, and which it fills depends on the model that loaded them: a fresh load per
@@ -230,7 +231,7 @@ def compile_engine(system: str, model: str, tp: int, precision: str, backend_ver
     try:
         handle = engine.EngineHandle.compile(
             path, system, "vllm", backend_version=backend_version, tp_size=tp, moe_tp_size=tp, gemm_quant_mode=gemm,
-            kvcache_quant_mode=kv, moe_quant_mode=gemm,
+            kvcache_quant_mode=kv, moe_quant_mode=moe,
         )  # fmt: skip
         handle.predict_decode_latency(1, 128)
     except (ValueError, KeyError, AssertionError, RuntimeError) as exc:
@@ -240,73 +241,37 @@ def compile_engine(system: str, model: str, tp: int, precision: str, backend_ver
         ) from None
     finally:
         root.removeHandler(notes)
-    return handle, Deployment(system, model, tp, precision, version, sorted({_short_fallback(n) for n in notes.notes}))
+    fallbacks = sorted({_short_fallback(n) for n in notes.notes})
+    return handle, Deployment(system, model, tp, precision, version, fallbacks, modes["gemm"], block_fp8_gemms)
 
 
-def vllm_limits(system: str) -> Tuple[int, int]:
-    """max_num_batched_tokens and max_num_seqs as vLLM's OpenAI server
-    defaults them on `system` (EngineArgs.get_batch_defaults): the larger
-    pair on a GPU of 70 GiB or more that is not an A100."""
-    memory = gpu_memory(system)
-    if memory >= 70 * GIB and not system.startswith("a100"):
-        return 8192, 1024
-    return 2048, 256
+def dense_gemm_ms(handle, decodes: int = 1, context: int = 128) -> Tuple[float, float]:
+    """The dense layers' GEMMs (AIConfigurator's `*_gemm` ops but the MoE
+    router's) in a decode step of `decodes` requests holding `context`
+    tokens each, and the whole step, ms."""
+    shared = handle.mixed_step_breakdown_per_op(0, decodes, context, 2)[0]
+    gemms = sum(op[1] for op in shared if op[0].endswith("_gemm") and "router" not in op[0])
+    return gemms, sum(op[1] for op in shared)
 
 
-def _system_spec(system: str) -> dict:
-    import aiconfigurator_core
-    import yaml
-
-    with open(os.path.join(os.path.dirname(aiconfigurator_core.__file__), "systems", f"{system}.yaml"), encoding="utf-8") as f:
-        return yaml.safe_load(f)
-
-
-def gpu_memory(system: str) -> int:
-    """The GPU's memory, bytes."""
-    return int(_system_spec(system)["gpu"]["mem_capacity"])
-
-
-def memory_budget(system: str, model_path: str, tp: int, precision: str, batched_tokens: int,
-                  kv_cache_dtype: str = "auto") -> Dict[str, float]:
-    """Bytes per TP rank: the weights, the activations of a step of
-    `batched_tokens`, the communication buffers, and the KV cache's share
-    (what vLLM's profiling run leaves of gpu_memory_utilization); and the KV
-    bytes per token per rank."""
-    from aiconfigurator_core.sdk.config_builders import build_model_config
-    from aiconfigurator_core.sdk.models import get_model
-
-    gemm, kv = quant_modes(precision, kv_cache_dtype)
-    model = get_model(model_path, build_model_config(tp, 1, 1, tp, 1, gemm_quant_mode=gemm, kvcache_quant_mode=kv, moe_quant_mode=gemm), "vllm")
-    weights = float(sum(op.get_weights() for op in model.context_ops))
-    hidden = model._num_heads * model._head_size
-    activations = 2.0 * batched_tokens * hidden * {1: 10, 2: 6, 4: 5}.get(min(tp, 8), 5)
-    spec = _system_spec(system)
-    nccl = float((spec.get("misc", {}).get("nccl_mem") or {}).get(tp, 0))
-    from aiconfigurator_core.sdk.utils import get_model_config_from_model_path
-
-    cfg = get_model_config_from_model_path(model_path)
-    raw = cfg["raw_config"]
-    # a multimodal checkpoint (Kimi-K2.5, Qwen3-VL) keeps its language model's shape in text_config
-    raw = raw.get("text_config") or raw
-    layers = int(raw.get("num_hidden_layers") or cfg.get("layers"))
-    if raw.get("kv_lora_rank"):
-        # MLA (DeepSeek V3, Kimi): one latent vector and its rotary key per token and layer,
-        # which every TP rank holds whole (vLLM's MLA cache)
-        kv_per_token = float((int(raw["kv_lora_rank"]) + int(raw["qk_rope_head_dim"])) * layers * kv_bytes(kv))
-    else:
-        heads = int(raw["num_attention_heads"])
-        kv_heads = int(raw.get("num_key_value_heads") or heads)
-        head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // heads)
-        kv_per_token = 2.0 * max(1, kv_heads // tp) * head_dim * layers * kv_bytes(kv)
-    total = GPU_MEMORY_UTILIZATION * gpu_memory(system)
-    return {
-        "weights": weights,
-        "activations": activations,
-        "comm": nccl,
-        "kv_cache": total - weights - activations - nccl,
-        "kv_per_token": kv_per_token,
-        "max_model_len": float(raw.get("max_position_embeddings") or 131072),
-    }
+def block_fp8_note(handle, dep: Deployment) -> List[str]:
+    """The header's lines on dense GEMMs in block-scaled fp8, which
+    AIConfigurator's vLLM collector times without CUDA graphs (its
+    collect_gemm.py: `use_cuda_graph=gemm_type != "fp8_block"`), so that
+    each entry holds its call's host time, flat over small shapes, while
+    every other table, and a GPU's decode step, runs under CUDA graphs."""
+    if dep.dense_gemms != "fp8_block" and dep.block_fp8_gemms == "tables":
+        return []
+    gemms, step = dense_gemm_ms(handle)
+    if dep.block_fp8_gemms == "per-tensor":
+        return [f"dense GEMMs (block-scaled fp8) priced with the per-tensor fp8 tables, timed under CUDA graphs "
+                f"(--block-fp8-gemms per-tensor): {gemms:.2f} ms of a decode step of 1 request ({step:.2f} ms)"]  # fmt: skip
+    return [
+        f"dense GEMMs in block-scaled fp8: {gemms:.2f} ms of a decode step of 1 request ({step:.2f} ms); AIConfigurator "
+        "times them without CUDA graphs,",
+        "  each with its call's host time, which a GPU's graphed decode step does not pay; --block-fp8-gemms per-tensor "
+        "prices them as per-tensor fp8 (docs/gpu-profiles.md)",
+    ]
 
 
 def monotone(step_ms: Sequence[float]) -> Tuple[float, ...]:
@@ -430,38 +395,18 @@ def tabulate(handle, max_num_seqs: int, max_num_batched_tokens: int, moe_prefill
     return profile, lines
 
 
-def engine_section(dep: Deployment, budget: Dict[str, float], limits: Tuple[int, int], path: str) -> List[str]:
-    """The [gmock_engine] lines: the deployment's limits and this profile."""
-    batched, seqs = limits
-    blocks = int(budget["kv_cache"] // (budget["kv_per_token"] * BLOCK_SIZE))
-    return [
-        "[gmock_engine]",
-        f"# {dep.system}: {gpu_memory(dep.system) / GIB:.0f} GiB x {GPU_MEMORY_UTILIZATION}; per TP rank: weights "
-        f"{budget['weights'] / GIB:.1f} GiB, activations of {batched} tokens {budget['activations'] / GIB:.2f} GiB, "
-        f"communication {budget['comm'] / GIB:.2f} GiB;",
-        f"# KV cache {budget['kv_cache'] / GIB:.1f} GiB at {budget['kv_per_token'] / 1024:.0f} KiB per token per rank",
-        f"num-gpu-blocks = {blocks}",
-        f"block-size = {BLOCK_SIZE}",
-        f"max-model-len = {int(budget['max_model_len'])}",
-        "# vLLM's OpenAI server defaults on this GPU",
-        f"max-num-batched-tokens = {batched}",
-        f"max-num-seqs = {seqs}",
-        "# vLLM's default on GPUs: a step is scheduled while the one before runs",
-        "async-scheduling = true",
-        f"latency-profile = {path}",
-    ]
-
-
 def build(system: str, model: str, tp: int, precision: str, backend_version: Optional[str], path: str,
-          moe_prefill_scale: float = 1.0, kv_cache_dtype: str = "auto", decode_comm_scale: float = 1.0) -> str:
+          moe_prefill_scale: float = 1.0, kv_cache_dtype: str = "auto", decode_comm_scale: float = 1.0,
+          block_fp8_gemms: str = "tables") -> str:
     """The profile file's text for the deployment (ProfileToolError: what the tables cannot serve)."""
     if tp not in (1, 2, 4, 8):
         raise ProfileToolError(f"--tp {tp}: the tables serve TP 1, 2, 4 or 8 (one node)")
     scratch = tempfile.mkdtemp(prefix="gmock-profile-")
     try:
-        handle, dep = compile_engine(system, model, tp, precision, backend_version, scratch, kv_cache_dtype)
+        handle, dep = compile_engine(system, model, tp, precision, backend_version, scratch, kv_cache_dtype, block_fp8_gemms)
         limits = vllm_limits(system)
         profile, fit_lines = tabulate(handle, limits[1], limits[0], moe_prefill_scale, decode_comm_scale)
+        fit_lines += block_fp8_note(handle, dep)
         budget = memory_budget(system, resolve_model(model, scratch), tp, precision, limits[0], kv_cache_dtype)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -481,7 +426,8 @@ def build(system: str, model: str, tp: int, precision: str, backend_version: Opt
         + (f" --backend-version {backend_version}" if backend_version else "")
         + (f" --moe-prefill-scale {moe_prefill_scale:g}" if moe_prefill_scale != 1.0 else "")
         + (f" --kv-cache-dtype {kv_cache_dtype}" if kv_cache_dtype != "auto" else "")
-        + (f" --decode-comm-scale {decode_comm_scale:g}" if decode_comm_scale != 1.0 else "") + f" -o {path}",
+        + (f" --decode-comm-scale {decode_comm_scale:g}" if decode_comm_scale != 1.0 else "")
+        + (f" --block-fp8-gemms {block_fp8_gemms}" if block_fp8_gemms != "tables" else "") + f" -o {path}",
         "Serve as that deployment: ./run.sh serve --config THIS_FILE (docs/gpu-profiles.md)",
         *fit_lines,
     ]
@@ -496,7 +442,7 @@ def build(system: str, model: str, tp: int, precision: str, backend_version: Opt
 def build_from(args: Any) -> str:
     """The profile file's text for the parsed options of `./run.sh profile`."""
     return build(args.system, args.model, args.tp, args.precision, args.backend_version, args.output, args.moe_prefill_scale,
-                 args.kv_cache_dtype, args.decode_comm_scale)
+                 args.kv_cache_dtype, args.decode_comm_scale, args.block_fp8_gemms)
 
 
 def _dist_version() -> str:
@@ -530,6 +476,9 @@ GROUPS = (
             Option("--decode-comm-scale", "the decode steps' tensor-parallel communication (all-reduces, MoE dispatch) "
                    "times this (1: the tables', as in every shipped profile; docs/gpu-profiles.md: why 2, chosen on H100, is not shipped)",
                    default=1.0, type=float_in(0.1, 10.0)),  # fmt: skip
+            Option("--block-fp8-gemms", "which tables price dense GEMMs in block-scaled fp8 (tables: their own, timed "
+                   "without CUDA graphs, as in every shipped profile; per-tensor: the per-tensor fp8 ones, timed under "
+                   "CUDA graphs; docs/gpu-profiles.md)", default="tables", type=choice(BLOCK_FP8_GEMMS)),  # fmt: skip
             Option("--output", "the profile file to write", default="profile.ini", type=nonempty, aliases=("-o",)),
         ),
     ),

@@ -72,6 +72,7 @@ PURE = [
     "tools.fit_coverage",
     "tools.calibrate_plan",
     "tools.calibrate",
+    "tools.gpu_deployment",
 ]
 
 #: The folders, bottom first (docs/architecture.md#folders): each imports only those before it.
