@@ -6,8 +6,9 @@ the same real Python frontend, judged at the engine boundary.
     .venv/bin/python benchmarks/scheduling_fidelity.py table DIR [--compact]
     .venv/bin/python benchmarks/scheduling_fidelity.py list
 
-No fit enters: both sides step by REFERENCE_PROFILE (the emulated GPU paces
-each forward to it; the mock reads it with `--latency-profile`), so what
+No fit enters: both sides step by one profile, REFERENCE_PROFILE or
+`--profile P.ini` (the emulated GPU paces each forward to it; the mock
+reads it with `--latency-profile`), so what
 differs is the scheduling: which requests a step holds, how many tokens of
 each, when a waiting request is admitted, preempted or served from the
 prefix cache. Both run with LIMITS (vLLM's flags on the reference, the
@@ -73,7 +74,12 @@ MOCK_LIMIT_ARGS = ["--max-num-seqs", str(LIMITS["max_num_seqs"]),
                    "--max-num-batched-tokens", str(LIMITS["max_num_batched_tokens"]),
                    # vLLM's BlockPool keeps one of its blocks as the null block; the mock's are all requests'
                    "--num-gpu-blocks", str(LIMITS["num_gpu_blocks"] - 1), "--prefix-caching",
-                   "--scheduling-policy", "priority", f"--latency-profile={REFERENCE_PROFILE}"]  # fmt: skip
+                   "--scheduling-policy", "priority"]  # fmt: skip
+
+
+def mock_limit_args(profile: str) -> List[str]:
+    """The mock's limits (MOCK_LIMIT_ARGS), timed by latency profile `profile`."""
+    return [*MOCK_LIMIT_ARGS, f"--latency-profile={profile}"]
 #: The frontend checks a request's priority against the policy too.
 FRONTEND_ARGS = ["--scheduling-policy", "priority"]
 #: The engine-boundary figures judged (engine_boundary.figures), and req/s.
@@ -181,10 +187,11 @@ def run_target(target: str, out: Path, trace: Path, workloads: Sequence[SchedWor
     fe = frontends.Frontends(venv=frontends.install_python(frontends.frontends_home(), say=_say),
                              vllm_rs=frontends.rust_path(frontends.frontends_home()))  # fmt: skip
     log_dir = Path(tempfile.mkdtemp(prefix="gmock-sched-"))
-    engine_args = REFERENCE_ARGS if target == "emulated" else [*MOCK_ARGS, *MOCK_LIMIT_ARGS]
-    stack = Stack(target, fe, model, log_dir, trace, REFERENCE_ARGS if target == "emulated" else MOCK_LIMIT_ARGS,
+    mock_args = mock_limit_args(options.profile)
+    engine_args = REFERENCE_ARGS if target == "emulated" else [*MOCK_ARGS, *mock_args]
+    stack = Stack(target, fe, model, log_dir, trace, REFERENCE_ARGS if target == "emulated" else mock_args,
                   FRONTEND_ARGS)  # fmt: skip
-    document: Dict[str, object] = {"target": target, "engine_args": engine_args, "limits": LIMITS,
+    document: Dict[str, object] = {"target": target, "engine_args": engine_args, "limits": LIMITS, "profile": options.profile,
                                    "trace": str(trace), "workloads": {}}  # fmt: skip
     try:
         stack.start()
@@ -367,7 +374,7 @@ def sitting(options: argparse.Namespace) -> int:
     d = Path(options.dir).resolve()
     d.mkdir(parents=True, exist_ok=True)
     workloads = select(options.set)
-    model = emulated_model_dir(d / "emulated-model", str(REFERENCE_PROFILE))
+    model = emulated_model_dir(d / "emulated-model", options.profile)
     (d / "uptime.txt").write_text(f"{time.strftime('%Y-%m-%d %H:%M:%S')} load {os.getloadavg()}\n")
     for i in range(1, options.repeat + 1):
         if options.mock_only and (d / f"reference{i}.json").exists():
@@ -395,6 +402,7 @@ def main(argv: Sequence[str]) -> int:
     s.add_argument("--no-mock", action="store_true", help="the reference runs only")
     s.add_argument("--mock-only", action="store_true", help="keep DIR's reference runs; run the mock (again)")
     s.add_argument("--seed", type=int, default=1, help="the bench's seed")
+    s.add_argument("--profile", default=str(REFERENCE_PROFILE), help="the latency profile both sides step by (default: %(default)s)")
     s.add_argument("--timeout", type=float, default=300.0, help="seconds per bench run")
     s.add_argument("--max-busy", type=float, default=0.3, help="wait before each workload until fewer cores are busy")
     s.add_argument("--max-wait", type=float, default=15.0, help="... but at most this many seconds")

@@ -266,6 +266,7 @@ TABLE: Dict[str, Row] = {
     ".venv/bin/python benchmarks/engine_boundary.py twin emulated.json mock.json": Listed(_EMULATED),
     # -- benchmarks/README.md#scheduling-fidelity -----------------------------------------------
     ".venv/bin/python benchmarks/scheduling_fidelity.py sitting --dir sched": Listed(_SCHED),
+    ".venv/bin/python benchmarks/scheduling_fidelity.py sitting --dir sched-slow --profile benchmarks/emulated_gpu/profiles/slow.ini": Listed(_SCHED),
     ".venv/bin/python benchmarks/scheduling_fidelity.py table sched": Listed(_SCHED),
     ".venv/bin/python benchmarks/scheduling_fidelity.py table sched --compact": Listed(_SCHED),
     ".venv/bin/python benchmarks/scheduling_fidelity.py list": Run("exits", expect=r"chunked_c2_1400_32"),

@@ -34,8 +34,8 @@ pytestmark = pytest.mark.solo
 
 
 def test_the_mock_with_the_references_profile_and_limits_queues_as_vllm(frontends, tmp_path):
-    options = argparse.Namespace(seed=1, timeout=300.0, max_busy=2.0, max_wait=0.0)
-    model = sf.emulated_model_dir(tmp_path / "emulated-model", str(sf.REFERENCE_PROFILE))
+    options = argparse.Namespace(seed=1, timeout=300.0, max_busy=2.0, max_wait=0.0, profile=str(sf.REFERENCE_PROFILE))
+    model = sf.emulated_model_dir(tmp_path / "emulated-model", options.profile)
     for target, name in (("emulated", "reference1"), ("mock", "mock")):
         sf.run_target(target, tmp_path / f"{name}.json", tmp_path / f"{name}.jsonl", [WORKLOAD], model, options)
     reference = sf.boundary(tmp_path / "reference1.json")[WORKLOAD.name]

@@ -2,6 +2,8 @@
 block_pool.py of 0.32) where the scheduling-fidelity sitting
 (benchmarks/scheduling_fidelity.py) found the mock apart from it."""
 
+import pytest
+
 from gmock_engine.timing.latency import LatencyModel
 from gmock_engine.wire.inputs import EngineCoreRequest
 from engine_steps import Clock, drive, engine_with
@@ -68,3 +70,19 @@ def test_a_step_late_by_less_than_its_time_keeps_the_cadence():
         starts.append(now)
         due = cadence_base(now, due, 0.012) + 0.012
     assert [round(b - a, 6) for a, b in zip(starts, starts[1:])] == [0.012] * 4
+
+
+def test_the_slow_profile_is_the_reference_times_three():
+    """benchmarks/emulated_gpu/profiles/slow.ini is what its header and the docs say:
+    reference.ini with every time three times as long, at every batch, chunk and context."""
+    import os
+
+    from gmock_engine.timing.profile import read_profile
+
+    here = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "emulated_gpu", "profiles")
+    slow, reference = (read_profile(os.path.join(here, name)) for name in ("slow.ini", "reference.ini"))
+    for batch in (1, 3, 8, 20, 128, 200):
+        for tokens, reqs in ((0, 0), (64, 1), (512, 2)):
+            for context in (0, 4096, 30000):
+                args = (batch, tokens, tokens * (128 + tokens / 2), context, reqs)
+                assert slow.predict_ms(*args) == pytest.approx(3 * reference.predict_ms(*args), rel=1e-9), args
