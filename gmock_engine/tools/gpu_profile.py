@@ -207,17 +207,9 @@ def compile_engine(system: str, model: str, tp: int, precision: str, backend_ver
     if precision not in PRECISIONS:
         raise ProfileToolError(f"--precision {precision}: one of {', '.join(PRECISIONS)}")
     path = resolve_model(model, scratch)
-    gemm, kv = quant_modes(precision, kv_cache_dtype)
-    modes = checkpoint_modes(path, tp, precision, kv_cache_dtype)
-    moe = gemm
     if block_fp8_gemms not in BLOCK_FP8_GEMMS:
         raise ProfileToolError(f"--block-fp8-gemms {block_fp8_gemms}: one of {', '.join(BLOCK_FP8_GEMMS)}")
-    if block_fp8_gemms == "per-tensor":
-        if modes["gemm"] != "fp8_block":
-            raise ProfileToolError(f"--block-fp8-gemms per-tensor: {model} at --precision {precision} runs its dense layers "
-                                   f"in {modes['gemm']}, not block-scaled fp8 (fp8_block)")  # fmt: skip
-        # the dense layers from the per-tensor fp8 tables, the experts as the checkpoint runs them
-        gemm, moe = "fp8", modes["moe"]
+    gemm, kv = quant_modes(precision, kv_cache_dtype)
     version = backend_version or (versions[-1] if versions else "?")
     # the library loads a system's tables once per process and says which it filled from other
     # data only then, and which it fills depends on the model that loaded them: a fresh load per
@@ -229,6 +221,15 @@ def compile_engine(system: str, model: str, tp: int, precision: str, backend_ver
     root = logging.getLogger("aiconfigurator_core")
     root.addHandler(notes)
     try:
+        # the model's own check comes first (e.g. block-fp8 experts that TP splits off their 128-wide blocks)
+        modes = checkpoint_modes(path, tp, precision, kv_cache_dtype)
+        moe = gemm
+        if block_fp8_gemms == "per-tensor":
+            if modes["gemm"] != "fp8_block":
+                raise ProfileToolError(f"--block-fp8-gemms per-tensor: {model} at --precision {precision} runs its dense "
+                                       f"layers in {modes['gemm']}, not block-scaled fp8 (fp8_block)")  # fmt: skip
+            # the dense layers from the per-tensor fp8 tables, the experts as the checkpoint runs them
+            gemm, moe = "fp8", modes["moe"]
         handle = engine.EngineHandle.compile(
             path, system, "vllm", backend_version=backend_version, tp_size=tp, moe_tp_size=tp, gemm_quant_mode=gemm,
             kvcache_quant_mode=kv, moe_quant_mode=moe,

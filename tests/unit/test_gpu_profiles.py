@@ -67,6 +67,8 @@ def test_a_shipped_profile_is_what_the_command_writes(name, tmp_path, monkeypatc
          r"--backend-version 0.1.0: h100_sxm has vLLM tables of 0.24.0 only"),
         (["--system", "h100_sxm", "--model", "meta-llama/Llama-3.1-8B", "--tp", "3"], r"--tp 3: the tables serve TP 1, 2, 4 or 8"),
         (["--system", "h100_sxm", "--model", "meta-llama/Llama-3.1-405B", "--tp", "1"], r"does not fit h100_sxm: weights .* try a larger --tp"),
+        (["--system", "h200_sxm", "--model", "MiniMaxAI/MiniMax-M2.5", "--tp", "8", "--precision", "native"],
+         r"the tables cannot serve MiniMaxAI/MiniMax-M2.5 on h200_sxm at TP 8, native: .*weight_block_size"),
         (["--model", "meta-llama/Llama-3.1-8B"], r"argument --system: required"),
         (["--system", "h100_sxm", "--model", "meta-llama/Llama-3.1-8B", "--precision", "int3"], r"argument --precision: .*int3"),
     ],
