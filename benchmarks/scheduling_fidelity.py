@@ -38,10 +38,12 @@ import contextlib
 import dataclasses
 import json
 import os
+import random
 import shutil
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -50,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engine_boundary  # noqa: E402
 import fidelity_stats as stats  # noqa: E402
 from fidelity_stack import (  # noqa: E402
+    MODEL_NAME,
     MOCK_ARGS,
     REFERENCE_PROFILE,
     Stack,
@@ -98,23 +101,98 @@ def _random(prompt: int, output: int) -> List[str]:
     return ["--dataset-name", "random", "--random-input-len", str(prompt), "--random-output-len", str(output)]
 
 
-def _priority(value: int) -> List[str]:
-    return ["--extra-body", json.dumps({"priority": value})]
+@dataclasses.dataclass(frozen=True)
+class Harnessed:
+    """A stream the harness sends itself, `delay` s after the workload
+    starts: `prompts` requests of `prompt_len` random token ids for
+    `output_len` tokens (ignore_eos) at `priority`, as a closed loop of
+    `concurrency` clients or Poisson arrivals at `rate` per second (seeded
+    offsets). A `vllm bench serve` starts hundreds of ms earlier or later
+    from one run to the next (the process imports vLLM, then sends a test
+    request), which moves all of its arrivals against another stream's
+    steps; these streams start within a few ms of when the harness says."""
+
+    name: str
+    prompts: int
+    prompt_len: int
+    output_len: int
+    priority: int
+    concurrency: Optional[int] = None
+    rate: Optional[float] = None
+    delay: float = 0.0
+    seed: int = 500
+
+    def offsets(self) -> List[float]:
+        """Poisson: seconds from the workload's start to each request (the first at `delay`)."""
+        rng, t, out = random.Random(self.seed), self.delay, []
+        for _ in range(self.prompts):
+            out.append(t)
+            t += rng.expovariate(self.rate or 1.0)
+        return out
+
+    def prompts_ids(self) -> List[List[int]]:
+        """Each request's prompt: random ids of the frontends' 32 000-token vocabulary."""
+        rng = random.Random(self.seed + 1)
+        return [[rng.randrange(1000, 31000) for _ in range(self.prompt_len)] for _ in range(self.prompts)]
+
+    def describe(self) -> str:
+        load = f"a closed loop of {self.concurrency}" if self.concurrency else f"Poisson {self.rate:g}/s"
+        return (f"(the harness, from {self.delay:g} s) {self.prompts} requests of {self.prompt_len}/{self.output_len} "
+                f"tokens, {load}, priority {self.priority}")
+
+
+def send_harnessed(stack: Stack, stream: Harnessed, t0: float, timeout: float) -> Dict[str, object]:
+    """`stream`'s requests to the frontend's /v1/completions, from `t0` + its delay
+    (time.monotonic()): a closed loop (each client sends its next request when its
+    last one ended) or at its Poisson offsets, a thread per client or request;
+    bench_figures-like counts (the figures judged are the engine boundary's)."""
+    prompts = stream.prompts_ids()
+
+    def send(i: int) -> bool:
+        body = {"model": MODEL_NAME, "prompt": prompts[i], "max_tokens": stream.output_len, "ignore_eos": True,
+                "priority": stream.priority}  # fmt: skip
+        request = urllib.request.Request(stack.base_url + "/v1/completions", json.dumps(body).encode(),
+                                         {"content-type": "application/json"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.status == 200 and bool(json.loads(response.read())["choices"])
+        except (OSError, ValueError, KeyError):
+            return False
+
+    def at(offset: float, i: int) -> bool:
+        delay = t0 + offset - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        return send(i)
+
+    done: List[bool] = []
+    if stream.concurrency:
+        taken = iter(range(stream.prompts))
+
+        def client(_: int) -> None:
+            time.sleep(max(0.0, t0 + stream.delay - time.monotonic()))
+            for i in taken:  # the iterator hands each index to one client (the GIL keeps next() whole)
+                done.append(send(i))
+
+        with concurrent.futures.ThreadPoolExecutor(stream.concurrency) as pool:
+            list(pool.map(client, range(stream.concurrency)))
+    else:
+        with concurrent.futures.ThreadPoolExecutor(stream.prompts) as pool:
+            done = list(pool.map(at, stream.offsets(), range(stream.prompts)))
+    return {"completed": sum(done), "failed": len(done) - sum(done), "duration": time.monotonic() - t0}
 
 
 @dataclasses.dataclass(frozen=True)
 class SchedWorkload:
-    """One or more `vllm bench serve` streams run at once; `priorities`:
-    judge the requests of each of these priorities apart too."""
+    """`vllm bench serve` streams, or streams the harness sends itself
+    (`harnessed`), run at once; `priorities`: judge the requests of each of
+    these priorities apart too."""
 
     name: str
     what: str
-    streams: Tuple[Workload, ...]
+    streams: Tuple[Workload, ...] = ()
     priorities: Tuple[int, ...] = ()
-    #: start the streams after the first once the frontend shows this many
-    #: requests running (its vllm:num_requests_running gauge): that they
-    #: meet a full batch must not depend on how fast each client starts
-    running_before: int = 0
+    harnessed: Tuple[Harnessed, ...] = ()
 
 
 def _one(name: str, what: str, prompts: int, dataset: List[str], **load: float) -> SchedWorkload:
@@ -135,11 +213,11 @@ WORKLOADS = [
     _one("poisson3_128_128", "Poisson arrivals, 3/s", 48, _random(128, 128), rate=3.0),
     _one("bursty3_128_128", "bursty arrivals (gamma, burstiness 0.2), 3/s", 48,
          [*_random(128, 128), "--burstiness", "0.2"], rate=3.0),
-    SchedWorkload("priority_c12+p3", "priority: a closed loop of 12 at priority 1, then (once 8 run) Poisson 3/s "
-                  "at priority 0, which ends first",
-                  (Workload("priority_low", "sched", 192, [*_random(64, 48), *_priority(1)], concurrency=12),
-                   Workload("priority_high", "sched", 12, [*_random(64, 48), *_priority(0)], rate=3.0, seed=500)),
-                  priorities=(0, 1), running_before=LIMITS["max_num_seqs"]),
+    SchedWorkload("priority_c12+p3", "priority: a closed loop of 12 at priority 1 and, 2 s after it starts, "
+                  "Poisson 3/s at priority 0, which ends first (both sent by the harness)",
+                  priorities=(0, 1),
+                  harnessed=(Harnessed("priority_low", 192, 64, 48, 1, concurrency=12),
+                             Harnessed("priority_high", 12, 64, 48, 0, rate=3.0, delay=2.0))),
 ]
 WARMUP = _one("warmup", "first-use allocations", 4, _random(64, 16), concurrency=1)
 
@@ -156,29 +234,18 @@ def select(spec: Optional[str]) -> List[SchedWorkload]:
 
 
 def run_streams(stack: Stack, workload: SchedWorkload, log_dir: Path, seed: int, timeout: float) -> Dict[str, object]:
-    """The workload's streams at once; its window and the bench's figures of each stream."""
+    """The workload's streams at once; its window and the figures of each stream."""
     load = os.getloadavg()
     t_start = time.time()
-    with concurrent.futures.ThreadPoolExecutor(len(workload.streams)) as pool:
-        futures = [pool.submit(bench, stack, workload.streams[0], log_dir, seed, timeout)]
-        if workload.running_before:
-            wait_running(stack, workload.running_before, futures[0], timeout)
-        futures += [pool.submit(bench, stack, w, log_dir, seed, timeout) for w in workload.streams[1:]]
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(len(workload.streams) + len(workload.harnessed)) as pool:
+        futures = [pool.submit(bench, stack, w, log_dir, seed, timeout) for w in workload.streams]
+        futures += [pool.submit(send_harnessed, stack, h, t0, timeout) for h in workload.harnessed]
         results = [f.result() for f in futures]
     t_end = time.time()
+    names = [w.name for w in workload.streams] + [h.name for h in workload.harnessed]
     return {"t_start": t_start, "t_end": t_end, "load_before": [round(x, 2) for x in load],
-            "streams": {w.name: stats.bench_figures(r) for w, r in zip(workload.streams, results)}}  # fmt: skip
-
-
-def wait_running(stack: Stack, count: int, first: "concurrent.futures.Future[object]", timeout: float) -> None:
-    """Until the frontend's /metrics shows `count` requests running (or the first stream ended)."""
-    deadline = time.monotonic() + timeout
-    while not first.done() and time.monotonic() < deadline:
-        running = [float(line.split()[-1]) for line in stack.metrics().splitlines()
-                   if line.startswith("vllm:num_requests_running")]  # fmt: skip
-        if running and sum(running) >= count:
-            return
-        time.sleep(0.05)
+            "streams": {name: stats.bench_figures(r) for name, r in zip(names, results)}}  # fmt: skip
 
 
 def run_target(target: str, out: Path, trace: Path, workloads: Sequence[SchedWorkload], model: Path,
@@ -420,6 +487,8 @@ def main(argv: Sequence[str]) -> int:
         print(f"{w.name:24} {w.what}")
         for stream in w.streams:
             print(f"    {' '.join(stream.bench_args())}")
+        for harnessed in w.harnessed:
+            print(f"    {harnessed.describe()}")
     return 0
 
 

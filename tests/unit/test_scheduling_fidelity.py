@@ -86,3 +86,96 @@ def test_the_slow_profile_is_the_reference_times_three():
             for context in (0, 4096, 30000):
                 args = (batch, tokens, tokens * (128 + tokens / 2), context, reqs)
                 assert slow.predict_ms(*args) == pytest.approx(3 * reference.predict_ms(*args), rel=1e-9), args
+
+
+def _sched_module():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    import scheduling_fidelity
+
+    return scheduling_fidelity
+
+
+class _Frontend:
+    """A fake frontend's /v1/completions: stamps each request's arrival and
+    counts those in flight (each answered after `hold` s)."""
+
+    def __init__(self, hold=0.0):
+        import http.server
+        import json
+        import threading
+        import time
+
+        self.seen, self.in_flight, self.most = [], 0, 0
+        lock, outer = threading.Lock(), self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - the handler's name
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                with lock:
+                    outer.seen.append((time.monotonic(), self.path, body))
+                    outer.in_flight += 1
+                    outer.most = max(outer.most, outer.in_flight)
+                time.sleep(hold)
+                with lock:
+                    outer.in_flight -= 1
+                data = json.dumps({"choices": [{"text": "x"}]}).encode()
+                self.send_response(200)
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+def test_the_harness_sends_a_poisson_stream_at_its_offsets_from_the_workload_s_start():
+    """The priority workload's priority-0 stream (scheduling_fidelity.Harnessed): the same
+    seeded offsets, from its delay on, and prompts in every run; each request POSTed to
+    the frontend's /v1/completions at its offset from the start the harness gives."""
+    import time
+
+    sf = _sched_module()
+    stream = sf.Harnessed("p0", 6, 16, 4, 0, rate=5.0, delay=0.3)
+    assert stream.offsets() == sf.Harnessed("p0", 6, 16, 4, 0, rate=5.0, delay=0.3).offsets() and stream.offsets()[0] == 0.3
+    assert stream.offsets() != sf.Harnessed("p0", 6, 16, 4, 0, rate=5.0, delay=0.3, seed=501).offsets()
+    assert all(b > a for a, b in zip(stream.offsets(), stream.offsets()[1:]))
+    assert all(len(p) == 16 and all(1000 <= t < 31000 for t in p) for p in stream.prompts_ids())
+    frontend = _Frontend()
+    try:
+        start = time.monotonic()
+        result = sf.send_harnessed(frontend, stream, start, timeout=10.0)
+    finally:
+        frontend.server.shutdown()
+    assert result["completed"] == 6 and result["failed"] == 0
+    by_prompt = {tuple(body["prompt"]): (t - start, path, body) for t, path, body in frontend.seen}
+    for offset, prompt in zip(stream.offsets(), stream.prompts_ids()):
+        at, path, body = by_prompt[tuple(prompt)]
+        assert path == "/v1/completions" and body["priority"] == 0 and body["ignore_eos"] and body["max_tokens"] == 4
+        assert offset - 0.005 <= at <= offset + 0.25, (offset, at)
+
+
+def test_the_harness_closed_loop_keeps_its_clients_busy_and_no_more():
+    """The priority-1 stream: `concurrency` clients from the delay on, each sending its
+    next request when its last one was answered: never more in flight, every prompt once."""
+    import time
+
+    sf = _sched_module()
+    stream = sf.Harnessed("p1", 12, 8, 4, 1, concurrency=3, delay=0.2)
+    frontend = _Frontend(hold=0.05)
+    try:
+        start = time.monotonic()
+        result = sf.send_harnessed(frontend, stream, start, timeout=10.0)
+    finally:
+        frontend.server.shutdown()
+    assert result["completed"] == 12 and result["failed"] == 0
+    assert frontend.most == 3
+    assert sorted(tuple(b["prompt"]) for _, _, b in frontend.seen) == sorted(tuple(p) for p in stream.prompts_ids())
+    assert min(t for t, _, _ in frontend.seen) - start >= 0.2 - 0.005
+    assert all(b["priority"] == 1 for _, _, b in frontend.seen)
