@@ -83,6 +83,8 @@ MOCK_LIMIT_ARGS = ["--max-num-seqs", str(LIMITS["max_num_seqs"]),
 def mock_limit_args(profile: str) -> List[str]:
     """The mock's limits (MOCK_LIMIT_ARGS), timed by latency profile `profile`."""
     return [*MOCK_LIMIT_ARGS, f"--latency-profile={profile}"]
+
+
 #: The frontend checks a request's priority against the policy too.
 FRONTEND_ARGS = ["--scheduling-policy", "priority"]
 #: The engine-boundary figures judged (engine_boundary.figures), and req/s.
