@@ -250,9 +250,7 @@ def dense_gemm_ms(handle, decodes: int = 1, context: int = 128) -> Tuple[float, 
     """The dense layers' GEMMs (AIConfigurator's `*_gemm` ops but the MoE
     router's) in a decode step of `decodes` requests holding `context`
     tokens each, and the whole step, ms."""
-    shared = handle.mixed_step_breakdown_per_op(0, decodes, context, 2)[0]
-    gemms = sum(op[1] for op in shared if op[0].endswith("_gemm") and "router" not in op[0])
-    return gemms, sum(op[1] for op in shared)
+    return ops_ms(handle, 0, decodes, context, lambda name: name.endswith("_gemm") and "router" not in name)
 
 
 def block_fp8_note(handle, dep: Deployment) -> List[str]:
@@ -289,19 +287,26 @@ def monotone(step_ms: Sequence[float]) -> Tuple[float, ...]:
     return tuple(round(v, 4) for v in out)
 
 
+def ops_ms(handle, prompt_tokens: int, decodes: int, isl: int, keep) -> Tuple[float, float]:
+    """The ops of a step (AIConfigurator's per-op breakdown of `prompt_tokens`
+    beside `decodes` requests, its prompts of `isl` tokens) whose name `keep`
+    accepts, and the whole step, ms."""
+    shared = handle.mixed_step_breakdown_per_op(prompt_tokens, decodes, isl, 2)[0]
+    return sum(op[1] for op in shared if keep(op[0])), sum(op[1] for op in shared)
+
+
 def moe_prefill_ms(handle, tokens: int) -> float:
     """The MoE layers' experts (AIConfigurator's `context_moe` op) in a
     prompt of `tokens`, ms; 0 for a model without them."""
-    shared = handle.mixed_step_breakdown_per_op(tokens, 0, tokens, 2)[0]
-    return sum(op[1] for op in shared if op[0] == "context_moe")
+    return ops_ms(handle, tokens, 0, tokens, lambda name: name == "context_moe")[0]
 
 
 def comm_ms(handle, prompt_tokens: int, decodes: int) -> float:
     """A step's tensor-parallel communication, ms: AIConfigurator's
     all-reduces (`*_ar`, `*_ar_N`) and a MoE layer's dispatch (`*_dispatch`),
     in a step of `prompt_tokens` and `decodes`; 0 at TP 1."""
-    shared = handle.mixed_step_breakdown_per_op(prompt_tokens, decodes, max(prompt_tokens, 1024), 2)[0]
-    return sum(op[1] for op in shared if re.search(r"_ar(_\d+)?$|_dispatch$", op[0]))
+    return ops_ms(handle, prompt_tokens, decodes, max(prompt_tokens, 1024),
+                  lambda name: re.search(r"_ar(_\d+)?$|_dispatch$", name) is not None)[0]
 
 
 def tabulate(handle, max_num_seqs: int, max_num_batched_tokens: int, moe_prefill_scale: float = 1.0,
