@@ -60,6 +60,40 @@ def table_points(steps: Sequence[Step]) -> Tuple[int, ...]:
         points.append(nxt)
 
 
+#: The tail point (with_tail): the table's points from this share of its
+#: largest batch up set the slope beyond it, when there are TAIL_POINTS.
+TAIL_FROM = 0.5
+TAIL_POINTS = 3
+
+
+def with_tail(knots: Sequence[int], step_ms: Sequence[float]) -> Tuple[Tuple[int, ...], Tuple[float, ...]]:
+    """The batch table `knots` -> `step_ms` with one more point, at twice its
+    largest batch, on the Theil-Sen line (the median of the slopes between
+    pairs of points, and the median intercept) through its points from
+    TAIL_FROM of that batch up (at least TAIL_POINTS of them; else the table
+    as it is). A profile extends its last segment beyond its last point
+    (StepProfile.batch_ms); between two neighbouring batch sizes of a fine
+    table that slope carries the noise of both into every larger batch the
+    engine runs (a Poisson load beyond the calibration's concurrency). A
+    median line is neither moved by one point's noise nor by a jump between
+    two sizes (a GPU kernel's tile) that a least-squares line would spread
+    over the whole tail. Never below the last point: a step does not get
+    shorter with more requests."""
+    xs = [(k, v) for k, v in zip(knots, step_ms) if k >= TAIL_FROM * knots[-1]]
+    if len(xs) < TAIL_POINTS:
+        return tuple(knots), tuple(step_ms)
+    slope = max(0.0, _median([(b - a) / (j - i) for n, (i, a) in enumerate(xs) for j, b in xs[n + 1 :]]))
+    intercept = _median([v - slope * k for k, v in xs])
+    last = knots[-1]
+    return (*knots, 2 * last), (*step_ms, max(step_ms[-1], intercept + slope * 2 * last))
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
+
+
 def _hats(knots: Sequence[int], batch: int) -> List[float]:
     """Weights of the table's points for `batch` (linear interpolation,
     extended beyond the ends as StepProfile.batch_ms does)."""
@@ -97,8 +131,7 @@ def _table(steps: Sequence[Step]) -> Model:
     return Model(
         lambda s: _hats(knots, s.batch) + _terms(s),
         lambda c: StepProfile(
-            batch=knots,
-            step_ms=tuple(c[:n]),
+            *with_tail(knots, c[:n]),
             prefill_ms_per_token=c[n],
             prefill_attention_ms=c[n + 1],
             prefill_ms_per_request=c[n + 2],
@@ -175,8 +208,7 @@ def _tables(batch_points: Callable[[Sequence[Step]], Tuple[int, ...]]) -> Callab
         return Model(
             lambda s: _hats(knots, s.batch) + _prefill_hats(pknots, s.prefill_tokens) + _terms(s)[1:],
             lambda c: StepProfile(
-                batch=knots,
-                step_ms=tuple(c[:n]),
+                *with_tail(knots, c[:n]),
                 prefill_tokens=pknots,
                 prefill_ms=tuple(c[n : n + m]),
                 prefill_attention_ms=c[n + m],

@@ -138,3 +138,35 @@ def test_the_report_says_a_calibration_sweep_lacks_nothing():
 def test_the_fit_report_holds_the_coverage_section():
     result = fitting.fit(synthetic_steps(prefills=False), max_num_batched_tokens=BUDGET)
     assert any(line.startswith("coverage: the trace lacks") for line in result.report), result.report
+
+
+def _sweep_top_sparse(seed, noise=0.01):
+    """Decode steps as a closed-loop sweep up to 16 concurrent records them:
+    few steps at 13-15 requests (the loop passes through them as it drains)."""
+    rng = random.Random(seed)
+    steps, t = [], 0.0
+    for _ in range(2):
+        for batch in range(1, 17):
+            context = batch * 200
+            for _ in range(8 if batch in (13, 14, 15) else 24):
+                ms = true_ms(batch, [], context) * (1.0 + rng.uniform(-noise, noise))
+                steps.append(Step(0, t, t + ms / 1000.0, batch, batch, 0, 0.0, context, False))
+                t += ms / 1000.0
+                context += batch
+    return steps
+
+
+def test_a_fine_table_extends_beyond_its_largest_batch_on_the_slope_of_its_upper_half():
+    """A load beyond the calibration's concurrency (Poisson arrivals that
+    queue up) runs batches larger than any the fit saw: the fine table's
+    last segment, between two neighbouring sizes, would carry their noise
+    into all of them (6 % off at 32 requests for one of these seeds), and
+    the jump above 8 requests must not steepen the tail either
+    (fit_models.with_tail)."""
+    profiles = [fitting.fit(_sweep_top_sparse(seed), model="fine+prefill").profile for seed in range(12)]
+    for seed, profile in enumerate(profiles):
+        for batch in (24, 32):
+            step = Step(0, 0.0, 0.0, batch, batch, 0, 0.0, 300 * batch, False)
+            truth = true_ms(batch, [], 300 * batch)
+            assert abs(predict(profile, step) - truth) / truth < 0.04, (seed, batch, predict(profile, step), truth)
+    assert all(profile.batch[-2:] == (16, 32) for profile in profiles)
