@@ -216,8 +216,8 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--max-busy", type=float, default=0.5, help="wait before each workload until fewer cores are busy")
     parser.add_argument("--max-wait", type=float, default=15.0, help="... but at most this many seconds")
     parser.add_argument("--skip-calibrate", action="store_true", help="reuse DIR's profile.ini")
-    parser.add_argument("--only", choices=("calibrate", "held", "reference", "tables"),
-                        help="one step only (reference: the held-out runs of the reference only)")
+    parser.add_argument("--only", choices=("calibrate", "held", "reference", "mocks", "tables"),
+                        help="one step only (reference, mocks: the held-out runs of the reference, of the two mocks)")
     options = parser.parse_args(argv)
     d = Path(options.dir).resolve()
     d.mkdir(parents=True, exist_ok=True)
@@ -231,6 +231,8 @@ def main(argv: Sequence[str]) -> int:
         held_out(d, step_ms, options.repeat, options, linear=linear)
     if options.only == "reference":
         held_out(d, step_ms, options.repeat, options, targets=("emulated",))
+    if options.only == "mocks":
+        held_out(d, step_ms, options.repeat, options, targets=("mock",), linear=linear)
     if options.only in (None, "tables"):
         tables(d)
     (d / "summary.json").write_text(json.dumps({"step_ms": step_ms, "linear": linear, "set": options.set}, indent=1))

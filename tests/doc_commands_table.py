@@ -274,6 +274,9 @@ TABLE: Dict[str, Row] = {
     ".venv/bin/python benchmarks/pipeline.py --dir pipeline":
         Listed("a measurement of 20 minutes (calibrate, fit, five stacks: docs/latency-profile.md#accuracy); "
                "tests/e2e/test_calibrate_e2e.py runs calibrate and the fit"),
+    ".venv/bin/python benchmarks/pipeline.py --dir pipeline-slow --time-scale 3":
+        Listed("a measurement of 45 minutes (docs/latency-profile.md#pipeline-fidelity); "
+               "tests/unit/test_pipeline_verdict.py checks what --time-scale does"),
     # -- docs/testing.md --------------------------------------------------------------------
     "./run.sh test -m \"not e2e\"": Listed("part of the suite CI runs (.ci/run)"),
     "./run.sh test tests/e2e -v": Listed("part of the suite CI runs (.ci/run)"),
