@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import List, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -59,7 +59,7 @@ BUDGET_ARG = f"--max-num-batched-tokens={BUDGET}"
 LINEAR = {"--itl-ms": 14.0, "--itl-ms-per-request": 0.5, "--prefill-ms-per-token": 0.020}
 
 
-def linear_flags(time_scale: float = 1.0) -> list:
+def linear_flags(time_scale: float = 1.0) -> List[str]:
     """LINEAR as the mock's flags, every time `time_scale` times as long (`--time-scale`)."""
     return [f"{flag}={value * time_scale:g}" for flag, value in LINEAR.items()]
 
@@ -71,6 +71,8 @@ def scaled_step(step_ms: str, time_scale: float = 1.0) -> str:
     and the client deliver a few ms early or late then lands in the same step
     in both runs (docs/latency-profile.md, "Steps three times as long")."""
     return step_ms if time_scale == 1.0 else f"{time_scale:g}*({step_ms})"
+
+
 #: The held-out workloads (fidelity.WORKLOADS names): none is a phase of calibrate's sweep.
 HELD = "poisson4_256_96,c16_128_256_held,c2_768_128,prefix_c4_256+128_128,c1_1024_64"
 

@@ -38,7 +38,12 @@ import e2e_harness as h
 from test_frontends import CHAT, COMPLETIONS, chat_body, check_stream, completion_body
 
 #: Paced (see test_frontends.ENGINE_ARGS); every process tells the frontend when it stops.
-ENGINE_ARGS = ["--itl-ms", "1", "--send-dead-on-exit"]
+#: 10 ms a token: a stream of 16-32 tokens then lasts until the last of the 64
+#: threads has sent its request, so all are in flight together and the
+#: frontend's balancer (the fewest waiting and running, ties to the lowest
+#: rank) spreads them over every rank; streams that end within a few ms
+#: leave every rank idle at each choice, and the lowest ranks take them.
+ENGINE_ARGS = ["--itl-ms", "10", "--send-dead-on-exit"]
 
 PY_TWO_PROCESSES = h.Topology("python", dp=8, api_servers=2, engine_processes=h.rank_slices(8, 2), label="2x4")
 RS_WORKERS = h.Topology("rust", dp=8, engine_processes=(("--engine-count", "8", "--processes", "2"),),
