@@ -229,12 +229,9 @@ def main(argv: Sequence[str]) -> int:
         code = calibrate(d, step_ms, options.scale, options.max_concurrency)
         if code:
             return code
-    if options.only in (None, "held"):
-        held_out(d, step_ms, options.repeat, options, linear=linear)
-    if options.only == "reference":
-        held_out(d, step_ms, options.repeat, options, targets=("emulated",))
-    if options.only == "mocks":
-        held_out(d, step_ms, options.repeat, options, targets=("mock",), linear=linear)
+    targets = {None: ("emulated", "mock"), "held": ("emulated", "mock"), "reference": ("emulated",), "mocks": ("mock",)}
+    if options.only in targets:
+        held_out(d, step_ms, options.repeat, options, targets=targets[options.only], linear=linear)
     if options.only in (None, "tables"):
         tables(d)
     (d / "summary.json").write_text(json.dumps({"step_ms": step_ms, "linear": linear, "set": options.set}, indent=1))

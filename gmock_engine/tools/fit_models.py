@@ -82,16 +82,10 @@ def with_tail(knots: Sequence[int], step_ms: Sequence[float]) -> Tuple[Tuple[int
     xs = [(k, v) for k, v in zip(knots, step_ms) if k >= TAIL_FROM * knots[-1]]
     if len(xs) < TAIL_POINTS:
         return tuple(knots), tuple(step_ms)
-    slope = max(0.0, _median([(b - a) / (j - i) for n, (i, a) in enumerate(xs) for j, b in xs[n + 1 :]]))
-    intercept = _median([v - slope * k for k, v in xs])
+    slope = max(0.0, quantile(sorted((b - a) / (j - i) for n, (i, a) in enumerate(xs) for j, b in xs[n + 1 :]), 0.5))
+    intercept = quantile(sorted(v - slope * k for k, v in xs), 0.5)
     last = knots[-1]
     return (*knots, 2 * last), (*step_ms, max(step_ms[-1], intercept + slope * 2 * last))
-
-
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
 
 
 def _hats(knots: Sequence[int], batch: int) -> List[float]:
